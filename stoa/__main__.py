@@ -1,0 +1,3 @@
+from stoa.cli import app
+
+app(prog_name="stoa")

@@ -1,0 +1,1 @@
+"""Backends: heavy frameworks live only in their own subpackage (mlx, torch, megatron)."""
