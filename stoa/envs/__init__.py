@@ -1,0 +1,49 @@
+"""Text environments, made by id through gymnasium's registry.
+
+Built-in ids (registered when ``stoa.envs`` is imported):
+
+- ``stoa/PaperSearchQA-v0``: PaperSearchQA questions, PubMed retrieval, Search-R1 protocol
+  (:class:`stoa.envs.papersearch.PaperSearchQAEnv`).
+- ``stoa/SyntheticSearch-v0``: the same protocol over a seeded synthetic corpus
+  (:class:`stoa.envs.synthetic.SyntheticSearchEnv`).
+
+A new task is a :class:`TextEnv` subclass registered with one call, from any package::
+
+    stoa.envs.register("mylab/Arithmetic-v0", entry_point="mylab.envs:ArithmeticEnv")
+    env = stoa.envs.make("mylab/Arithmetic-v0", split="test")
+    stoa.envs.check_env(env)
+
+See ``docs/environments.md`` and ``examples/custom_env.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium
+
+from stoa.envs.base import TextEnv, TextSpace
+from stoa.envs.check import EnvCheckError, check_env
+
+__all__ = ["TextEnv", "TextSpace", "make", "register", "check_env", "EnvCheckError", "BUILTIN_IDS"]
+
+BUILTIN_IDS = {
+    "stoa/PaperSearchQA-v0": "stoa.envs.papersearch:PaperSearchQAEnv",
+    "stoa/SyntheticSearch-v0": "stoa.envs.synthetic:SyntheticSearchEnv",
+}
+
+
+def register(id: str, entry_point: Any, **kwargs: Any) -> None:
+    """``gymnasium.register(id=id, entry_point=entry_point, **kwargs)``; ``entry_point`` is a class,
+    a factory, or a ``"module:attr"`` string. Re-registering an id replaces it."""
+    gymnasium.register(id=id, entry_point=entry_point, **kwargs)
+
+
+def make(id: str, **kwargs: Any) -> gymnasium.Env:
+    """``gymnasium.make(id, **kwargs)``; reach the environment itself with ``env.unwrapped``."""
+    return gymnasium.make(id, **kwargs)
+
+
+for _id, _entry in BUILTIN_IDS.items():
+    if _id not in gymnasium.registry:
+        register(_id, _entry)
