@@ -1,0 +1,167 @@
+"""Megatron learner checkpoints: one safetensors file per rank plus ``meta.json``, nothing pickled.
+
+Each rank writes ``rank{global_rank:05d}.safetensors`` with its parameters (``model/<name>``,
+Megatron stage-local names, the model's dtype), its optimizer state (CPU: ``opt/<name>/<field>``
+of ``torch.optim.AdamW``; CUDA: ``opt<k>/<name>/<field>`` of the distributed optimizer's
+float32 master slice and Adam moments for each parameter this data-parallel rank owns) and its
+RNG states. Rank 0 adds ``meta.json`` (model shape, parallel layout, step, version, config, the
+caller's ``extra``) and renames the directory into place, so a crash leaves no ``path`` or a
+complete one. All ranks must see one filesystem; a restore needs the same parallel layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import tensor_parallel
+from safetensors.torch import load_file, save_file
+
+from stoa.backends.learner import LearnerError
+
+if TYPE_CHECKING:
+    from .learner import MegatronLearner
+
+FORMAT = "stoa.megatron_learner.v1"
+_OPTIMIZER_FIELDS = ("lr", "betas", "eps", "weight_decay", "grad_clip", "schedule",
+                     "warmup_steps", "total_steps", "min_lr_ratio")
+
+
+def layout(ln: MegatronLearner) -> dict[str, Any]:
+    return {"tp": ln.tp, "pp": ln.pp, "dp": ln.dp, "world": dist.get_world_size(),
+            "attention": ln.attention, "dtype": str(ln.dtype), "cuda": ln._cuda}
+
+
+def _owned(opt, p) -> bool:
+    return p in getattr(opt, "model_param_group_index_map", {})
+
+
+def rank_tensors(ln: MegatronLearner) -> dict[str, torch.Tensor]:
+    named = dict(ln.model.named_parameters())
+    out = {f"model/{n}": p.detach().cpu().contiguous() for n, p in named.items()}
+    if ln._cuda:
+        for k, opt in enumerate(ln._chained()):
+            for name, p in named.items():
+                if _owned(opt, p):
+                    for field, v in opt._get_main_param_and_optimizer_states(p).items():
+                        out[f"opt{k}/{name}/{field}"] = v.detach().cpu().contiguous()
+        for name, state in tensor_parallel.get_cuda_rng_tracker().get_states().items():
+            out[f"rng/tracker/{name}"] = state.cpu()
+        out["rng/cuda"] = torch.cuda.get_rng_state(ln.device)
+    else:
+        names = {p: n for n, p in named.items()}
+        for p, state in ln._optimizer.state.items():
+            for field, v in state.items():
+                out[f"opt/{names[p]}/{field}"] = v.detach().cpu().contiguous()
+    out["rng/cpu"] = torch.get_rng_state()
+    return out
+
+
+def save(ln: MegatronLearner, path: Path, extra: dict[str, Any] | None) -> None:
+    try:
+        extra_json = json.loads(json.dumps(extra or {}, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise LearnerError(f"extra is not JSON-serializable: {e}") from None
+    if path.exists():  # every rank sees the same filesystem, so all raise or none does
+        raise LearnerError(f"checkpoint path {path} already exists")
+    rank = dist.get_rank()
+    tmp = path.parent / f".{path.name}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crashed save
+        tmp.mkdir(parents=True)
+    _barrier()
+    save_file(rank_tensors(ln), str(tmp / f"rank{rank:05d}.safetensors"))
+    _fsync(tmp / f"rank{rank:05d}.safetensors")
+    _barrier()
+    if rank == 0:
+        meta = {"format": FORMAT, "backend": "megatron", "arch": dataclasses.asdict(ln.arch), "layout": layout(ln),
+                "step": ln.step, "version": ln.version, "config": dataclasses.asdict(ln.config), "extra": extra_json}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
+        _fsync(tmp / "meta.json")
+        os.rename(tmp, path)
+        with contextlib.suppress(OSError):  # make the rename durable where the OS allows it
+            fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    _barrier()
+
+
+def load(ln: MegatronLearner, path: Path) -> dict[str, Any]:
+    rank_file = path / f"rank{dist.get_rank():05d}.safetensors"
+    if not (path / "meta.json").is_file() or not rank_file.is_file():
+        raise LearnerError(f"{path} is not a complete Megatron checkpoint for this rank")
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except ValueError as e:
+        raise LearnerError(f"{path}/meta.json is not JSON: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise LearnerError(f"{path} is not a {FORMAT} checkpoint")
+    if meta.get("arch") != dataclasses.asdict(ln.arch):
+        raise LearnerError(f"{path} holds another model")
+    if meta.get("layout") != layout(ln):
+        raise LearnerError(f"{path} was written with layout {meta.get('layout')}, this learner is {layout(ln)}")
+    step, version = meta.get("step"), meta.get("version")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (step, version)):
+        raise LearnerError(f"{path}: bad step/version {step!r}/{version!r}")
+    try:
+        fields = {f: meta["config"][f] for f in _OPTIMIZER_FIELDS}
+        fields["betas"] = tuple(fields["betas"])
+        config = dataclasses.replace(ln.config, **fields)
+    except (KeyError, TypeError, ValueError) as e:
+        raise LearnerError(f"{path}: bad optimizer config in meta.json: {e}") from None
+    saved = load_file(str(rank_file))
+    ln._load_local({k[6:]: v for k, v in saved.items() if k.startswith("model/")}, str(rank_file))
+    ln.config = config
+    ln._optimizer = ln._make_optimizer()
+    named = dict(ln.model.named_parameters())
+    if ln._cuda:
+        stepped = any(k.startswith("opt") and k.endswith("/exp_avg") for k in saved)
+        for k, opt in enumerate(ln._chained()):
+            if stepped and len(opt.optimizer.state) == 0:  # allocate Adam moments to copy into
+                opt._init_optimizer_states_with_dummy_values()
+            for name, p in named.items():
+                if _owned(opt, p):
+                    dst = opt._get_main_param_and_optimizer_states(p)
+                    try:
+                        src = {f: saved[f"opt{k}/{name}/{f}"].to(dst[f].device) for f in dst}
+                    except KeyError as e:
+                        raise LearnerError(f"{rank_file}: missing optimizer tensor {e}") from None
+                    opt._set_main_param_and_optimizer_states(p, src)
+        tracker = {k[len("rng/tracker/"):]: v for k, v in saved.items() if k.startswith("rng/tracker/")}
+        if tracker:
+            tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
+        torch.cuda.set_rng_state(saved["rng/cuda"], ln.device)
+    else:
+        index = {id(p): i for i, p in enumerate(p for g in ln._optimizer.param_groups for p in g["params"])}
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for key, v in saved.items():
+            if key.startswith("opt/"):
+                name, _, field = key[4:].rpartition("/")
+                if name not in named:
+                    raise LearnerError(f"{rank_file}: optimizer state for unknown parameter {name!r}")
+                state.setdefault(index[id(named[name])], {})[field] = v
+        sd = ln._optimizer.state_dict()
+        sd["state"] = state
+        ln._optimizer.load_state_dict(sd)
+    torch.set_rng_state(saved["rng/cpu"])
+    ln._step, ln._version = step, version
+    return meta.get("extra") or {}
+
+
+def _barrier() -> None:
+    if dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())

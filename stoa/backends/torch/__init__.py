@@ -1,0 +1,5 @@
+"""The torch learner backend (``make_learner("torch", ...)``): transformers models, packing, AdamW."""
+
+from stoa.backends.torch.learner import TorchLearner, make
+
+__all__ = ["TorchLearner", "make"]

@@ -1,0 +1,405 @@
+"""The torch learner on tiny real models (Qwen2 from stoa.models.tiny; Qwen3 and Llama saved by
+transformers): packing, temperature, loss masking, DPPO direction, checkpoints, export, MLX parity."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from stoa.backends.learner import Learner, LearnerConfig, LearnerError, make_learner
+from stoa.models.tiny import TinyConfig, build_tiny
+from stoa.types import Episode, Segment
+
+TINY = dict(vocab_size=400, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
+TEXTS = [f"protein P{i} binds receptor R{i % 7} in cell line C{i % 5}; <search> P{i} </search>" for i in range(200)]
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory) -> Path:
+    return build_tiny(tmp_path_factory.mktemp("qwen2"), TEXTS, TinyConfig(**TINY))
+
+
+@pytest.fixture(scope="module")
+def untied_dir(tmp_path_factory) -> Path:
+    return build_tiny(tmp_path_factory.mktemp("untied"), TEXTS, TinyConfig(**TINY, tie_word_embeddings=False, seed=1))
+
+
+def _hf_family_dir(root: Path, family: str) -> Path:
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    common = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    cfg = Qwen3Config(**common) if family == "qwen3" else LlamaConfig(**common)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(root)
+    return root
+
+
+def learner(path: Path, **kw) -> Learner:
+    return make_learner("torch", path, LearnerConfig(**{"lr": 1e-3, "micro_batch_tokens": 96, **kw}))
+
+
+def episodes(n: int, vocab: int, seed: int = 0, temperature: float | None = None) -> list[Episode]:
+    """Multi-turn episodes: prompt, then model turns with env (tool) output between them."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        segs = []
+        for turn in range(int(rng.integers(1, 4))):
+            k = int(rng.integers(1, 12))
+            segs.append(Segment("model", rng.integers(0, vocab, k), -rng.uniform(0.1, 6, k).astype(np.float32)))
+            if turn < 2 and rng.random() < 0.7:
+                segs.append(Segment("env", rng.integers(0, vocab, int(rng.integers(1, 20)))))
+        t = float(rng.choice([0.7, 1.0, 1.3])) if temperature is None else temperature
+        out.append(Episode(rng.integers(0, vocab, int(rng.integers(2, 16))), segs, reward=float(rng.random()),
+                           group_id=str(i // 4), sample_index=i % 4, temperature=t))
+    return out
+
+
+def direct_logprobs(model: torch.nn.Module, ep: Episode, temperature: float) -> np.ndarray:
+    """Reference: one unpacked forward of the HF model, float64 log-softmax."""
+    ids = torch.from_numpy(ep.tokens().astype(np.int64))[None]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].double() / temperature
+    lp = torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1:, None])[:, 0]
+    return np.concatenate([[0.0], lp.numpy()])
+
+
+# -- log-probs ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+def test_packed_logprobs_equal_unpacked(family, qwen2_dir, tmp_path):
+    path = qwen2_dir if family == "qwen2" else _hf_family_dir(tmp_path, family)
+    packed, padded = learner(path), learner(path, packing=False)
+    eps = episodes(24, packed.vocab_size, seed=1)
+    a, b = packed.logprobs(eps), padded.logprobs(eps)
+    assert [len(x) for x in a] == [len(e) for e in eps]
+    for ep, x, y in zip(eps, a, b):
+        ref = direct_logprobs(packed.model, ep, 1.0)
+        assert x.dtype == np.float32 and x[0] == 0.0 and np.all(x <= 0)
+        np.testing.assert_allclose(x, ref, rtol=1e-5, atol=2e-5)
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=2e-5)
+
+
+def test_packing_puts_several_episodes_in_a_row(qwen2_dir):
+    from stoa.backends.torch.packing import build_micro_batches
+
+    eps = episodes(24, 300, seed=1)
+    mbs = build_micro_batches([e.tokens() for e in eps], 96, packing=True)
+    assert len(mbs) < len(eps) and all(m.attention_mask is None for m in mbs)
+    assert sorted(p[0] for m in mbs for p in m.placements) == list(range(len(eps)))
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
+def test_logprobs_at_temperature_match_direct(temperature, qwen2_dir):
+    ln = learner(qwen2_dir)
+    eps = episodes(6, ln.vocab_size, seed=2)
+    for ep, x in zip(eps, ln.logprobs(eps, temperature=temperature)):
+        np.testing.assert_allclose(x, direct_logprobs(ln.model, ep, temperature), rtol=1e-5, atol=2e-5)
+    # None: each episode at its own sampling temperature.
+    for ep, x in zip(eps, ln.logprobs(eps, temperature=None)):
+        np.testing.assert_allclose(x, direct_logprobs(ln.model, ep, ep.temperature), rtol=1e-5, atol=2e-5)
+
+
+def test_chunked_log_softmax_matches_unchunked(qwen2_dir):
+    whole, chunked = learner(qwen2_dir), learner(qwen2_dir, logits_chunk_elements=3 * 400)
+    eps = episodes(8, whole.vocab_size, seed=3)
+    for x, y in zip(whole.logprobs(eps), chunked.logprobs(eps)):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
+    adv = np.linspace(-1, 1, len(eps))
+    _, g1 = whole.gradients(eps, adv)
+    _, g2 = chunked.gradients(eps, adv)
+    for n in g1:
+        torch.testing.assert_close(g1[n], g2[n], rtol=1e-5, atol=1e-7)
+
+
+def test_gradient_checkpointing_gives_the_same_gradient(qwen2_dir):
+    plain, ckpt = learner(qwen2_dir), learner(qwen2_dir, gradient_checkpointing=True)
+    eps = episodes(8, plain.vocab_size, seed=3)
+    adv = np.linspace(-1, 1, len(eps))
+    (m1, g1), (m2, g2) = plain.gradients(eps, adv), ckpt.gradients(eps, adv)
+    assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-6)
+    for n in g1:
+        torch.testing.assert_close(g1[n], g2[n], rtol=1e-5, atol=1e-8)
+
+
+# -- gradients ---------------------------------------------------------------------------------
+
+
+def test_only_model_tokens_reach_the_lm_head_in_training(qwen2_dir):
+    ln = learner(qwen2_dir)
+    eps = episodes(10, ln.vocab_size, seed=4)
+    rows = []
+    hook = ln.model.get_output_embeddings().register_forward_hook(lambda m, i, o: rows.append(o.shape[0]))
+    ln.train_step(eps, np.ones(len(eps)))
+    hook.remove()
+    assert sum(rows) == sum(e.num_model_tokens for e in eps) < sum(len(e) for e in eps)
+
+
+def test_gradient_matches_a_masked_reference_and_ignores_env_tokens(qwen2_dir):
+    """Learner gradient == autograd of DPPO over an unpacked forward with the loss mask; a
+    reference that also counts env tokens differs (the comparison is sensitive)."""
+    from stoa.algos import ObjectiveInputs, dppo
+
+    ln = learner(qwen2_dir)
+    eps = episodes(8, ln.vocab_size, seed=5)
+    adv = np.array([1.0, -0.5, 0.3, -1.2, 0.8, 0.0, -0.2, 0.6])
+    _, grads = ln.gradients(eps, adv)
+
+    def reference(mask_of) -> dict[str, torch.Tensor]:
+        ln.model.zero_grad(set_to_none=True)
+        width = max(len(e) for e in eps)
+        lp = torch.zeros(len(eps), width)
+        blp, advs, mask = (torch.zeros(len(eps), width) for _ in range(3))
+        for i, e in enumerate(eps):
+            ids = torch.from_numpy(e.tokens().astype(np.int64))[None]
+            logits = ln.model(input_ids=ids).logits[0] / e.temperature
+            tok = torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1:, None])[:, 0]
+            lp[i, 1 : len(e)] = tok
+            m = torch.from_numpy(mask_of(e).astype(np.float32))
+            mask[i, : len(e)] = m
+            blp[i, : len(e)] = torch.from_numpy(e.behavior_logprobs())
+            advs[i, : len(e)] = float(adv[i]) * m
+        dppo.loss(ObjectiveInputs(lp, blp, advs, mask), dppo.Config())[0].backward()
+        return {n: p.grad.clone() for n, p in ln.model.named_parameters()}
+
+    ref = reference(lambda e: e.loss_mask())
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref[n], rtol=1e-4, atol=1e-7)
+    leaky = reference(lambda e: np.arange(len(e)) > 0)
+    assert not torch.allclose(leaky["model.embed_tokens.weight"], grads["model.embed_tokens.weight"], rtol=1e-3)
+
+
+def test_trailing_env_tokens_change_nothing(qwen2_dir):
+    """Env tokens after the last model token: no loss term and no later context, so a step with
+    them replaced by other tokens gives bit-identical metrics and weights."""
+    vocab = learner(qwen2_dir).vocab_size
+    base = episodes(6, vocab, seed=6, temperature=1.0)
+    rng = np.random.default_rng(0)
+
+    def with_tail(tail_seed: int) -> list[Episode]:
+        r = np.random.default_rng(tail_seed)
+        return [Episode(e.prompt_tokens, [*e.segments, Segment("env", r.integers(0, vocab, 5))], e.reward,
+                        temperature=e.temperature) for e in base]
+
+    adv = rng.standard_normal(len(base))
+    results = []
+    for tail in (1, 2):
+        ln = learner(qwen2_dir, packing=False, micro_batch_tokens=1)
+        m = ln.train_step(with_tail(tail), adv)
+        results.append((m, ln.export_weights()))
+    (m1, w1), (m2, w2) = results
+    for k in m1:
+        if k not in ("seconds", "tokens_per_s"):
+            assert m1[k] == m2[k], k
+    assert all(np.array_equal(w1[n], w2[n]) for n in w1)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_micro_batching_does_not_change_the_gradient(aggregation, qwen2_dir):
+    from stoa.algos import dppo
+
+    cfg = dppo.Config(aggregation=aggregation)
+    eps = episodes(12, 300, seed=7)
+    adv = np.random.default_rng(1).standard_normal(len(eps))
+    one = learner(qwen2_dir, micro_batch_tokens=10_000)
+    many = learner(qwen2_dir, micro_batch_tokens=40)
+    padded = learner(qwen2_dir, micro_batch_tokens=40, packing=False)
+    m1, g1 = one.gradients(eps, adv, objective_config=cfg)
+    for other in (many, padded):
+        m2, g2 = other.gradients(eps, adv, objective_config=cfg)
+        assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5, abs=1e-8)
+        assert m2["gate/masked_frac"] == m1["gate/masked_frac"]
+        for n in g1:
+            torch.testing.assert_close(g2[n], g1[n], rtol=1e-4, atol=1e-8)
+
+
+def test_dppo_step_moves_log_probs_with_the_advantage(qwen2_dir):
+    """On-policy batch (behaviour = current log-probs): after steps, positive-advantage episodes
+    became likelier and negative ones less likely; the importance-sampled objective rose."""
+    ln = learner(qwen2_dir, lr=3e-3)
+    eps = episodes(16, ln.vocab_size, seed=8, temperature=1.0)
+    before = ln.logprobs(eps)
+    for e, lp in zip(eps, before):  # make the batch on-policy: behaviour log-probs = current ones
+        k = len(e.prompt_tokens)
+        for s in e.segments:
+            if s.kind == "model":
+                s.logprobs = lp[k : k + len(s.tokens)].copy()
+            k += len(s.tokens)
+    adv = np.where(np.arange(len(eps)) % 2 == 0, 1.0, -1.0)
+    metrics = [ln.train_step(eps, adv) for _ in range(3)]
+    after = ln.logprobs(eps)
+    delta = np.array([((a - b) * e.loss_mask()).sum() / e.num_model_tokens for e, a, b in zip(eps, after, before)])
+    assert delta[adv > 0].mean() > 0 > delta[adv < 0].mean()
+    surrogate = [np.mean([adv[i] * np.exp(after[i] - before[i])[e.loss_mask()].mean() for i, e in enumerate(eps)]),
+                 np.mean(adv)]
+    assert surrogate[0] > surrogate[1]
+    assert metrics[0]["gate/masked_frac"] == 0.0 and metrics[0]["ratio/mean"] == pytest.approx(1.0, abs=1e-5)
+    assert ln.step == 3 and ln.version == 3
+
+
+def test_sft_step_lowers_the_loss(qwen2_dir):
+    ln = learner(qwen2_dir, lr=3e-3)
+    eps = episodes(8, ln.vocab_size, seed=9, temperature=1.0)
+    lp = ln.logprobs(eps)
+    expected = -sum(float(x[e.loss_mask()].sum()) for e, x in zip(eps, lp)) / sum(e.num_model_tokens for e in eps)
+    losses = [ln.sft_step(eps)["loss"] for _ in range(4)]
+    assert losses[0] == pytest.approx(expected, rel=1e-5)
+    assert losses[-1] < losses[0]
+
+
+# -- schedule, validation ----------------------------------------------------------------------
+
+
+def test_lr_schedule_is_applied(qwen2_dir):
+    ln = learner(qwen2_dir, lr=1e-3, schedule="linear", warmup_steps=2, total_steps=6)
+    eps = episodes(4, ln.vocab_size, seed=10)
+    lrs = [ln.sft_step(eps)["lr"] for _ in range(7)]
+    assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 7.5e-4, 5e-4, 2.5e-4, 0.0])
+    ln.reset_optimizer(LearnerConfig(lr=2e-4, micro_batch_tokens=96))
+    assert ln.step == 0 and ln.version == 7 and ln.sft_step(eps)["lr"] == 2e-4
+
+
+def test_bad_batches_raise_clear_errors(qwen2_dir):
+    ln = learner(qwen2_dir)
+    assert isinstance(ln, Learner)  # the runtime-checkable protocol
+    eps = episodes(3, ln.vocab_size, seed=11)
+    with pytest.raises(LearnerError, match="empty batch"):
+        ln.train_step([], np.zeros(0))
+    with pytest.raises(LearnerError, match="advantages"):
+        ln.train_step(eps, np.zeros(2))
+    with pytest.raises(LearnerError, match="advantages"):
+        ln.train_step(eps, np.array([0.0, np.nan, 1.0]))
+    with pytest.raises(LearnerError, match="objective"):
+        ln.train_step(eps, np.zeros(3), objective="nope")
+    bad = Episode(np.array([1, ln.vocab_size]), [Segment("model", np.array([2]), np.array([-1.0]))], 0.0)
+    with pytest.raises(LearnerError, match="outside"):
+        ln.logprobs([bad])
+    with pytest.raises(LearnerError, match="unknown learner kind"):
+        make_learner("jax", qwen2_dir)  # type: ignore[arg-type]
+    assert ln.step == 0
+
+
+# -- weights and checkpoints -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["tied", "untied"])
+def test_export_weights_match_the_hf_folder(which, qwen2_dir, untied_dir):
+    import ml_dtypes
+    from safetensors.numpy import load_file
+
+    path = qwen2_dir if which == "tied" else untied_dir
+    ln = learner(path)
+    disk = load_file(str(path / "model.safetensors"))
+    w = ln.export_weights()
+    assert set(w) == set(disk) and ("lm_head.weight" in w) == (which == "untied")
+    for n in disk:
+        assert w[n].dtype == np.float32 and w[n].shape == disk[n].shape
+        np.testing.assert_array_equal(w[n], disk[n])
+    b = ln.export_weights("bfloat16")
+    assert all(v.dtype == ml_dtypes.bfloat16 and v.shape == disk[n].shape for n, v in b.items())
+    np.testing.assert_allclose(b["model.norm.weight"].astype(np.float32), disk["model.norm.weight"])
+    emb = b["model.embed_tokens.weight"].astype(np.float32)
+    ref = disk["model.embed_tokens.weight"]
+    assert np.abs(emb - ref).max() <= np.abs(ref).max() / 256  # bf16 keeps 8 significant bits
+
+
+def test_checkpoint_resumes_bit_exactly(qwen2_dir, tmp_path):
+    eps_a, eps_b = episodes(8, 300, seed=12), episodes(8, 300, seed=13)
+    adv = np.random.default_rng(2).standard_normal(8)
+    cfg = dict(lr=2e-3, schedule="cosine", warmup_steps=1, total_steps=10, weight_decay=0.1)
+
+    straight = learner(qwen2_dir, **cfg)
+    straight.train_step(eps_a, adv)
+    straight.sft_step(eps_a)
+    extra = {"consumed": ["batch-0001", "batch-0002"], "policy_version": 2}
+    straight.save_checkpoint(tmp_path / "ckpt", extra=extra)
+    expected = straight.train_step(eps_b, adv)
+
+    resumed = learner(qwen2_dir, **cfg)
+    assert resumed.load_checkpoint(tmp_path / "ckpt") == extra
+    assert (resumed.step, resumed.version) == (2, 2)
+    got = resumed.train_step(eps_b, adv)
+    for k in expected:
+        if k not in ("seconds", "tokens_per_s"):
+            assert got[k] == expected[k], k
+    w1, w2 = straight.export_weights(), resumed.export_weights()
+    assert all(np.array_equal(w1[n], w2[n]) for n in w1)
+    meta = json.loads((tmp_path / "ckpt" / "meta.json").read_text())
+    assert meta["extra"] == extra and meta["step"] == 2
+    assert not list(tmp_path.glob(".ckpt.tmp-*"))  # no temp dir left behind
+    with pytest.raises(LearnerError, match="exists"):
+        straight.save_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(LearnerError, match="JSON"):
+        straight.save_checkpoint(tmp_path / "ckpt2", extra={"x": object()})
+    assert not (tmp_path / "ckpt2").exists()
+
+
+def test_checkpoint_of_another_model_is_refused(qwen2_dir, untied_dir, tmp_path):
+    learner(untied_dir).save_checkpoint(tmp_path / "c")
+    with pytest.raises(LearnerError, match="another model"):
+        learner(qwen2_dir).load_checkpoint(tmp_path / "c")
+    (tmp_path / "c" / "rng.safetensors").unlink()
+    with pytest.raises(LearnerError, match="complete"):
+        learner(untied_dir).load_checkpoint(tmp_path / "c")
+
+
+# -- precision and devices ---------------------------------------------------------------------
+
+
+def test_bf16_autocast_path_on_cpu_runs_close_to_fp32(qwen2_dir):
+    """The CUDA compute dtype, exercised on CPU at a tiny size (bf16 is slow on this CPU)."""
+    fp32, bf16 = learner(qwen2_dir), learner(qwen2_dir, dtype="bfloat16")
+    eps = episodes(3, fp32.vocab_size, seed=14)
+    for x, y in zip(fp32.logprobs(eps), bf16.logprobs(eps)):
+        assert y.dtype == np.float32
+        np.testing.assert_allclose(y, x, atol=0.1)
+    m = bf16.train_step(eps, np.array([1.0, -1.0, 0.5]))
+    assert np.isfinite(m["loss"]) and m["grad_norm"] > 0
+    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_gpu_bf16_train_step_matches_cpu_direction(qwen2_dir):
+    gpu, cpu = learner(qwen2_dir, device="cuda"), learner(qwen2_dir, device="cpu")
+    eps = episodes(16, cpu.vocab_size, seed=15)
+    for x, y in zip(cpu.logprobs(eps), gpu.logprobs(eps)):
+        np.testing.assert_allclose(y, x, atol=0.1)
+    adv = np.random.default_rng(3).standard_normal(len(eps))
+    _, gc = cpu.gradients(eps, adv)
+    _, gg = gpu.gradients(eps, adv)
+    flat = lambda g: torch.cat([v.float().cpu().flatten() for v in g.values()])  # noqa: E731
+    assert torch.nn.functional.cosine_similarity(flat(gc), flat(gg), dim=0) > 0.99
+    assert np.isfinite(gpu.train_step(eps, adv)["loss"])
+
+
+# -- rollout-engine parity ---------------------------------------------------------------------
+
+
+def test_logprobs_match_the_mlx_engine_float32_recomputation(qwen2_dir, tmp_path):
+    """The rollout engine's weights (int8 state) dequantized into an HF folder: the learner and the
+    engine's float32 teacher-forced scoring agree on the same episodes."""
+    pytest.importorskip("mlx.core")
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from stoa.backends.engine import make_engine
+    from stoa.transport.quant import dequantize_state
+
+    engine = make_engine(qwen2_dir, "mlx", mode="dequantized")
+    weights = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in dequantize_state(engine.state).items()}
+    for f in qwen2_dir.iterdir():
+        if f.suffix == ".json":
+            shutil.copy(f, tmp_path / f.name)
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    ln = learner(tmp_path)
+    eps = episodes(10, ln.vocab_size, seed=16)
+    for x, y in zip(ln.logprobs(eps, temperature=None), engine.score(eps, temperature=None)):
+        assert x.shape == y.shape and y[0] == 0.0
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=2e-5)
