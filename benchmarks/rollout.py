@@ -1,0 +1,270 @@
+"""Rollout engine throughput: multi-turn search episodes, KV reuse, and mlx_lm.batch_generate.
+
+Two models: the tiny demo model (built offline with ``stoa.models.tiny`` on the synthetic
+corpus) and a ~100M-parameter random Qwen2 (same tokenizer; 12 layers, width 768). For each:
+
+* **multi-turn**: ``stoa/SyntheticSearch-v0`` episodes (G samples per prompt, several turns with
+  observations), with and without KV reuse across turns: episodes/hour, generated tokens/s,
+  prefill tokens and wall time; ``prefill_saved_fraction`` is the prefill avoided by reuse.
+* **single-turn vs mlx_lm**: the same chat prompts, one turn of up to N tokens at temperature 1,
+  through our engine and through ``mlx_lm.batch_generate`` (same weights and compute mode with
+  ``mlx_lm``'s own layers, same batch size, measured in the same run): the ratio of generated
+  tokens/s (``ratio_vs_mlx_lm_batch_generate``, the minimum over the models). Also timed:
+  ``batch_generate`` with ``return_logprobs=True``, and on our engine's model object (our CPU
+  fast ops included), which isolates the generation loop.
+* **modes**: int8 kernels (``quantized``) vs float32 compute from int8 codes (``dequantized``).
+* **mismatch**: per model token, int8 engine log-prob vs float32 torch (transformers) log-prob of
+  the same tokens: mean |delta|, and KL(mu || pi) by the k1 and k3 estimators.
+
+    python benchmarks/rollout.py [--quick] [--json out.json] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+# prompts x samples per prompt (multi-turn), max turn tokens, single-turn prompts and tokens,
+# batch, the other compute mode's single-turn prompts and tokens (0: skip), mismatch episodes,
+# best-of repeats of the single-turn comparison.
+SCALES = {
+    "quick": {"tiny": (8, 8, 16, 48, 32, 64, 4, 8, 8, 2), "qwen2-100m": (2, 1, 6, 4, 8, 4, 0, 0, 1, 1)},
+    "full": {"tiny": (32, 8, 16, 128, 64, 64, 16, 16, 16, 3), "qwen2-100m": (8, 4, 16, 16, 32, 16, 4, 8, 8, 3)},
+}
+
+
+def _reexec(threads: int) -> None:
+    """Restart with OpenBLAS preloaded and its thread count fixed (both are read at load time)."""
+    from stoa import _blas
+
+    env = _blas.preload_env()
+    env.update(OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    if any(os.environ.get(k) != env.get(k) for k in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS")):
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def build_models(root: Path, corpus) -> dict[str, Path]:
+    from stoa.envs.synthetic import generate, tokenizer_texts
+    from stoa.models.tiny import TinyConfig, build_tiny
+
+    texts = list(tokenizer_texts(generate(corpus)))
+    tiny = build_tiny(root / "tiny", texts, TinyConfig(vocab_size=2048, hidden_size=128, num_layers=4, num_heads=4,
+                                                       num_kv_heads=2, intermediate_size=512, init_std=0.05))
+    big = build_tiny(root / "qwen2-100m", texts, TinyConfig(vocab_size=2048, hidden_size=768, num_layers=12,
+                                                            num_heads=12, num_kv_heads=2, intermediate_size=3072))
+    return {"tiny": tiny, "qwen2-100m": big}
+
+
+def n_params(path: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "np") as f:
+        return sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys())
+
+
+def multi_turn(eng, make_env, prompts, g, turn_tokens, kv_reuse):
+    from dataclasses import replace
+
+    from stoa.backends.engine import RolloutRequest, SamplingConfig
+
+    eng.config = replace(eng.config, kv_reuse=kv_reuse)
+    s = SamplingConfig(max_turn_tokens=turn_tokens, max_episode_tokens=1024, seed=0)
+    eng.rollout(make_env, [RolloutRequest(0, "warm", 2)], s)
+    c0 = time.process_time()
+    eps = eng.rollout(make_env, [RolloutRequest(i, f"g{i}", g) for i in range(prompts)], s)
+    cpu = time.process_time() - c0
+    st = eng.last_stats()
+    return eps, {
+        "mode": eng.mode, "episodes": st.episodes, "wall_s": st.wall_s, "cpu_s": cpu,
+        "episodes_per_hour": st.episodes / st.wall_s * 3600, "gen_tokens_per_s": st.model_tokens / st.wall_s,
+        "model_tokens": st.model_tokens, "env_tokens": st.env_tokens, "prefill_tokens": st.prefill_tokens,
+        "prefill_saved_kv": st.prefill_saved_kv, "prefill_saved_shared": st.prefill_saved_shared,
+        "prefill_saved_fraction": st.prefill_saved_fraction, "mean_turns": st.turns / st.episodes,
+        "mean_episode_tokens": float(np.mean([len(e) for e in eps])),
+    }
+
+
+def _timed(fn) -> tuple[int, float, float]:
+    """(tokens, wall s, CPU s of this process) of one call."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    n = fn()
+    return n, time.perf_counter() - t0, time.process_time() - c0
+
+
+def single_turn(eng, make_env, prompts, max_tokens, batch, repeats, stock=None):
+    """Our engine (one turn, EOS or the cap ends it) vs mlx_lm.batch_generate, same prompts.
+
+    ``stock``: the same weights in the same compute mode with ``mlx_lm``'s own layers (what a user
+    of plain ``mlx_lm`` runs): the baseline. ``batch_generate`` also runs on our engine's model
+    object (isolating the generation loop) and with ``return_logprobs=True``. Runs alternate and
+    each side keeps its best of ``repeats``, so a burst of load from other processes does not
+    decide the ratio; CPU seconds are kept too."""
+    import gymnasium
+    from mlx_lm import batch_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from stoa.backends.engine import RolloutRequest, SamplingConfig
+
+    class OneTurn(gymnasium.Wrapper):
+        def step(self, action):
+            return "", 0.0, True, False, {"metrics": {}}
+
+    env = lambda: OneTurn(make_env())  # noqa: E731
+    s = SamplingConfig(max_turn_tokens=max_tokens, stop_strings=(), seed=1)
+    reqs = [RolloutRequest(i, f"p{i}", 1) for i in range(prompts)]
+    probe = make_env()
+    toks = [eng._prompt_tokens(probe.reset(options={"index": i})[0]) for i in range(prompts)]
+    kw = dict(max_tokens=max_tokens, sampler=make_sampler(temp=1.0), completion_batch_size=batch,
+              prefill_batch_size=batch)
+
+    def ours():
+        return sum(e.num_model_tokens for e in eng.rollout(env, reqs, s))
+
+    def theirs(model, **extra):
+        r = batch_generate(model, eng.tokenizer, toks, return_token_ids=True, **kw, **extra)
+        return sum(len(t) for t in r.token_ids)
+
+    compare = stock is not None
+    sides = {"ours": ours}
+    if compare:
+        sides |= {"mlx_lm": lambda: theirs(stock), "mlx_lm_same_model": lambda: theirs(eng._model),
+                  "mlx_lm_logprobs": lambda: theirs(stock, return_logprobs=True)}
+    for fn in sides.values():  # warm-up
+        fn()
+    best: dict[str, tuple[int, float, float]] = {}
+    for _ in range(repeats):
+        for key, fn in sides.items():
+            n, wall, cpu = _timed(fn)
+            if key not in best or n / wall > best[key][0] / best[key][1]:
+                best[key] = (n, wall, cpu)
+    out: dict = {"mode": eng.mode, "repeats": repeats}
+    for key, (n, wall, cpu) in best.items():
+        out |= {f"{key}_tokens": n, f"{key}_tokens_per_s": n / wall, f"{key}_tokens_per_cpu_s": n / cpu}
+    if compare:
+        out["ratio_vs_mlx_lm_batch_generate"] = out["ours_tokens_per_s"] / out["mlx_lm_tokens_per_s"]
+        out["ratio_vs_mlx_lm_batch_generate_cpu"] = out["ours_tokens_per_cpu_s"] / out["mlx_lm_tokens_per_cpu_s"]
+        out["ratio_vs_mlx_lm_with_logprobs"] = out["ours_tokens_per_s"] / out["mlx_lm_logprobs_tokens_per_s"]
+        out["ratio_vs_mlx_lm_same_model"] = out["ours_tokens_per_s"] / out["mlx_lm_same_model_tokens_per_s"]
+    return out
+
+
+def mismatch(path, eps, threads):
+    """int8 behaviour log-probs vs float32 torch on the same tokens."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    d = []
+    with torch.no_grad():
+        for ep in eps:
+            x = torch.tensor(ep.tokens()[None], dtype=torch.long)
+            logits = model(x).logits[0, :-1].float() / ep.temperature
+            lp = torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0].numpy()
+            m = ep.loss_mask()[1:]
+            d.append(ep.behavior_logprobs()[1:][m] - lp[m])
+    d = np.concatenate(d)
+    r = np.exp(-d)
+    return {"tokens": int(d.size), "mean_abs_dlogprob": float(np.abs(d).mean()),
+            "max_abs_dlogprob": float(np.abs(d).max()), "kl_k1": float(d.mean()),
+            "kl_k3": float((r - 1 - np.log(r)).mean())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small workloads (< 1 minute)")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--threads", type=int, default=2, help="BLAS / torch threads")
+    ap.add_argument("--skip-mismatch", action="store_true", help="do not load torch")
+    args = ap.parse_args()
+    _reexec(args.threads)
+    import stoa.envs
+    from stoa.envs.synthetic import SyntheticConfig
+
+    from stoa.backends.engine import EngineConfig
+    from stoa.backends.mlx import MLXEngine
+
+    scale = SCALES["quick" if args.quick else "full"]
+    corpus = SyntheticConfig(seed=0)
+    make_env = lambda: stoa.envs.make("stoa/SyntheticSearch-v0", config=corpus)  # noqa: E731
+    t_start = time.perf_counter()
+    results: dict = {"quick": args.quick, "threads": args.threads, "models": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        models = build_models(Path(tmp), corpus)
+        for name, path in models.items():
+            prompts, g, turn, st_prompts, st_tokens, batch, om_prompts, om_tokens, n_mismatch, repeats = scale[name]
+            res: dict = {"params": n_params(path), "batch": batch}
+            eng = MLXEngine.from_pretrained(path, config=EngineConfig(max_batch=batch))
+            res["fast_ops"] = eng.fast_ops
+            eps, res["multi_turn_kv_reuse"] = multi_turn(eng, make_env, prompts, g, turn, True)
+            _, res["multi_turn_no_reuse"] = multi_turn(eng, make_env, prompts, g, turn, False)
+            stock = MLXEngine.from_pretrained(path, mode=eng.mode, fast_ops=False)._model
+            res["single_turn"] = single_turn(eng, make_env, st_prompts, st_tokens, batch, repeats, stock)
+            del stock
+            if om_prompts:
+                other = "quantized" if eng.mode == "dequantized" else "dequantized"
+                del eng
+                eng = MLXEngine.from_pretrained(path, mode=other, config=EngineConfig(max_batch=batch))
+                res["single_turn_other_mode"] = single_turn(eng, make_env, om_prompts, om_tokens, batch, 1)
+            del eng
+            if not args.skip_mismatch:
+                res["mismatch"] = mismatch(path, eps[:n_mismatch], args.threads)
+            results["models"][name] = res
+            print(f"[rollout] {name} done at {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
+    ms = results["models"]
+    results["ratio_vs_mlx_lm_batch_generate"] = min(m["single_turn"]["ratio_vs_mlx_lm_batch_generate"]
+                                                    for m in ms.values())
+    results["prefill_saved_fraction"] = ms["tiny"]["multi_turn_kv_reuse"]["prefill_saved_fraction"]
+    results["wall_s"] = time.perf_counter() - t_start
+    print_table(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+
+
+def print_table(r: dict) -> None:
+    print(f"\nRollout engine ({'quick' if r['quick'] else 'full'}, {r['threads']} BLAS threads)")
+    print(f"{'model':<11} {'params':>7} {'what':<34} {'value':>12} {'baseline':>12} {'ratio':>7}")
+    for name, m in r["models"].items():
+        p = f"{m['params'] / 1e6:.1f}M"
+        a, b = m["multi_turn_kv_reuse"], m["multi_turn_no_reuse"]
+        st, om = m["single_turn"], m.get("single_turn_other_mode")
+        rows = [
+            (f"multi-turn episodes/hour ({a['mode']})", a["episodes_per_hour"], b["episodes_per_hour"], "no KV reuse"),
+            ("multi-turn generated tok/s", a["gen_tokens_per_s"], b["gen_tokens_per_s"], "no KV reuse"),
+            ("multi-turn prefill tokens", a["prefill_tokens"], b["prefill_tokens"], "no KV reuse"),
+            ("multi-turn wall s", a["wall_s"], b["wall_s"], "no KV reuse"),
+            ("single-turn tok/s vs batch_generate", st["ours_tokens_per_s"], st["mlx_lm_tokens_per_s"], "mlx_lm"),
+            ("  ... per CPU second", st["ours_tokens_per_cpu_s"], st["mlx_lm_tokens_per_cpu_s"], "mlx_lm"),
+            ("  ... vs batch_generate + logprobs", st["ours_tokens_per_s"], st["mlx_lm_logprobs_tokens_per_s"],
+             "mlx_lm"),
+            ("  ... vs batch_generate, our model", st["ours_tokens_per_s"], st["mlx_lm_same_model_tokens_per_s"],
+             "mlx_lm"),
+        ]
+        if om:
+            rows.append((f"single-turn tok/s {st['mode']} vs {om['mode']}", st["ours_tokens_per_s"],
+                         om["ours_tokens_per_s"], om["mode"]))
+        for what, v, base, _ in rows:
+            ratio = v / base if base else math.nan
+            print(f"{name:<11} {p:>7} {what:<34} {v:>12.1f} {base:>12.1f} {ratio:>7.2f}")
+        print(f"{name:<11} {p:>7} {'prefill saved by KV reuse':<34} {a['prefill_saved_fraction']:>12.3f}"
+              f" {'':>12} {'':>7}  (shared prompt prefill saved {a['prefill_saved_shared']} tokens)")
+        if "mismatch" in m:
+            mm = m["mismatch"]
+            print(f"{name:<11} {p:>7} {'int8 vs fp32 torch mean|dlogp|':<34} {mm['mean_abs_dlogprob']:>12.2e}"
+                  f"   KL k1 {mm['kl_k1']:.2e}, k3 {mm['kl_k3']:.2e}, max|d| {mm['max_abs_dlogprob']:.2e}"
+                  f" ({mm['tokens']} tokens)")
+    print(f"ratio_vs_mlx_lm_batch_generate (min over models) {r['ratio_vs_mlx_lm_batch_generate']:.2f}; "
+          f"prefill_saved_fraction (tiny) {r['prefill_saved_fraction']:.3f}; wall {r['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""The MLX rollout engine: an int8 policy, live PULSE deltas, batched multi-turn episodes.
+
+Conventions (cohorts, episode layout, log-probs, determinism) are those of
+:mod:`stoa.backends.engine`; the batching loop is :mod:`stoa.backends.mlx.rollout`; the two
+compute modes and the weight state are :mod:`stoa.backends.mlx.weights`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from stoa.backends.engine import (
+    EngineBusyError, EngineConfig, EngineError, RolloutRequest, RolloutStats, SamplingConfig,
+)
+from stoa.backends.mlx import fast
+from stoa.backends.mlx import weights as W
+from stoa.backends.mlx.rollout import Cohort
+from stoa.backends.mlx.sampling import HostSampler, device_sample
+from stoa.types import Episode
+
+MODES = ("auto", "quantized", "dequantized")
+
+
+def resolve_mode(mode: str) -> str:
+    """``auto``: MLX's int8 kernels on Metal; on CPUs, float32 compute (MLX's int8 matmul on x86
+    is 3-26x slower than float32 with OpenBLAS, see docs/rollout.md)."""
+    if mode not in MODES:
+        raise EngineError(f"mode={mode!r} must be one of {MODES}")
+    if mode == "auto":
+        return "quantized" if mx.metal.is_available() else "dequantized"
+    return mode
+
+
+class MLXEngine:
+    """A :class:`stoa.backends.engine.RolloutEngine` on MLX. Build with :meth:`from_pretrained`
+    or :meth:`from_state`; attributes and methods are documented on the protocol. Also:
+    ``config`` (an :class:`EngineConfig`, replaceable between cohorts), ``fast_ops`` (whether
+    :mod:`stoa.backends.mlx.fast` runs), ``eos_ids`` (token ids that end an episode)."""
+
+    def __init__(self, hf_dir: Path, model: Any, model_config: dict[str, Any], mode: str, version: int,
+                 config: EngineConfig, fast_ops: bool | None = None) -> None:
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
+        from mlx_lm.utils import load_tokenizer
+
+        if any(type(c) is not KVCache for c in make_prompt_cache(model)):
+            raise EngineError(f"{hf_dir}: the model needs sliding-window or recurrent caches, which the "
+                              "engine's batched full-attention cache does not implement")
+        self.hf_dir, self.config, self.version, self.worker_id = hf_dir, config, int(version), ""
+        self._model, self._mode = model, mode
+        self._stems = W.quantized_stems(model)
+        self._state = W.state_views(model)
+        if mode == "dequantized":
+            W.dequantize(model)
+        on_gpu = mx.metal.is_available()
+        self.fast_ops = fast.install(model) if (not on_gpu if fast_ops is None else fast_ops) else False
+        split = W.split_head(model)
+        self._body = split[0] if split else model
+        self._head = split[1] if split else None
+        self._tok = load_tokenizer(hf_dir, eos_token_ids=model_config.get("eos_token_id"))
+        self._hf = getattr(self._tok, "_tokenizer", self._tok)
+        self.eos_ids = frozenset(int(t) for t in self._tok.eos_token_ids)
+        self._vocab = int(model_config["vocab_size"])
+        self._host_sampler = HostSampler()
+        self._lock = threading.Lock()
+        self._stats = RolloutStats()
+        self._stop_cache: dict[tuple[str, ...], frozenset[int]] = {}
+        self._envs: tuple[Any, list[Any]] = (None, [])  # (factory, idle instances) kept across cohorts
+        self._piece_cache: list[str] | None = None
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, hf_dir: str | Path, mode: str = "auto", version: int = 0,
+                        config: EngineConfig = EngineConfig(), fast_ops: bool | None = None) -> MLXEngine:
+        """Load a float HF folder with ``mlx_lm`` (offline) and quantize it to int8 / group 64
+        exactly as ``mlx_lm`` does. ``fast_ops``: use :mod:`stoa.backends.mlx.fast` for Qwen2
+        models (None: on CPUs, where it is ~2x faster for small models)."""
+        mode = resolve_mode(mode)
+        model, cfg = W.load_model(hf_dir, with_weights=True)
+        W.quantize(model, cfg)
+        mx.eval(model.parameters())
+        return cls(Path(hf_dir), model, cfg, mode, version, config, fast_ops)
+
+    @classmethod
+    def from_state(cls, hf_dir: str | Path, state: dict[str, np.ndarray], version: int, mode: str = "auto",
+                   config: EngineConfig = EngineConfig(), fast_ops: bool | None = None) -> MLXEngine:
+        """Config and tokenizer from ``hf_dir`` (weights there, if any, are not read); weights from
+        a weight state (e.g. an anchor from the weight channel). The state is copied."""
+        mode = resolve_mode(mode)
+        model, cfg = W.load_model(hf_dir, with_weights=False)
+        W.quantize(model, cfg)
+        W.check_state(state, W.skeleton_layout(model), exact_dtypes=False)
+        W.load_state_into(model, state)
+        return cls(Path(hf_dir), model, cfg, mode, version, config, fast_ops)
+
+    # -- attributes -----------------------------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tok
+
+    @property
+    def state(self) -> dict[str, np.ndarray]:
+        return self._state
+
+    def last_stats(self) -> RolloutStats:
+        return self._stats
+
+    # -- weights --------------------------------------------------------------------------------
+    def _exclusive(self, what: str) -> None:
+        if not self._lock.acquire(blocking=False):
+            raise EngineBusyError(f"{what} while a rollout is running: weights change only between cohorts")
+
+    def load_state(self, version: int, state: dict[str, np.ndarray]) -> None:
+        self._exclusive("load_state")
+        try:
+            W.check_state(state, W.layout(self._state), exact_dtypes=True)
+            mx.synchronize()
+            for k, v in state.items():
+                np.copyto(self._state[k], v)
+            if self._mode == "dequantized":
+                W.rebuild_float(self._model, self._state, self._stems, list(self._state))
+            self.version = int(version)
+        finally:
+            self._lock.release()
+
+    def apply_delta(self, version: int, blob: bytes) -> list[str]:
+        from stoa.transport import pulse
+
+        self._exclusive("apply_delta")
+        try:
+            mx.synchronize()  # nothing may still be reading the buffers written below
+            changed = pulse.apply_delta_inplace(self._state, blob)
+            if changed and self._mode == "dequantized":
+                W.rebuild_float(self._model, self._state, self._stems, changed)
+            self.version = int(version)
+            return changed
+        finally:
+            self._lock.release()
+
+    def state_hash(self) -> str:
+        from stoa.transport import pulse
+
+        return pulse.state_hash(self._state)
+
+    # -- text -----------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Observation tokens: no BOS/EOS added, special-token strings not parsed as control tokens."""
+        return list(self._hf.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self._hf.decode(list(tokens), skip_special_tokens=False)
+
+    def _prompt_tokens(self, prompt: str) -> list[int]:
+        if not getattr(self._tok, "has_chat_template", True):
+            raise EngineError(f"{self.hf_dir} has no chat template; the engine needs one to build prompts")
+        ids = self._tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        return [int(t) for t in ids]
+
+    def _stop_candidates(self, stops: tuple[str, ...]) -> frozenset[int]:
+        """Tokens whose text holds the last character of a stop string: only after one of them can
+        a stop string complete, so only then is the turn decoded and searched."""
+        if stops not in self._stop_cache:
+            if any(not s[-1].isascii() for s in stops):  # a multi-byte char may span tokens
+                ids = frozenset(range(self._vocab))
+            else:
+                if self._piece_cache is None:
+                    n = len(self._hf)
+                    self._piece_cache = self._hf.batch_decode([[i] for i in range(n)], skip_special_tokens=False)
+                last = {s[-1] for s in stops}
+                ids = frozenset(i for i, p in enumerate(self._piece_cache) if any(c in p for c in last))
+            self._stop_cache[stops] = ids
+        return self._stop_cache[stops]
+
+    # -- generation -----------------------------------------------------------------------------
+    def _sample(self, logits: mx.array, u: np.ndarray, s: SamplingConfig) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens and behaviour log-probs for logits ``[B, V]`` (see :mod:`stoa.backends.mlx.sampling`)."""
+        where = self.config.sampler
+        if where == "device" or (where == "auto" and mx.metal.is_available()):
+            return device_sample(logits, u, s.temperature, s.top_k, s.top_p)
+        mx.eval(logits)
+        return self._host_sampler(np.array(logits, copy=False), u, s.temperature, s.top_k, s.top_p)
+
+    def rollout(self, make_env: Callable[[], Any], requests: Sequence[RolloutRequest],
+                sampling: SamplingConfig = SamplingConfig()) -> list[Episode]:
+        if not callable(make_env):
+            raise EngineError("make_env must be a zero-argument callable returning an environment")
+        for r in requests:
+            if not isinstance(r, RolloutRequest):
+                raise EngineError(f"requests must be RolloutRequest objects, got {type(r).__name__}")
+        if not isinstance(sampling, SamplingConfig):
+            raise EngineError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        self._exclusive("rollout")
+        try:
+            factory, idle = self._envs
+            cohort = Cohort(self, make_env, requests, sampling, idle if factory is make_env else [])
+            try:
+                return cohort.run()
+            finally:
+                self._stats = cohort.stats
+                self._envs = (make_env, cohort.free_envs)
+        finally:
+            self._lock.release()
+
+    def score(self, episodes: Sequence[Episode], temperature: float | None = None,
+              max_tokens: int = 8192) -> list[np.ndarray]:
+        """See the protocol. ``max_tokens`` bounds the tokens of one batched forward pass."""
+        if temperature is not None and not temperature > 0:
+            raise EngineError(f"temperature={temperature} must be > 0")
+        self._exclusive("score")
+        try:
+            return self._score(episodes, temperature, max_tokens)
+        finally:
+            self._lock.release()
+
+    def _score(self, episodes: Sequence[Episode], temperature: float | None, max_tokens: int) -> list[np.ndarray]:
+        batches: list[list[int]] = [[]]
+        for i in sorted(range(len(episodes)), key=lambda i: len(episodes[i])):  # similar lengths together
+            if batches[-1] and (len(batches[-1]) + 1) * len(episodes[i]) > max_tokens:
+                batches.append([])
+            batches[-1].append(i)
+        out: dict[int, np.ndarray] = {}
+        for b in batches:
+            if b:
+                out.update(zip(b, self._score_batch([episodes[i] for i in b], temperature)))
+        return [out[i] for i in range(len(episodes))]
+
+    def _score_batch(self, eps: Sequence[Episode], temperature: float | None) -> list[np.ndarray]:
+        toks = [ep.tokens() for ep in eps]
+        for t in toks:
+            if t.size and (t.min() < 0 or t.max() >= self._vocab):
+                raise EngineError(f"token id outside [0, {self._vocab})")
+        width = max(len(t) for t in toks)
+        x = np.zeros((len(toks), width), np.int32)
+        for r, t in enumerate(toks):
+            x[r, :len(t)] = t
+        inv_t = mx.array([1.0 / (temperature or ep.temperature) for ep in eps], dtype=mx.float32)[:, None, None]
+        xs = mx.array(x)
+        hidden = self._body(xs) if self._head is not None else None
+        full = self._model(xs) if hidden is None else None
+        chunk = max(1, (1 << 22) // (len(eps) * self._vocab))  # bound the float32 logits held at once
+        parts = []
+        for a in range(0, width - 1, chunk):
+            b = min(width - 1, a + chunk)
+            logits = self._head(hidden[:, a:b]) if hidden is not None else full[:, a:b]
+            z = logits.astype(mx.float32) * inv_t
+            logp = z - mx.logsumexp(z, axis=-1, keepdims=True)
+            parts.append(mx.take_along_axis(logp, xs[:, a + 1:b + 1, None], axis=-1)[..., 0])
+            mx.eval(parts[-1])
+        lp = np.array(mx.concatenate(parts, axis=1)) if parts else np.zeros((len(eps), 0), np.float32)
+        return [np.concatenate([[0.0], lp[r, :len(t) - 1]]).astype(np.float32) for r, t in enumerate(toks)]

@@ -1,0 +1,187 @@
+"""The MLX model and its weight state: int8 codes are the state of record in both compute modes.
+
+``quantized``: the model runs MLX's int8 kernels (``QuantizedLinear`` / ``QuantizedEmbedding``)
+and every state array is a numpy view of the model's own buffer, so an in-place PULSE apply is
+the whole update. ``dequantized``: the model runs float32 ``Linear`` / ``Embedding`` layers whose
+weights are ``mx.dequantize`` of the codes (cast to float32); the state keeps the codes, and a
+delta rebuilds only the float tensors it touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from stoa.backends.engine import EngineError
+
+GROUP_SIZE, BITS = 64, 8
+
+try:
+    import ml_dtypes
+
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+    BF16 = None
+
+_HEAD_TYPES = {"qwen2", "qwen3", "llama", "mistral"}
+
+
+def load_model(hf_dir: str | Path, with_weights: bool = True) -> tuple[nn.Module, dict[str, Any]]:
+    """The ``mlx_lm`` model of a local HF folder (its own weights, or an unevaluated skeleton)."""
+    from mlx_lm.utils import load_model as _load
+
+    path = Path(hf_dir)
+    if not (path / "config.json").is_file():
+        raise EngineError(f"{path} is not a Hugging Face model folder (no config.json)")
+    has_weights = any(path.glob("model*.safetensors"))
+    if with_weights and not has_weights:
+        raise EngineError(f"{path} holds no model*.safetensors weights")
+    # lazy: a skeleton's random init (or its files) is never computed before the state replaces it
+    return _load(path, lazy=True, strict=with_weights)
+
+
+def quantize(model: nn.Module, config: dict[str, Any]) -> None:
+    """int8, group 64, exactly ``mlx_lm``'s conversion (its own ``quantize_model``), in place."""
+    from mlx_lm.utils import quantize_model
+
+    if "quantization" in config or "quantization_config" in config:
+        raise EngineError("the model folder is already quantized; give the float checkpoint")
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints bits-per-weight
+        quantize_model(model, config, GROUP_SIZE, BITS)
+
+
+def dequantize(model: nn.Module) -> None:
+    """Replace the int8 layers with float32 ones holding ``mx.dequantize`` of their codes."""
+    from mlx_lm.utils import dequantize_model
+
+    dequantize_model(model)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+
+
+def quantized_stems(model: nn.Module) -> set[str]:
+    """Module paths whose weight is int8 codes (``X`` of ``X.weight``/``X.scales``/``X.biases``)."""
+    return {name for name, m in model.named_modules()
+            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+
+
+def to_numpy(a: mx.array) -> np.ndarray:
+    """A writeable numpy view sharing ``a``'s (evaluated) buffer; bfloat16 as ``ml_dtypes``."""
+    if a.dtype == mx.bfloat16:
+        return np.array(a.view(mx.uint16), copy=False).view(BF16)
+    return np.array(a, copy=False)
+
+
+def to_mx(a: np.ndarray) -> mx.array:
+    """An MLX copy of a numpy array (bfloat16 through its bits)."""
+    a = np.ascontiguousarray(a)
+    if BF16 is not None and a.dtype == BF16:
+        return mx.array(a.view(np.uint16)).view(mx.bfloat16)
+    return mx.array(a)
+
+
+def codes_to_mx(codes: np.ndarray) -> mx.array:
+    """uint8 codes ``(out, in)`` as MLX's packed uint32 words ``(out, in / 4)``."""
+    return mx.array(np.ascontiguousarray(codes).view(np.uint32))
+
+
+def state_views(model: nn.Module) -> dict[str, np.ndarray]:
+    """The weight state of a quantized model, as views of its buffers (codes viewed as bytes)."""
+    stems = quantized_stems(model)
+    params = tree_flatten(model.parameters())
+    mx.eval([a for _, a in params])
+    state = {}
+    for name, a in params:
+        v = to_numpy(a)
+        if name.endswith(".weight") and name[: -len(".weight")] in stems:
+            v = v.view(np.uint8)
+        state[name] = v
+    return state
+
+
+def layout(state: dict[str, np.ndarray]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    return {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+
+
+def check_state(state: dict[str, np.ndarray], expected: dict[str, tuple[tuple[int, ...], Any]],
+                exact_dtypes: bool) -> None:
+    """Raise :class:`EngineError` unless ``state`` has exactly the expected names and shapes
+    (and dtypes: exactly, or for float tensors any float dtype of the right kind)."""
+    if not isinstance(state, dict):
+        raise EngineError(f"a weight state is a dict of numpy arrays, got {type(state).__name__}")
+    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or extra:
+        more = lambda xs: "..." if len(xs) > 5 else ""  # noqa: E731
+        raise EngineError(f"weight state does not fit the model: missing {missing[:5]}{more(missing)}, "
+                          f"unexpected {extra[:5]}{more(extra)}")
+    floats = {np.dtype(np.float32), np.dtype(np.float16)} | ({BF16} if BF16 is not None else set())
+    for name, (shape, dtype) in expected.items():
+        a = state[name]
+        if not isinstance(a, np.ndarray):
+            raise EngineError(f"{name}: expected a numpy array, got {type(a).__name__}")
+        if tuple(a.shape) != shape:
+            raise EngineError(f"{name}: shape {tuple(a.shape)}, the model needs {shape}")
+        ok = a.dtype == dtype if exact_dtypes or dtype == np.uint8 else a.dtype in floats
+        if not ok:
+            raise EngineError(f"{name}: dtype {a.dtype}, the model needs {dtype}")
+
+
+def skeleton_layout(model: nn.Module) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """Names and shapes a state must have for this quantized model (dtypes of floats are free)."""
+    stems = quantized_stems(model)
+    out = {}
+    for name, a in tree_flatten(model.parameters()):
+        if name.endswith(".weight") and name[: -len(".weight")] in stems:
+            out[name] = ((*a.shape[:-1], a.shape[-1] * 4), np.dtype(np.uint8))
+        else:
+            out[name] = (tuple(a.shape), np.dtype(np.float32))
+    return out
+
+
+def load_state_into(model: nn.Module, state: dict[str, np.ndarray]) -> None:
+    """Give a quantized model the weights of ``state`` (fresh MLX copies)."""
+    stems = quantized_stems(model)
+    pairs = [(k, codes_to_mx(v) if k.endswith(".weight") and k[: -len(".weight")] in stems else to_mx(v))
+             for k, v in state.items()]
+    model.load_weights(pairs, strict=True)
+    mx.eval(model.parameters())
+
+
+def rebuild_float(model: nn.Module, state: dict[str, np.ndarray], stems: set[str], names: list[str]) -> int:
+    """Dequantized mode: recompute the float32 model tensors that depend on ``names``."""
+    targets: set[str] = set()
+    for n in names:
+        stem, _, leaf = n.rpartition(".")
+        targets.add(stem + ".weight" if stem in stems and leaf in ("weight", "scales", "biases") else n)
+    pairs = []
+    for t in sorted(targets):
+        stem = t[: -len(".weight")]
+        if t.endswith(".weight") and stem in stems:
+            w = mx.dequantize(codes_to_mx(state[t]), to_mx(state[stem + ".scales"]), to_mx(state[stem + ".biases"]),
+                              group_size=GROUP_SIZE, bits=BITS)
+        else:
+            w = to_mx(state[t])
+        pairs.append((t, w.astype(mx.float32)))
+    model.load_weights(pairs, strict=False)
+    mx.eval([w for _, w in pairs])
+    return len(pairs)
+
+
+def split_head(model: nn.Module):
+    """``(body, head)`` with ``model(x) == head(body(x))`` for the common decoder layouts, so
+    prefill and scoring skip the vocabulary projection where it is not needed; else None."""
+    inner, args = getattr(model, "model", None), getattr(model, "args", None)
+    if inner is None or args is None or getattr(model, "model_type", None) not in _HEAD_TYPES:
+        return None
+    if getattr(args, "tie_word_embeddings", False):
+        return inner, lambda h: inner.embed_tokens.as_linear(h)
+    if hasattr(model, "lm_head"):
+        return inner, lambda h: model.lm_head(h)
+    return None
