@@ -254,6 +254,15 @@ def test_oracle_episode_on_synthetic_env():
     assert env.step(answer)[1] == 1.0
 
 
+def test_oracle_query_ranks_the_asked_fact_first():
+    env = stoa.envs.make("stoa/SyntheticSearch-v0", split="test").unwrapped
+    for i in range(len(env)):
+        env.reset(options={"index": i})
+        search, answer = env.oracle_turns(i)
+        first_doc = env.step(search)[0].split("Doc 2(")[0]
+        assert env.questions[i].golden_answers[0] in first_doc, (i, search)
+
+
 def test_example_custom_env_registers_and_passes_check_env(capsys):
     runpy.run_path(str(ROOT / "examples" / "custom_env.py"), run_name="__main__")
     out = capsys.readouterr().out

@@ -150,6 +150,22 @@ class MLXEngine:
         finally:
             self._lock.release()
 
+    def update_inplace(self, write: Callable[[dict[str, np.ndarray]], tuple[int, Sequence[str]]]) -> list[str]:
+        """Change the live weights in place between cohorts: ``write(state) -> (version, changed names)``
+        writes into the state's arrays (e.g. a ``WeightSubscriber.sync(..., apply_inplace=True)``);
+        then whatever depends on the changed tensors is rebuilt. Returns the changed names."""
+        self._exclusive("update_inplace")
+        try:
+            mx.synchronize()  # nothing may still be reading the buffers written below
+            version, changed = write(self._state)
+            changed = list(changed)
+            if changed and self._mode == "dequantized":
+                W.rebuild_float(self._model, self._state, self._stems, changed)
+            self.version = int(version)
+            return changed
+        finally:
+            self._lock.release()
+
     def state_hash(self) -> str:
         from stoa.transport import pulse
 

@@ -1,0 +1,1 @@
+"""The fleet runtime: trainer and worker processes, the local launcher, metrics."""

@@ -1,0 +1,269 @@
+"""``stoa train CONFIG``: a whole fleet on one machine, with a live view.
+
+Everything lives under ``runs/<name>/``: the object store (a LocalStore in ``store/``), the run's
+signing key (``keys/``), the trainer's checkpoints, ``metrics.jsonl``, TensorBoard events, logs of
+every process, and at the end the plots and ``summary.md``. The trainer and each worker are
+separate processes that talk only through the store, exactly as on a real fleet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from stoa import _blas
+from stoa.fleet.config import RunConfig, load_config
+from stoa.fleet.metrics import read_metrics, write_plots
+from stoa.fleet.run import read_heartbeats
+from stoa.transport.store import LocalStore
+
+__all__ = ["train_local", "summarize"]
+
+
+def _spawn(args: list[str], log_path: Path, threads: int | None) -> subprocess.Popen:
+    env = _blas.preload_env()
+    env["STOA_NO_PRELOAD"] = "1"  # already preloaded; skip the re-exec
+    env["PYTHONUNBUFFERED"] = "1"
+    if threads:
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            env[var] = str(threads)
+    return subprocess.Popen([sys.executable, "-m", "stoa", *args], stdout=open(log_path, "ab"),
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def train_local(config_path: str | Path, overrides: dict[str, Any] | None = None, runs_root: str | Path = "runs",
+                resume: bool = False, workers: int | None = None, console: Any = None) -> dict[str, Any]:
+    """Run the trainer and ``fleet.workers`` workers locally until the run finishes; returns the summary."""
+    from rich.console import Console
+
+    from stoa.transport.chain import generate_private_key, load_private_key, save_keypair
+
+    console = console or Console()
+    cfg = load_config(config_path, overrides)
+    n_workers = cfg.fleet.workers if workers is None else workers
+    run_dir = Path(runs_root) / cfg.name
+    if run_dir.exists() and not resume:
+        old = run_dir.with_name(f"{cfg.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+        run_dir.rename(old)
+        console.print(f"[dim]moved the previous {run_dir} to {old}[/dim]")
+    (run_dir / "keys").mkdir(parents=True, exist_ok=True)
+    key_file = run_dir / "keys" / "run.key"
+    if not key_file.exists():
+        save_keypair(generate_private_key(), run_dir / "keys", "run")
+    public_hex = load_private_key(key_file).public_key().public_bytes_raw().hex()
+    store_dir = run_dir / "store"
+
+    console.print(f"[bold]stoa train[/bold] {cfg.name}: trainer + {n_workers} int8 worker(s), store {store_dir}")
+    trainer_args = ["trainer", str(config_path), "--store", str(store_dir), "--run-dir", str(run_dir),
+                    "--key", str(key_file)]
+    for k, v in (overrides or {}).items():
+        trainer_args += ["--set", f"{k}={json.dumps(v)}"]
+    if resume:
+        trainer_args.append("--resume")
+    procs = {"trainer": _spawn(trainer_args, run_dir / "trainer.log", None)}
+    for i in range(n_workers):
+        wid = f"worker-{i}"
+        procs[wid] = _spawn(["worker", "--store", str(store_dir), "--run", cfg.name, "--public-key", public_hex,
+                             "--id", wid, "--cache", str(run_dir / "cache" / wid)],
+                            run_dir / f"{wid}.log", cfg.fleet.worker_threads)
+    t0 = time.time()
+    try:
+        _watch(cfg, run_dir, LocalStore(store_dir), procs, console, t0)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: stopping the fleet (resume with --resume)[/yellow]")
+        raise
+    finally:
+        for name, p in procs.items():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.time() + 30
+        for p in procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+    code = procs["trainer"].returncode
+    if code != 0:
+        tail = (run_dir / "trainer.log").read_text(errors="replace").splitlines()[-25:]
+        console.print("[red]the trainer failed:[/red]\n" + "\n".join(tail))
+        raise SystemExit(code or 1)
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    plots = write_plots(rows, run_dir / "plots")
+    summary = summarize(rows, wall_s=time.time() - t0, workers=n_workers)
+    summary["plots"] = [str(p) for p in plots]
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (run_dir / "summary.md").write_text(_summary_md(cfg, summary))
+    console.print(_summary_md(cfg, summary))
+    return summary
+
+
+def summarize(rows: list[dict[str, Any]], wall_s: float, workers: int) -> dict[str, Any]:
+    """Start/end evaluation, staleness, gate and PULSE figures of a finished run."""
+    import numpy as np
+
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    train = [r for r in rows if r.get("kind") == "train"]
+    first, last = (evals[0], evals[-1]) if evals else ({}, {})
+    lag: dict[str, int] = {}
+    for r in train:
+        for k, v in r.items():
+            if k.startswith("staleness/lag"):
+                lag[k[len("staleness/lag"):]] = lag.get(k[len("staleness/lag"):], 0) + int(v)
+    deltas = [r["pulse/bytes"] for r in train if not r.get("pulse/anchor")]
+    full = [r["pulse/full_bytes"] for r in train]
+    mean = lambda key: float(np.mean([r[key] for r in train if r.get(key) is not None])) if train else None
+    return {
+        "wall_seconds": round(wall_s, 1),
+        "workers": workers,
+        "versions": train[-1]["version"] if train else 0,
+        "eval_questions": first.get("eval/questions"),
+        "pass@1_start": first.get("eval/pass@1"), "pass@1_end": last.get("eval/pass@1"),
+        "search_rate_start": first.get("eval/search_rate"), "search_rate_end": last.get("eval/search_rate"),
+        "staleness_histogram": dict(sorted(lag.items(), key=lambda kv: int(kv[0]))),
+        "episodes_stale_ge_1": sum(v for k, v in lag.items() if int(k) >= 1),
+        "gate_masked_frac_mean": mean("gate/masked_frac"),
+        "delta_bytes_mean": float(np.mean(deltas)) if deltas else None,
+        "full_bytes": float(np.mean(full)) if full else None,
+        "dropped_stale_groups": train[-1].get("dropped/stale_groups") if train else 0,
+    }
+
+
+def _fmt(x: Any, pct: bool = False) -> str:
+    if x is None:
+        return "-"
+    return f"{100 * x:.1f}%" if pct else (f"{x:,.0f}" if isinstance(x, (int, float)) and abs(x) >= 100 else f"{x}")
+
+
+def _summary_md(cfg: RunConfig, s: dict[str, Any]) -> str:
+    d1 = None if s["pass@1_end"] is None else 100 * (s["pass@1_end"] - s["pass@1_start"])
+    d2 = None if s["search_rate_end"] is None else 100 * (s["search_rate_end"] - s["search_rate_start"])
+    lines = [
+        f"# {cfg.name}: summary",
+        "",
+        f"Held-out evaluation on {_fmt(s['eval_questions'])} questions, sampled at temperature "
+        f"{cfg.rollout.temperature}, with the int8 policy the workers run:",
+        "",
+        "| metric | start | end | change |",
+        "|---|---|---|---|",
+        f"| pass@1 | {_fmt(s['pass@1_start'], True)} | {_fmt(s['pass@1_end'], True)} | "
+        f"{'-' if d1 is None else f'{d1:+.1f} points'} |",
+        f"| search rate | {_fmt(s['search_rate_start'], True)} | {_fmt(s['search_rate_end'], True)} | "
+        f"{'-' if d2 is None else f'{d2:+.1f} points'} |",
+        "",
+        f"- wall time {s['wall_seconds']:.0f} s, {s['versions']} versions, {s['workers']} int8 workers",
+        f"- staleness of trained episodes (versions behind: count): {s['staleness_histogram']}; "
+        f"{s['episodes_stale_ge_1']} episodes at staleness >= 1; {s['dropped_stale_groups']} stale groups dropped",
+        f"- DPPO gate masked fraction (mean over steps): {_fmt(s['gate_masked_frac_mean'], True)}",
+        f"- PULSE: mean delta {_fmt(s['delta_bytes_mean'])} bytes vs full int8 state {_fmt(s['full_bytes'])} bytes"
+        + (f" ({100 * s['delta_bytes_mean'] / s['full_bytes']:.1f}%)" if s["delta_bytes_mean"] and s["full_bytes"] else ""),
+    ]
+    if s.get("plots"):
+        lines.append(f"- plots: {', '.join(s['plots'])}")
+    return "\n".join(lines) + "\n"
+
+
+def _watch(cfg: RunConfig, run_dir: Path, store: LocalStore, procs: dict[str, subprocess.Popen], console: Any,
+           t0: float) -> None:
+    """Render the live view until the trainer exits (workers that die are reported, not fatal)."""
+    from rich.live import Live
+
+    state: dict[str, Any] = {"rows": [], "offset": 0}
+    metrics_path = run_dir / "metrics.jsonl"
+
+    def refresh() -> None:
+        if metrics_path.exists():
+            with open(metrics_path) as f:
+                f.seek(state["offset"])
+                chunk = f.read()
+            complete = chunk[: chunk.rfind("\n") + 1]
+            state["offset"] += len(complete.encode())
+            for line in complete.splitlines():
+                try:
+                    state["rows"].append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+
+    if console.is_terminal:
+        with Live(console=console, refresh_per_second=2, transient=False) as live:
+            while procs["trainer"].poll() is None:
+                refresh()
+                live.update(_view(cfg, state["rows"], store, procs, t0))
+                time.sleep(0.5)
+            refresh()
+            live.update(_view(cfg, state["rows"], store, procs, t0))
+    else:
+        printed = 0
+        while procs["trainer"].poll() is None or printed < len(state["rows"]):
+            refresh()
+            for r in state["rows"][printed:]:
+                line = _plain_line(r)
+                if line:
+                    console.print(line, highlight=False)
+            printed = len(state["rows"])
+            if procs["trainer"].poll() is not None:
+                refresh()
+                if printed >= len(state["rows"]):
+                    break
+            time.sleep(0.5)
+
+
+def _plain_line(r: dict[str, Any]) -> str | None:
+    t = time.strftime("%H:%M:%S", time.localtime(r.get("time", 0)))
+    if r.get("kind") == "eval":
+        return (f"{t} eval    v{r['version']:<4d} pass@1 {r['eval/pass@1']:.3f}  search rate {r['eval/search_rate']:.3f}"
+                f"  ({r.get('eval/questions', 0):.0f} questions, {r.get('eval/seconds', 0):.1f}s)")
+    if r.get("kind") == "warmstart":
+        return (f"{t} warm    step {r['step']:<5d} loss {r['loss']:.3f}  p(answer|search) "
+                f"{r.get('warmstart/p_answer_after_search', 0):.2f}  ({r.get('seconds', 0):.0f}s)")
+    if r.get("kind") == "train" and (r["version"] % 5 == 0 or r["version"] == 1):
+        return (f"{t} train   v{r['version']:<4d} reward {r['reward/mean']:.3f}  search {r['rollout/search_rate']:.2f}"
+                f"  gate {r.get('gate/masked_frac', 0):.4f}  lag {r['staleness/mean']:.2f}"
+                f"  delta {r['pulse/bytes'] / 1e3:.1f} kB  workers {r.get('fleet/workers_alive', 0)}")
+    if r.get("kind") == "event":
+        return f"{t} event   {r.get('event')}"
+    return None
+
+
+def _view(cfg: RunConfig, rows: list[dict[str, Any]], store: LocalStore, procs: dict[str, subprocess.Popen],
+          t0: float):
+    from rich.table import Table
+
+    train = [r for r in rows if r.get("kind") == "train"]
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    warm = [r for r in rows if r.get("kind") == "warmstart"]
+    last = train[-1] if train else {}
+    table = Table(title=f"stoa train: {cfg.name}  ({time.time() - t0:.0f}s)", show_header=False, expand=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    if not train:
+        phase = "warm start" if cfg.warmstart.steps and not evals else "waiting for rollouts"
+        table.add_row("phase", phase + (f" (step {warm[-1]['step']}/{cfg.warmstart.steps})" if warm else ""))
+    table.add_row("version", f"{last.get('version', evals[-1]['version'] if evals else 0)} / {cfg.trainer.steps}")
+    table.add_row("episodes/s", f"{last.get('throughput/episodes_per_s', 0):.1f}")
+    table.add_row("reward (rollouts)", f"{last.get('reward/mean', 0):.3f}")
+    table.add_row("search rate (rollouts)", f"{last.get('rollout/search_rate', 0):.2f}")
+    if evals:
+        e0, e1 = evals[0], evals[-1]
+        table.add_row("eval pass@1", f"{e0['eval/pass@1']:.3f} -> {e1['eval/pass@1']:.3f} (v{e1['version']})")
+        table.add_row("eval search rate", f"{e0['eval/search_rate']:.3f} -> {e1['eval/search_rate']:.3f}")
+    table.add_row("gate masked fraction", f"{last.get('gate/masked_frac', 0):.4f}")
+    hist: dict[int, int] = {}
+    for r in train:
+        for k, v in r.items():
+            if k.startswith("staleness/lag"):
+                hist[int(k[13:])] = hist.get(int(k[13:]), 0) + int(v)
+    table.add_row("staleness (lag: episodes)", "  ".join(f"{k}: {v}" for k, v in sorted(hist.items())) or "-")
+    if last:
+        table.add_row("delta bytes", f"{last['pulse/bytes']:,} of {last['pulse/full_bytes']:,} full")
+    beats, _ = read_heartbeats(store, cfg.name)
+    now = time.time()
+    alive = [b for b in beats if now - b.time < 30 and b.status != "stopped"]
+    table.add_row("workers alive", f"{len(alive)} of {len(procs) - 1}: " + ", ".join(
+        f"{b.worker_id} v{b.version} {b.status} {b.episodes_per_s:.0f} ep/s" for b in sorted(beats, key=lambda b: b.worker_id)))
+    return table

@@ -1,0 +1,136 @@
+"""Where a run's numbers go: ``metrics.jsonl``, TensorBoard scalars, and the end-of-run plots.
+
+Every row of ``metrics.jsonl`` is one JSON object with a ``kind`` (``"train"``, ``"eval"``,
+``"warmstart"``, ``"event"``), the policy ``version`` it refers to, the wall ``time`` and flat
+scalar metrics named ``group/name`` (see ``docs/metrics.md`` for each name's meaning).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MetricsSink", "read_metrics", "write_plots"]
+
+
+class MetricsSink:
+    """Appends rows to ``<dir>/metrics.jsonl`` and mirrors numeric values to TensorBoard."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "metrics.jsonl"
+        self._f = open(self.path, "a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+            self._tb = EventFileWriter(str(self.dir / "tensorboard"))
+
+    def log(self, kind: str, version: int, **metrics: Any) -> dict[str, Any]:
+        row = {"kind": kind, "version": int(version), "time": round(time.time(), 3)}
+        row.update({k: _clean(v) for k, v in metrics.items()})
+        self._f.write(json.dumps(row, sort_keys=True) + "\n")
+        if self._tb is not None:
+            from tensorboard.compat.proto import event_pb2, summary_pb2
+
+            values = [
+                summary_pb2.Summary.Value(tag=k if "/" in k else f"{kind}/{k}", simple_value=float(v))
+                for k, v in row.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("version", "time")
+            ]
+            if values:
+                self._tb.add_event(event_pb2.Event(wall_time=row["time"], step=row["version"],
+                                                   summary=summary_pb2.Summary(value=values)))
+        return row
+
+    def close(self) -> None:
+        self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _clean(v: Any) -> Any:
+    if hasattr(v, "item"):  # numpy / torch scalars
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All rows of a ``metrics.jsonl`` (a torn last line from a crash is skipped)."""
+    rows = []
+    p = Path(path)
+    if not p.exists():
+        return rows
+    for line in p.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def write_plots(rows: list[dict[str, Any]], out_dir: str | Path) -> list[Path]:
+    """PNG plots of a finished run; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    train = [r for r in rows if r.get("kind") == "train"]
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if evals:
+        v = [r["version"] for r in evals]
+        ax.plot(v, [r.get("eval/pass@1") for r in evals], "o-", label="pass@1 (held out)")
+        ax.plot(v, [r.get("eval/search_rate") for r in evals], "s-", label="search rate (held out)")
+    if train:
+        ax.plot([r["version"] for r in train], [r.get("rollout/search_rate") for r in train], alpha=0.35,
+                label="search rate (rollouts)")
+    ax.set_xlabel("policy version")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("Learning to search")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "pass_at_1_and_search_rate.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    pub = [r for r in train if r.get("pulse/bytes")]
+    if pub:
+        ax.semilogy([r["version"] for r in pub], [r["pulse/bytes"] for r in pub], ".", label="published bytes")
+        ax.semilogy([r["version"] for r in pub], [r["pulse/full_bytes"] for r in pub], "-", label="full int8 checkpoint")
+    ax.set_xlabel("policy version")
+    ax.set_ylabel("bytes")
+    ax.set_title("PULSE: delta size vs full checkpoint")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "delta_bytes.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if train:
+        v = [r["version"] for r in train]
+        ax.plot(v, [r.get("gate/masked_frac") for r in train], label="masked (total)")
+        ax.plot(v, [r.get("gate/masked_high_frac") for r in train], label="masked high (A>0, pi-mu>delta)")
+        ax.plot(v, [r.get("gate/masked_low_frac") for r in train], label="masked low (A<0, pi-mu<-delta)")
+    ax.set_xlabel("policy version")
+    ax.set_ylabel("fraction of model tokens")
+    ax.set_title("DPPO gate")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "gate_fraction.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths

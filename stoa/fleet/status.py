@@ -1,0 +1,75 @@
+"""``stoa status``: the fleet as the store sees it (heartbeats, versions, lag, throughput, evals)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from stoa.fleet.run import read_heartbeats
+from stoa.transport.store import KeyNotFound, ObjectStore
+
+__all__ = ["fleet_status", "show_status"]
+
+
+def fleet_status(store: ObjectStore, run: str, public_key: Any = None) -> dict[str, Any]:
+    """Plain data behind ``stoa status``. With ``public_key`` the head and evaluations are verified."""
+    head, verified = None, False
+    if public_key is not None:
+        from stoa.transport.chain import WeightSubscriber
+
+        head, verified = WeightSubscriber(store, run, public_key).head(), True
+    else:
+        try:  # display only: the pointer's signed body, read without checking the signature
+            head = json.loads(json.loads(store.get(f"{run}/current.json"))["body"])["version"]
+        except (KeyNotFound, ValueError, KeyError, TypeError):
+            head = None
+    beats, bad = read_heartbeats(store, run)
+    now = time.time()
+    workers = [{**b.__dict__, "age_s": now - b.time, "lag": None if head is None else head - b.version}
+               for b in sorted(beats, key=lambda b: b.worker_id)]
+    evals = []
+    for key in store.list(f"{run}/eval/")[-5:]:
+        try:
+            blob = store.get(key)
+            if public_key is not None:
+                from stoa.transport.chain import open_document
+
+                body = open_document(blob, "eval", public_key, key)
+            else:
+                body = json.loads(json.loads(blob)["body"])
+            evals.append({"version": body["version"], **body["metrics"]})
+        except Exception:
+            continue
+    return {
+        "run": run, "head": head, "verified": verified, "workers": workers, "bad_heartbeats": bad,
+        "rollouts_waiting": len(store.list(f"{run}/rollouts/")),
+        "quarantined": len([k for k in store.list(f"{run}/quarantine/") if k.endswith(".reason.json")]),
+        "finished": store.exists(f"{run}/finished.json"), "evals": evals,
+    }
+
+
+def show_status(store: ObjectStore, run: str, public_key: Any = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    s = fleet_status(store, run, public_key)
+    con = Console()
+    state = "finished" if s["finished"] else "running" if s["head"] is not None else "not started"
+    con.print(f"[bold]{run}[/bold]: {state}, head version {s['head']}"
+              f"{'' if s['verified'] else ' (unverified: pass --public-key to check signatures)'}; "
+              f"{s['rollouts_waiting']} rollout batches in the store, {s['quarantined']} quarantined")
+    t = Table("worker", "status", "version", "lag", "last seen", "episodes/s", "tokens/s", "episodes", "mode", "host")
+    for w in s["workers"]:
+        t.add_row(w["worker_id"], w["status"], str(w["version"]), "-" if w["lag"] is None else str(w["lag"]),
+                  f"{w['age_s']:.0f}s ago", f"{w['episodes_per_s']:.1f}", f"{w['tokens_per_s']:.0f}",
+                  str(w["episodes"]), w["mode"], w["host"])
+    con.print(t)
+    for key in s["bad_heartbeats"]:
+        con.print(f"[yellow]unreadable heartbeat {key}[/yellow]")
+    if s["evals"]:
+        e = Table("version", "pass@1", "search rate", "mean turns")
+        for r in s["evals"]:
+            e.add_row(str(r["version"]), f"{r['eval/pass@1']:.3f}", f"{r['eval/search_rate']:.3f}",
+                      f"{r['eval/mean_turns']:.2f}")
+        con.print(e)

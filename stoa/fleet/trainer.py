@@ -1,0 +1,408 @@
+"""The trainer process: validated episodes in, optimizer steps, PULSE versions out.
+
+Loop (``stoa trainer CONFIG --store URL``)::
+
+    publish the run (signed config + model files); warm start (optional); publish version 0
+    evaluate version 0 with the int8 policy
+    until trainer.steps RL steps:
+        poll new episode batches (validated; bad ones quarantined with a reason)
+        pool whole groups; drop groups older than max_lag versions (staleness gate) and groups
+            already trained on (reuse gate)
+        when groups_per_step groups are ready: advantages -> objective step -> version += 1
+        quantize the new weights to int8 and publish them (a delta, or an anchor every K)
+        evaluate every eval.every versions; checkpoint every trainer.checkpoint_every steps
+    evaluate and checkpoint the final version; mark the run finished
+
+Versions are publication counters: version v is the policy after v weight updates *as
+published*. After a crash the trainer resumes from its newest checkpoint and publishes the next
+version after the store's head (so versions never repeat), and re-delivers exactly the batches
+its checkpoint had not trained on (``RolloutReader.state(pending=...)``): no episode is lost or
+counted twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from stoa.fleet.config import RunConfig
+from stoa.fleet.metrics import MetricsSink
+from stoa.fleet.run import publish_run, read_heartbeats
+from stoa.transport.chain import WeightPublisher, sign_document
+from stoa.transport.exchange import Batch, RolloutReader
+from stoa.transport.store import ObjectStore
+from stoa.types import Episode
+
+__all__ = ["Trainer", "prepare_model", "eval_metrics"]
+
+log = logging.getLogger("stoa.trainer")
+
+
+def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
+    """The run's starting HF folder: ``model.path``, or a tiny model built (deterministically) for the task."""
+    if cfg.model.path:
+        path = Path(cfg.model.path).expanduser()
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model.path {path} is not a Hugging Face folder (no config.json)")
+        return path
+    out = run_dir / "model"
+    if (out / "model.safetensors").exists():
+        return out
+    import stoa.envs
+    from stoa.models.tiny import TinyConfig, build_tiny
+
+    env = stoa.envs.make(cfg.env.id, split=cfg.env.train_split, **cfg.env.kwargs).unwrapped
+    data = getattr(env, "data", None)
+    if data is None:
+        raise ValueError(f"a tiny model is built from the synthetic task's texts; {cfg.env.id} has none. "
+                         "Set model.path to a Hugging Face folder.")
+    from stoa.envs.synthetic import tokenizer_texts
+
+    tmp = run_dir / ".model.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_tiny(tmp, tokenizer_texts(data), TinyConfig(**{"seed": cfg.seed, **cfg.model.tiny}))
+    tmp.replace(out)
+    return out
+
+
+def eval_metrics(episodes: list[Episode], samples: int) -> dict[str, float]:
+    """pass@1 (mean exact match over every sample), pass@k (any of the k samples of a question),
+    search rate, mean turns and format rate of evaluation episodes."""
+    em = np.array([bool(e.metrics.get("em", e.reward > 0)) for e in episodes], float)
+    by_q: dict[str, list[float]] = {}
+    for e, v in zip(episodes, em):
+        by_q.setdefault(e.group_id, []).append(v)
+    return {
+        "eval/pass@1": float(em.mean()),
+        f"eval/pass@{samples}": float(np.mean([max(v) for v in by_q.values()])),
+        "eval/search_rate": float(np.mean([bool(e.metrics.get("searched")) for e in episodes])),
+        "eval/mean_turns": float(np.mean([e.metrics.get("turns", 0) for e in episodes])),
+        "eval/format_ok": float(np.mean([bool(e.metrics.get("format_ok")) for e in episodes])),
+        "eval/mean_reward": float(np.mean([e.reward for e in episodes])),
+        "eval/questions": float(len(by_q)),
+    }
+
+
+@dataclass
+class _Counters:
+    episodes_trained: int = 0
+    groups_trained: int = 0
+    dropped_stale_groups: int = 0
+    dropped_reused_groups: int = 0
+    dropped_malformed_groups: int = 0
+    zero_variance_groups: int = 0
+    future_version_batches: int = 0
+    staleness: dict[str, int] = field(default_factory=dict)
+
+
+class Trainer:
+    """One run's trainer. ``run()`` does everything; see the module docstring.
+
+    Args:
+        cfg: the run config.
+        store: the object store the fleet meets in.
+        run_dir: local folder for checkpoints, metrics, logs and the built model.
+        private_key: the run's ed25519 signing key.
+        resume: continue from the newest checkpoint in ``run_dir`` (if any).
+        on_row: called with every metrics row (for a live view).
+    """
+
+    def __init__(self, cfg: RunConfig, store: ObjectStore, run_dir: Path, private_key: Any, resume: bool = False,
+                 on_row: Callable[[dict], None] | None = None):
+        self.cfg, self.store, self.run_dir = cfg, store, Path(run_dir)
+        self.run_name = cfg.name
+        self.key = private_key
+        self.resume = resume
+        self.on_row = on_row
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(cfg.to_json() + "\n")
+        self.sink = MetricsSink(self.run_dir)
+        self.counters = _Counters()
+        self.pool: list[tuple[Batch, dict[str, list[Episode]]]] = []
+        self.used_groups: set[str] = set()
+        self.version = 0
+        self.rl_step = 0
+        self.state: dict[str, np.ndarray] | None = None
+        self._eval_engine = None
+        self._t0 = time.time()
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _log(self, kind: str, **metrics: Any) -> dict:
+        row = self.sink.log(kind, self.version, **metrics)
+        if self.on_row:
+            self.on_row(row)
+        return row
+
+    def _make_env(self, split: str):
+        import stoa.envs
+
+        return stoa.envs.make(self.cfg.env.id, split=split, **self.cfg.env.kwargs)
+
+    def _learner_config(self, **over: Any):
+        from stoa.backends.learner import LearnerConfig
+
+        base = {"seed": self.cfg.seed, "threads": self.cfg.trainer.threads, **self.cfg.trainer.learner_config}
+        return LearnerConfig(**{**base, **over})
+
+    # -- phases -------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        from stoa.backends.learner import make_learner
+
+        cfg = self.cfg
+        self.model_dir = prepare_model(cfg, self.run_dir)
+        publish_run(self.store, self.run_name, cfg, self.model_dir, self.key)
+        self.learner = make_learner(cfg.trainer.learner, self.model_dir, self._learner_config())
+        self.reader = RolloutReader(self.store, self.run_name, vocab_size=self.learner.vocab_size)
+        self.publisher = WeightPublisher(self.store, self.run_name, self.key, anchor_every=cfg.pulse.anchor_every)
+        resumed = self._maybe_resume()
+        if not resumed:
+            if cfg.warmstart.steps or cfg.warmstart.reading_steps:
+                self.warm_start()
+            self.learner.reset_optimizer(self._learner_config())
+            self._publish()
+            self.evaluate()
+        while self.rl_step < cfg.trainer.steps:
+            if not self.step():
+                time.sleep(cfg.trainer.poll_seconds)
+        if not self._evaluated(self.version):
+            self.evaluate()
+        self.checkpoint()
+        self.store.put(f"{self.run_name}/finished.json", sign_document("run-finished", {
+            "run": self.run_name, "version": self.version, "time": time.time()}, self.key))
+        summary = self._log("event", event="finished", seconds=time.time() - self._t0, **asdict(self.counters))
+        self.sink.close()
+        return summary
+
+    def warm_start(self) -> None:
+        """Reading practice in other worlds, then this world's habit (see ``WarmstartConfig``)."""
+        from transformers import AutoTokenizer
+
+        from stoa.fleet.warmstart import Demonstrations, answer_after_search_probability
+
+        ws, env_cfg = self.cfg.warmstart, self.cfg.env
+        tok = AutoTokenizer.from_pretrained(str(self.model_dir))
+        train_env = self._make_env(env_cfg.train_split)
+        answers = sorted({q.golden_answers[0] for q in train_env.unwrapped.questions})
+        demos = Demonstrations(lambda: train_env, tok, answers, env_cfg.id)
+        held = Demonstrations(lambda: self._make_env(env_cfg.eval_split), tok, answers, env_cfg.id)
+        rng = np.random.default_rng([self.cfg.seed, 17])
+        check = [held.episode(int(i), True, rng) for i in rng.permutation(len(held))[:64]]
+        self.learner.reset_optimizer(self._learner_config(lr=ws.lr, schedule="constant", warmup_steps=20,
+                                                          threads=ws.threads or self.cfg.trainer.threads))
+        worlds = []
+        if ws.reading_steps:
+            import stoa.envs
+
+            base = int(env_cfg.kwargs.get("seed", 0))
+            for k in range(1, ws.reading_worlds + 1):
+                env = stoa.envs.make(env_cfg.id, split=env_cfg.train_split, **{**env_cfg.kwargs, "seed": base + k})
+                worlds.append(Demonstrations(lambda env=env: env, tok, answers, env_cfg.id))
+        t0, losses, total = time.time(), [], ws.reading_steps + ws.steps
+        for s in range(1, total + 1):
+            if s <= ws.reading_steps:
+                phase = "reading"
+                batch = [worlds[w].episode(int(rng.integers(len(worlds[w]))), True, rng)
+                         for w in rng.integers(len(worlds), size=ws.batch_size)]
+            else:
+                phase = "habit"
+                batch = demos.batch(ws.batch_size, ws.search_fraction, rng)
+            losses.append(self.learner.sft_step(batch)["loss"])
+            if (ws.check_every and s % ws.check_every == 0) or s in (ws.reading_steps, total):
+                p = answer_after_search_probability(self.learner.logprobs(check), check)
+                self._log("warmstart", step=s, phase=phase, loss=float(np.mean(losses)), seconds=time.time() - t0,
+                          **{"warmstart/p_answer_after_search": p})
+                log.info("warm start %d/%d (%s): loss %.3f, p(answer | search) on held-out questions %.2f",
+                         s, total, phase, np.mean(losses), p)
+                losses = []
+
+    def _publish(self) -> Any:
+        from stoa.transport.quant import quantize_state
+
+        weights = self.learner.export_weights(self.cfg.pulse.dtype)
+        self.state = quantize_state(weights, previous=self.state)
+        return self.publisher.publish(self.version, self.state, {"rl_step": self.rl_step})
+
+    def _evaluated(self, version: int) -> bool:
+        return self.store.exists(f"{self.run_name}/eval/v{version:012d}.json")
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out pass@1 / pass@k / search rate of the current int8 state (what workers run)."""
+        from stoa.backends.engine import EngineConfig, RolloutRequest, SamplingConfig
+        from stoa.backends.mlx import MLXEngine
+
+        cfg, ev = self.cfg, self.cfg.eval
+        assert self.state is not None
+        t0 = time.time()
+        if self._eval_engine is None:
+            self._eval_engine = MLXEngine.from_state(self.model_dir, self.state, self.version,
+                                                     mode=cfg.rollout.engine_mode,
+                                                     config=EngineConfig(max_batch=cfg.rollout.max_batch))
+        else:
+            self._eval_engine.load_state(self.version, self.state)
+        env = self._make_env(cfg.env.eval_split)
+        n = min(ev.num_questions, len(env.unwrapped))
+        requests = [RolloutRequest(i, f"eval-{i}", ev.samples) for i in range(n)]
+        sampling = SamplingConfig(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                  max_turn_tokens=cfg.rollout.max_turn_tokens,
+                                  max_episode_tokens=cfg.rollout.max_episode_tokens, seed=cfg.seed + 7919)
+        episodes = self._eval_engine.rollout(lambda: self._make_env(cfg.env.eval_split), requests, sampling)
+        m = eval_metrics(episodes, ev.samples)
+        m["eval/seconds"] = time.time() - t0
+        self.store.put(f"{self.run_name}/eval/v{self.version:012d}.json", sign_document("eval", {
+            "run": self.run_name, "version": self.version, "metrics": m}, self.key))
+        self._log("eval", **m)
+        log.info("eval v%d: pass@1 %.3f, search rate %.3f (%d questions x %d, %.1fs)", self.version,
+                 m["eval/pass@1"], m["eval/search_rate"], n, ev.samples, m["eval/seconds"])
+        return m
+
+    # -- RL -----------------------------------------------------------------------------------
+    def _poll(self) -> None:
+        for batch in self.reader.poll():
+            if batch.version > self.version:
+                self.reader.quarantine(batch, f"policy version {batch.version} is newer than the trainer's "
+                                              f"{self.version}: not produced by this run's weights")
+                self.counters.future_version_batches += 1
+                continue
+            groups: dict[str, list[Episode]] = {}
+            for ep in batch.episodes:
+                groups.setdefault(ep.group_id, []).append(ep)
+            self.pool.append((batch, groups))
+
+    def _take_groups(self) -> list[list[Episode]] | None:
+        """``groups_per_step`` eligible groups, oldest first, or None if not enough yet."""
+        tc, G = self.cfg.trainer, self.cfg.rollout.group_size
+        chosen: list[tuple[int, str]] = []
+        for b_i, (batch, groups) in enumerate(self.pool):
+            for gid, eps in list(groups.items()):
+                if gid in self.used_groups:
+                    self.counters.dropped_reused_groups += 1
+                    del groups[gid]
+                elif self.version - batch.version > tc.max_lag:
+                    self.counters.dropped_stale_groups += 1
+                    del groups[gid]
+                elif len(eps) != G or len({e.sample_index for e in eps}) != G:
+                    self.counters.dropped_malformed_groups += 1
+                    del groups[gid]
+                elif len(chosen) < tc.groups_per_step:
+                    chosen.append((b_i, gid))
+        if len(chosen) < tc.groups_per_step:
+            self.pool = [(b, g) for b, g in self.pool if g]
+            return None
+        out = [self.pool[b_i][1].pop(gid) for b_i, gid in chosen]
+        self.pool = [(b, g) for b, g in self.pool if g]
+        return out
+
+    def step(self) -> bool:
+        """One RL step if enough groups are ready; returns whether a step was taken."""
+        from stoa.algos import make_objective
+        from stoa.algos.advantages import group_advantages
+
+        tc = self.cfg.trainer
+        self._poll()
+        groups = self._take_groups()
+        if groups is None:
+            return False
+        t0 = time.time()
+        for g in groups:
+            self.used_groups.add(g[0].group_id)
+        episodes = [e for g in groups for e in g]
+        rewards = np.array([e.reward for e in episodes], np.float32)
+        adv, stats = group_advantages(rewards, [e.group_id for e in episodes], kind=tc.advantage)
+        adv = np.asarray(adv, np.float32)
+        keep = np.ones(len(episodes), bool)
+        if tc.skip_zero_variance_groups:
+            keep = ~np.asarray(stats["zero_variance_mask"], bool)
+        self.counters.zero_variance_groups += int(stats["num_zero_variance_groups"])
+        lags = [self.version - e.policy_version for e in episodes]
+        rollout = {
+            "reward/mean": float(rewards.mean()),
+            "rollout/pass@1": float(np.mean([bool(e.metrics.get("em")) for e in episodes])),
+            "rollout/search_rate": float(np.mean([bool(e.metrics.get("searched")) for e in episodes])),
+            "rollout/mean_turns": float(np.mean([e.metrics.get("turns", 0) for e in episodes])),
+            "rollout/model_tokens": float(np.mean([e.num_model_tokens for e in episodes])),
+            "staleness/mean": float(np.mean(lags)), "staleness/max": float(max(lags)),
+            "groups/zero_variance_frac": float(stats["frac_zero_variance_groups"]),
+        }
+        for lag, n in Counter(lags).items():
+            rollout[f"staleness/lag{lag}"] = n
+            self.counters.staleness[str(lag)] = self.counters.staleness.get(str(lag), 0) + n
+        learn: dict[str, float] = {}
+        if keep.any():
+            obj_cfg, _ = make_objective(tc.objective, **tc.objective_config)
+            sel = [e for e, k in zip(episodes, keep) if k]
+            learn = self.learner.train_step(sel, adv[keep], objective=tc.objective, objective_config=obj_cfg)
+        self.counters.episodes_trained += len(episodes)
+        self.counters.groups_trained += len(groups)
+        self.rl_step += 1
+        self.version += 1
+        pub = self._publish()
+        beats, _ = read_heartbeats(self.store, self.run_name)
+        now = time.time()
+        self._log("train", rl_step=self.rl_step, **rollout, **learn,
+                  **{"pulse/bytes": pub.bytes_written, "pulse/full_bytes": pub.full_state_bytes,
+                     "pulse/anchor": pub.kind == "anchor", "pulse/seconds": pub.seconds,
+                     "time/step_s": now - t0, "time/elapsed_s": now - self._t0,
+                     "throughput/episodes_per_s": self.counters.episodes_trained / (now - self._t0),
+                     "fleet/workers_alive": sum(now - b.time < 30 and b.status != "stopped" for b in beats),
+                     "dropped/stale_groups": self.counters.dropped_stale_groups,
+                     "dropped/reused_groups": self.counters.dropped_reused_groups,
+                     "dropped/quarantined_batches": self.reader.quarantined})
+        if self.version % self.cfg.eval.every == 0 and self.rl_step < tc.steps:
+            self.evaluate()
+        if self.rl_step % tc.checkpoint_every == 0 and self.rl_step < tc.steps:
+            self.checkpoint()
+        return True
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def checkpoint(self) -> Path:
+        """Learner checkpoint + the exact consumed-rollout bookkeeping (pending batches left unconsumed)."""
+        ckdir = self.run_dir / "checkpoints"
+        ckdir.mkdir(exist_ok=True)
+        path = ckdir / f"v{self.version:012d}"
+        if path.exists():
+            return path
+        pending = [b for b, g in self.pool if g]
+        pending_groups = {gid for b, g in self.pool for gid in g}
+        pending_used = sorted(gid for b, _ in self.pool for gid in {e.group_id for e in b.episodes}
+                              if gid in self.used_groups and gid not in pending_groups)
+        reader_state = self.reader.state(pending=pending)
+        extra = {"version": self.version, "rl_step": self.rl_step, "reader": reader_state,
+                 "used_groups": pending_used, "counters": asdict(self.counters)}
+        self.learner.save_checkpoint(path, extra)
+        for old in sorted(ckdir.glob("v*"))[:-2]:
+            shutil.rmtree(old, ignore_errors=True)
+        self.reader.prune(reader_state)
+        return path
+
+    def _maybe_resume(self) -> bool:
+        ckdir = self.run_dir / "checkpoints"
+        cks = sorted(p for p in ckdir.glob("v*") if p.is_dir()) if ckdir.exists() else []
+        if not (self.resume and cks):
+            if self.publisher.head() is not None and not self.resume:
+                raise RuntimeError(f"run {self.run_name!r} already has published weights in this store; "
+                                   "pass --resume to continue it, or choose another run name")
+            return False
+        extra = self.learner.load_checkpoint(cks[-1])
+        self.reader.restore(extra["reader"])
+        self.used_groups = set(extra["used_groups"])
+        self.rl_step = extra["rl_step"]
+        self.counters = _Counters(**extra["counters"])
+        head = self.publisher.head()
+        # Versions published after the checkpoint came from steps now lost; never reuse their numbers.
+        self.version = max(extra["version"], head if head is not None else 0) + 1
+        from stoa.transport.quant import quantize_state
+
+        self.state = quantize_state(self.learner.export_weights(self.cfg.pulse.dtype))
+        self.publisher.publish(self.version, self.state, {"rl_step": self.rl_step, "resumed_from": extra["version"]})
+        self._log("event", event="resumed", checkpoint=cks[-1].name, rl_step=self.rl_step)
+        log.info("resumed from %s at RL step %d; publishing as version %d", cks[-1].name, self.rl_step, self.version)
+        return True

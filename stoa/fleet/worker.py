@@ -1,0 +1,172 @@
+"""The worker process: int8 rollouts from the newest weights, uploaded as write-once batches.
+
+Loop (``stoa worker --store URL --run NAME --public-key KEY``)::
+
+    verify and read the run (signed config + model files); join from the newest anchor + deltas
+    until the run is finished or a signal arrives:
+        between cohorts: if the pointer moved, catch up (deltas applied live, or a newer anchor)
+        if this version already got rollout.cohorts_per_version cohorts from us: wait for a newer one
+        draw groups_per_cohort prompts from this worker's own seeded stream
+        play group_size samples of each with the int8 engine; upload them as one batch
+        heartbeat
+
+A cohort never spans a weight swap, so every episode of a batch carries one policy version.
+SIGTERM / SIGINT finish the current cohort's upload (objects appear whole or not at all) and exit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stoa.fleet.run import Heartbeat, fetch_run, write_heartbeat
+from stoa.transport.chain import WeightSubscriber
+from stoa.transport.exchange import RolloutWriter
+from stoa.transport.store import KeyNotFound, ObjectStore
+
+__all__ = ["Worker"]
+
+log = logging.getLogger("stoa.worker")
+
+
+class Worker:
+    """One rollout worker. ``run()`` loops until the run finishes, ``max_batches`` are uploaded, or a signal.
+
+    Args:
+        store: the object store of the fleet.
+        run: the run name (store prefix).
+        public_key: the run's ed25519 public key (hex, raw bytes, PEM or a file path).
+        worker_id: unique id of this worker (``[A-Za-z0-9._-]``, 1-64 characters).
+        cache_dir: local folder for the run's model files.
+        max_batches: stop after this many uploads (None: until the run finishes).
+        wait_seconds: how long to wait for the run to appear before giving up.
+    """
+
+    def __init__(self, store: ObjectStore, run: str, public_key: Any, worker_id: str, cache_dir: Path,
+                 max_batches: int | None = None, wait_seconds: float = 600.0):
+        self.store, self.run_name, self.public_key = store, run, public_key
+        self.worker_id, self.cache_dir = worker_id, Path(cache_dir)
+        self.max_batches, self.wait_seconds = max_batches, wait_seconds
+        self._stop = False
+        self.episodes = self.batches = self.sync_bytes = 0
+        self.episodes_per_s = self.tokens_per_s = 0.0
+        self.host = socket.gethostname()
+
+    def request_stop(self, *_: Any) -> None:
+        self._stop = True
+
+    def _beat(self, status: str) -> None:
+        version = self.engine.version if hasattr(self, "engine") else -1
+        write_heartbeat(self.store, self.run_name, Heartbeat(
+            self.worker_id, max(version, 0), status, self.episodes, self.batches, self.episodes_per_s,
+            self.tokens_per_s, getattr(getattr(self, "engine", None), "mode", ""), self.host, time.time(),
+            self.sync_bytes))
+
+    def _wait_for(self, what: str, ready) -> Any:
+        deadline = time.time() + self.wait_seconds
+        while not self._stop:
+            try:
+                value = ready()
+                if value is not None:
+                    return value
+            except KeyNotFound:
+                pass
+            if time.time() > deadline:
+                raise TimeoutError(f"waited {self.wait_seconds:.0f}s for {what} of run {self.run_name!r}")
+            time.sleep(0.5)
+        return None
+
+    def _finished(self) -> bool:
+        return self.store.exists(f"{self.run_name}/finished.json")
+
+    def _sync(self) -> None:
+        """Catch up to the head between cohorts, writing deltas (or a newer anchor) into the live weights."""
+        problems: list[str] = []
+
+        def write(state: dict) -> tuple[int, list[str]]:
+            res = self.sub.sync((self.engine.version, state), apply_inplace=True)
+            self.sync_bytes += res.bytes_read
+            problems.extend(res.problems)
+            if not res.inplace:
+                raise RuntimeError(f"version {res.version} changes the weight layout; restart the worker")
+            return res.version, res.changed_names
+
+        self.engine.update_inplace(write)
+        for p in problems:
+            log.warning("weight sync: %s", p)
+
+    def run(self) -> int:
+        from stoa.backends.engine import EngineConfig, RolloutRequest, SamplingConfig
+        from stoa.backends.mlx import MLXEngine
+        import stoa.envs
+
+        old = {s: signal.signal(s, self.request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            got = self._wait_for("the signed run config", lambda: fetch_run(self.store, self.run_name, self.public_key,
+                                                                           self.cache_dir / "model"))
+            if got is None:
+                return 0
+            cfg, model_dir = got
+            self.sub = WeightSubscriber(self.store, self.run_name, self.public_key)
+            if self._wait_for("the first weights", self.sub.head) is None:
+                return 0
+            res = self.sub.sync(None)
+            self.sync_bytes += res.bytes_read
+            rc = cfg.rollout
+            self.engine = MLXEngine.from_state(model_dir, res.state, res.version, mode=rc.engine_mode,
+                                               config=EngineConfig(max_batch=rc.max_batch))
+            self.engine.worker_id = self.worker_id
+            log.info("worker %s joined run %s at version %d (%s mode, %d bytes)", self.worker_id, self.run_name,
+                     res.version, self.engine.mode, res.bytes_read)
+            make_env = lambda: stoa.envs.make(cfg.env.id, split=cfg.env.train_split, **cfg.env.kwargs)
+            n_items = len(make_env().unwrapped)
+            # Each worker draws its own prompt stream: seeded by the run seed and its id.
+            wid = int.from_bytes(hashlib.sha256(self.worker_id.encode()).digest()[:8], "little")
+            rng = np.random.default_rng([cfg.seed, wid])
+            writer = RolloutWriter(self.store, self.run_name, self.worker_id)
+            cohorts_at: dict[int, int] = {}
+            session = secrets.token_hex(4)  # group ids stay unique across restarts of this worker id
+            self._beat("generating")
+            while not self._stop and (self.max_batches is None or self.batches < self.max_batches):
+                head = self.sub.head()
+                if head is not None and head > self.engine.version:
+                    self._sync()
+                if cohorts_at.get(self.engine.version, 0) >= rc.cohorts_per_version:
+                    if self._finished():
+                        break
+                    self._beat("waiting")
+                    time.sleep(rc.poll_seconds)
+                    continue
+                requests = [RolloutRequest(int(i), f"{self.worker_id}-{session}-{self.batches}-{j}",
+                                           rc.group_size)
+                            for j, i in enumerate(rng.integers(n_items, size=rc.groups_per_cohort))]
+                sampling = SamplingConfig(temperature=rc.temperature, top_p=rc.top_p, max_turn_tokens=rc.max_turn_tokens,
+                                          max_episode_tokens=rc.max_episode_tokens,
+                                          seed=int(rng.integers(2**62)))
+                t0 = time.time()
+                episodes = self.engine.rollout(make_env, requests, sampling)
+                dt = max(time.time() - t0, 1e-9)
+                writer.upload(episodes, self.engine.version)
+                cohorts_at[self.engine.version] = cohorts_at.get(self.engine.version, 0) + 1
+                self.batches += 1
+                self.episodes += len(episodes)
+                self.episodes_per_s = len(episodes) / dt
+                self.tokens_per_s = sum(e.num_model_tokens for e in episodes) / dt
+                self._beat("generating")
+            return 0
+        finally:
+            if hasattr(self, "engine"):
+                try:
+                    self._beat("stopped")
+                except Exception as e:  # a dying store must not hide the real exit reason
+                    log.warning("could not write the final heartbeat: %s", e)
+            for s, h in old.items():
+                signal.signal(s, h)
