@@ -42,13 +42,11 @@ SCALES = {
 
 
 def _reexec(threads: int) -> None:
-    """Restart with OpenBLAS preloaded and its thread count fixed (both are read at load time)."""
-    from stoa import _blas
-
-    env = _blas.preload_env()
+    """Restart with OpenBLAS's thread count fixed (it is read when stoa.backends.mlx loads OpenBLAS)."""
+    env = dict(os.environ)
     env.update(OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    if any(os.environ.get(k) != env.get(k) for k in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS")):
+    if any(os.environ.get(k) != env.get(k) for k in ("OPENBLAS_NUM_THREADS",)):
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 

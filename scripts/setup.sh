@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv (or $STOA_VENV) and installs stoa with its test extras. Idempotent: a second run
 # only reinstalls when pyproject.toml changed. On Debian/Ubuntu it also installs OpenBLAS, which
-# MLX's Linux wheel can use through LD_PRELOAD instead of its slow reference BLAS.
+# stoa.backends.mlx loads into MLX processes instead of MLX's slow bundled reference BLAS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${STOA_VENV:-.venv}

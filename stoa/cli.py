@@ -10,7 +10,6 @@ from typing import Annotated, Optional
 import typer
 
 import stoa
-from stoa import _blas
 
 app = typer.Typer(
     name="stoa",
@@ -161,6 +160,8 @@ def _setup_logging(verbose: bool) -> None:
 
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("bm25s", "httpx", "urllib3", "botocore", "boto3"):  # their INFO/DEBUG chatter drowns ours
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 @app.command("train")
@@ -244,10 +245,7 @@ def status(
 
 
 def main() -> None:
-    """Console entry point. Re-executes once with OpenBLAS preloaded where MLX would otherwise use its slow BLAS."""
-    if _blas.needs_reexec():
-        env = _blas.preload_env()
-        os.execve(sys.executable, [sys.executable, "-m", "stoa", *sys.argv[1:]], env)
+    """Console entry point."""
     app(prog_name="stoa")
 
 

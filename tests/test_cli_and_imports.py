@@ -83,3 +83,15 @@ def test_init_tiny_cli(tmp_path):
     assert (tmp_path / "m" / "model.safetensors").exists() and "wrote" in r.output
     r = CliRunner().invoke(app, ["init-tiny", str(tmp_path / "bad"), "--text", str(text), "--hidden-size", "100"])
     assert r.exit_code != 0
+
+
+def test_openblas_is_loaded_for_mlx_before_mlx_itself():
+    code = ("import sys; import stoa.backends.mlx; from stoa import _blas; "
+            "print(_blas.openblas_path() is None or _blas._loaded == _blas.openblas_path())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr
+    r = subprocess.run([sys.executable, "-c", "import mlx.core; from stoa import _blas; import warnings; "
+                        "warnings.simplefilter('error'); _blas.load_openblas()"], capture_output=True, text=True,
+                       timeout=120)
+    if __import__("stoa._blas", fromlist=["x"]).openblas_path():
+        assert r.returncode != 0 and "reference BLAS" in r.stderr  # too late: said clearly, not silently

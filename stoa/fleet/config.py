@@ -154,7 +154,10 @@ class WarmstartConfig:
     batch_size: int = 64
     """Demonstrations per step."""
     search_fraction: float = 0.22
-    """Fraction of demonstrations that search and then answer from the retrieved text."""
+    """Fraction of this world's demonstrations that search and then answer from the retrieved text."""
+    habit_reading_demos: int = 0
+    """Other-world demonstrations added to each habit batch with only their answer trained (the
+    search turn is context), so the reading skill is kept without teaching the decision to search."""
     lr: float = 2e-3
     """Learning rate of the warm start (AdamW, its own optimizer state)."""
     check_every: int = 0
@@ -164,8 +167,9 @@ class WarmstartConfig:
 
     def __post_init__(self) -> None:
         _check(self.steps >= 0 and self.batch_size >= 1, "warmstart.steps >= 0 and batch_size >= 1")
-        _check(self.reading_steps >= 0 and self.reading_worlds >= 1 and self.threads >= 0,
-               "warmstart.reading_steps >= 0, reading_worlds >= 1, threads >= 0")
+        _check(self.reading_steps >= 0 and self.reading_worlds >= 1 and self.threads >= 0
+               and self.habit_reading_demos >= 0,
+               "warmstart.reading_steps >= 0, reading_worlds >= 1, threads >= 0, habit_reading_demos >= 0")
         _check(0.0 <= self.search_fraction <= 1.0, "warmstart.search_fraction must lie in [0, 1]")
         _check(self.lr > 0 and self.check_every >= 0, "warmstart.lr > 0 and check_every >= 0")
 

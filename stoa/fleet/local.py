@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stoa import _blas
 from stoa.fleet.config import RunConfig, load_config
 from stoa.fleet.metrics import read_metrics, write_plots
 from stoa.fleet.run import read_heartbeats
@@ -27,12 +26,9 @@ __all__ = ["train_local", "summarize"]
 
 
 def _spawn(args: list[str], log_path: Path, threads: int | None) -> subprocess.Popen:
-    env = _blas.preload_env()
-    env["STOA_NO_PRELOAD"] = "1"  # already preloaded; skip the re-exec
-    env["PYTHONUNBUFFERED"] = "1"
-    if threads:
-        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-            env[var] = str(threads)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # MLX's OpenBLAS threads (read at load); torch's threads are set by the learner config.
+    env["OPENBLAS_NUM_THREADS"] = str(threads)
     return subprocess.Popen([sys.executable, "-m", "stoa", *args], stdout=open(log_path, "ab"),
                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -66,7 +62,7 @@ def train_local(config_path: str | Path, overrides: dict[str, Any] | None = None
         trainer_args += ["--set", f"{k}={json.dumps(v)}"]
     if resume:
         trainer_args.append("--resume")
-    procs = {"trainer": _spawn(trainer_args, run_dir / "trainer.log", None)}
+    procs = {"trainer": _spawn(trainer_args, run_dir / "trainer.log", 1)}
     for i in range(n_workers):
         wid = f"worker-{i}"
         procs[wid] = _spawn(["worker", "--store", str(store_dir), "--run", cfg.name, "--public-key", public_hex,

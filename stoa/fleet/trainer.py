@@ -186,7 +186,7 @@ class Trainer:
         """Reading practice in other worlds, then this world's habit (see ``WarmstartConfig``)."""
         from transformers import AutoTokenizer
 
-        from stoa.fleet.warmstart import Demonstrations, answer_after_search_probability
+        from stoa.fleet.warmstart import Demonstrations, answer_after_search_probability, answer_only
 
         ws, env_cfg = self.cfg.warmstart, self.cfg.env
         tok = AutoTokenizer.from_pretrained(str(self.model_dir))
@@ -199,7 +199,7 @@ class Trainer:
         self.learner.reset_optimizer(self._learner_config(lr=ws.lr, schedule="constant", warmup_steps=20,
                                                           threads=ws.threads or self.cfg.trainer.threads))
         worlds = []
-        if ws.reading_steps:
+        if ws.reading_steps or ws.habit_reading_demos:
             import stoa.envs
 
             base = int(env_cfg.kwargs.get("seed", 0))
@@ -215,6 +215,8 @@ class Trainer:
             else:
                 phase = "habit"
                 batch = demos.batch(ws.batch_size, ws.search_fraction, rng)
+                batch += [answer_only(worlds[w].episode(int(rng.integers(len(worlds[w]))), True, rng))
+                          for w in rng.integers(len(worlds), size=ws.habit_reading_demos)]
             losses.append(self.learner.sft_step(batch)["loss"])
             if (ws.check_every and s % ws.check_every == 0) or s in (ws.reading_steps, total):
                 p = answer_after_search_probability(self.learner.logprobs(check), check)

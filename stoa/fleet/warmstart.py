@@ -21,7 +21,7 @@ import numpy as np
 
 from stoa.types import Episode, Segment
 
-__all__ = ["Demonstrations", "answer_after_search_probability"]
+__all__ = ["Demonstrations", "answer_after_search_probability", "answer_only"]
 
 
 class Demonstrations:
@@ -74,6 +74,15 @@ class Demonstrations:
         idx = rng.integers(len(self), size=size)
         searches = rng.random(size) < search_fraction
         return [self.episode(int(i), bool(s), rng) for i, s in zip(idx, searches)]
+
+
+def answer_only(episode: Episode) -> Episode:
+    """The same transcript with every segment but the last model turn turned into context (no loss)."""
+    *context, last = episode.segments
+    tokens = np.concatenate([s.tokens for s in context]) if context else np.zeros(0, np.int32)
+    segments = ([Segment("env", tokens)] if len(tokens) else []) + [last]
+    return Episode(episode.prompt_tokens, segments, episode.reward, dict(episode.metrics), env_id=episode.env_id,
+                   group_id=episode.group_id, worker_id=episode.worker_id)
 
 
 def answer_after_search_probability(logprobs: Sequence[np.ndarray], episodes: Sequence[Episode]) -> float:

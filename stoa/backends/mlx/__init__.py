@@ -8,7 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from stoa.backends.mlx.engine import MODES, MLXEngine, resolve_mode
+from stoa import _blas
+
+_blas.load_openblas()  # before mlx loads: bind its BLAS calls to OpenBLAS, not the bundled reference BLAS
+
+from stoa.backends.mlx.engine import MODES, MLXEngine, resolve_mode  # noqa: E402
 
 __all__ = ["MLXEngine", "MODES", "make", "resolve_mode"]
 
