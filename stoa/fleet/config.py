@@ -73,8 +73,11 @@ class RolloutConfig:
     """Samples per prompt (G); advantages are computed within a group."""
     groups_per_cohort: int = 8
     """Prompts per generation cohort (one upload); a cohort never spans a weight swap."""
-    cohorts_per_version: int = 1
-    """Cohorts a worker generates with one weight version before waiting for a newer one (bounds staleness)."""
+    cohorts_per_version: int = 0
+    """Cohorts a worker generates with one weight version before waiting for a newer one (0 = no limit)."""
+    max_outstanding: int = 2
+    """Batches a worker may have uploaded that the trainer has not taken yet; beyond that it waits
+    (backpressure: bounds staleness and wasted work; 0 = no limit)."""
     temperature: float = 1.0
     """Sampling temperature; behaviour log-probs are recorded under it."""
     top_p: float = 1.0
@@ -92,7 +95,9 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _check(self.group_size >= 2, "rollout.group_size must be >= 2 (group advantages need a group)")
-        _check(self.groups_per_cohort >= 1 and self.cohorts_per_version >= 1, "rollout cohort sizes must be >= 1")
+        _check(self.groups_per_cohort >= 1, "rollout.groups_per_cohort must be >= 1")
+        _check(self.cohorts_per_version >= 0 and self.max_outstanding >= 0,
+               "rollout.cohorts_per_version and max_outstanding must be >= 0 (0 = no limit)")
         _check(self.temperature > 0 and 0 < self.top_p <= 1, "rollout.temperature > 0 and 0 < top_p <= 1")
         _check(0 < self.max_turn_tokens <= self.max_episode_tokens, "0 < rollout.max_turn_tokens <= max_episode_tokens")
         _check(self.max_batch >= 1 and self.poll_seconds > 0, "rollout.max_batch >= 1 and poll_seconds > 0")

@@ -17,7 +17,9 @@ Versions are publication counters: version v is the policy after v weight update
 published*. After a crash the trainer resumes from its newest checkpoint and publishes the next
 version after the store's head (so versions never repeat), and re-delivers exactly the batches
 its checkpoint had not trained on (``RolloutReader.state(pending=...)``): no episode is lost or
-counted twice.
+counted twice. ``<run_dir>/ledger.jsonl`` records the fate of every group (trained at which step,
+or dropped and why) and a marker per checkpoint; on resume it is cut back to the checkpoint's
+marker, so it always describes exactly the training the current weights contain.
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(cfg.to_json() + "\n")
         self.sink = MetricsSink(self.run_dir)
+        self.ledger_path = self.run_dir / "ledger.jsonl"
         self.counters = _Counters()
         self.pool: list[tuple[Batch, dict[str, list[Episode]]]] = []
         self.used_groups: set[str] = set()
@@ -141,6 +144,12 @@ class Trainer:
         if self.on_row:
             self.on_row(row)
         return row
+
+    def _ledger(self, **entry: Any) -> None:
+        with open(self.ledger_path, "a") as f:
+            f.write(json.dumps({"rl_step": self.rl_step, "version": self.version, **entry}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
     def _make_env(self, split: str):
         import stoa.envs
@@ -268,7 +277,11 @@ class Trainer:
 
     # -- RL -----------------------------------------------------------------------------------
     def _poll(self) -> None:
-        for batch in self.reader.poll():
+        batches = self.reader.poll()
+        if batches:  # what was taken, per worker: workers throttle on it (rollout.max_outstanding)
+            self.store.put(f"{self.run_name}/progress.json", json.dumps(
+                {"version": self.version, "time": time.time(), "workers": self.reader.state()["workers"]}).encode())
+        for batch in batches:
             if batch.version > self.version:
                 self.reader.quarantine(batch, f"policy version {batch.version} is newer than the trainer's "
                                               f"{self.version}: not produced by this run's weights")
@@ -283,19 +296,21 @@ class Trainer:
         """``groups_per_step`` eligible groups, oldest first, or None if not enough yet."""
         tc, G = self.cfg.trainer, self.cfg.rollout.group_size
         chosen: list[tuple[int, str]] = []
+        dropped: dict[str, list[str]] = {"reused": [], "stale": [], "malformed": []}
         for b_i, (batch, groups) in enumerate(self.pool):
             for gid, eps in list(groups.items()):
-                if gid in self.used_groups:
-                    self.counters.dropped_reused_groups += 1
-                    del groups[gid]
-                elif self.version - batch.version > tc.max_lag:
-                    self.counters.dropped_stale_groups += 1
-                    del groups[gid]
-                elif len(eps) != G or len({e.sample_index for e in eps}) != G:
-                    self.counters.dropped_malformed_groups += 1
+                why = ("reused" if gid in self.used_groups else "stale" if self.version - batch.version > tc.max_lag
+                       else "malformed" if len(eps) != G or len({e.sample_index for e in eps}) != G else None)
+                if why:
+                    dropped[why].append(gid)
                     del groups[gid]
                 elif len(chosen) < tc.groups_per_step:
                     chosen.append((b_i, gid))
+        self.counters.dropped_reused_groups += len(dropped["reused"])
+        self.counters.dropped_stale_groups += len(dropped["stale"])
+        self.counters.dropped_malformed_groups += len(dropped["malformed"])
+        if any(dropped.values()):
+            self._ledger(dropped={k: v for k, v in dropped.items() if v})
         if len(chosen) < tc.groups_per_step:
             self.pool = [(b, g) for b, g in self.pool if g]
             return None
@@ -337,7 +352,7 @@ class Trainer:
         for lag, n in Counter(lags).items():
             rollout[f"staleness/lag{lag}"] = n
             self.counters.staleness[str(lag)] = self.counters.staleness.get(str(lag), 0) + n
-        learn: dict[str, float] = {}
+        learn: dict[str, Any] = {"learner/skipped_no_signal": not keep.any()}
         if keep.any():
             obj_cfg, _ = make_objective(tc.objective, **tc.objective_config)
             sel = [e for e, k in zip(episodes, keep) if k]
@@ -347,6 +362,8 @@ class Trainer:
         self.rl_step += 1
         self.version += 1
         pub = self._publish()
+        self._ledger(trained=[g[0].group_id for g in groups],
+                     policy_versions=sorted({e.policy_version for e in episodes}))
         beats, _ = read_heartbeats(self.store, self.run_name)
         now = time.time()
         self._log("train", rl_step=self.rl_step, **rollout, **learn,
@@ -380,10 +397,27 @@ class Trainer:
         extra = {"version": self.version, "rl_step": self.rl_step, "reader": reader_state,
                  "used_groups": pending_used, "counters": asdict(self.counters)}
         self.learner.save_checkpoint(path, extra)
+        self._ledger(checkpoint=path.name)
         for old in sorted(ckdir.glob("v*"))[:-2]:
             shutil.rmtree(old, ignore_errors=True)
         self.reader.prune(reader_state)
         return path
+
+    def _cut_ledger(self, checkpoint: str) -> None:
+        """Forget ledger lines written after ``checkpoint``'s marker: that training was lost."""
+        if not self.ledger_path.exists():
+            return
+        lines = self.ledger_path.read_text().splitlines(keepends=True)
+        keep = len(lines)
+        for i, line in enumerate(lines):
+            try:
+                if json.loads(line).get("checkpoint") == checkpoint:
+                    keep = i + 1
+            except json.JSONDecodeError:
+                break
+        tmp = self.ledger_path.with_suffix(".tmp")
+        tmp.write_text("".join(lines[:keep]))
+        tmp.replace(self.ledger_path)
 
     def _maybe_resume(self) -> bool:
         ckdir = self.run_dir / "checkpoints"
@@ -394,6 +428,7 @@ class Trainer:
                                    "pass --resume to continue it, or choose another run name")
             return False
         extra = self.learner.load_checkpoint(cks[-1])
+        self._cut_ledger(cks[-1].name)
         self.reader.restore(extra["reader"])
         self.used_groups = set(extra["used_groups"])
         self.rl_step = extra["rl_step"]

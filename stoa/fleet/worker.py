@@ -17,6 +17,7 @@ SIGTERM / SIGINT finish the current cohort's upload (objects appear whole or not
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import secrets
 import signal
@@ -64,6 +65,10 @@ class Worker:
         self._stop = True
 
     def _beat(self, status: str) -> None:
+        now = time.time()
+        if status == getattr(self, "_last_status", None) and status == "waiting" and now - self._last_beat < 2.0:
+            return  # an idle worker reports every 2 s, not every poll
+        self._last_status, self._last_beat = status, now
         version = self.engine.version if hasattr(self, "engine") else -1
         write_heartbeat(self.store, self.run_name, Heartbeat(
             self.worker_id, max(version, 0), status, self.episodes, self.batches, self.episodes_per_s,
@@ -83,6 +88,18 @@ class Worker:
                 raise TimeoutError(f"waited {self.wait_seconds:.0f}s for {what} of run {self.run_name!r}")
             time.sleep(0.5)
         return None
+
+    def _outstanding(self, writer: RolloutWriter) -> int:
+        """Own batches uploaded but not yet taken by the trainer (from its progress hint)."""
+        try:
+            d = json.loads(self.store.get(f"{self.run_name}/progress.json"))["workers"].get(self.worker_id, {})
+            taken = int(d.get("done", 0)) + len(d.get("extra", []))
+        except KeyNotFound:
+            taken = 0
+        except (ValueError, KeyError, TypeError, AttributeError):
+            log.warning("unreadable progress.json; not throttling on it")
+            return 0
+        return max(0, writer.next_seq - taken)
 
     def _finished(self) -> bool:
         return self.store.exists(f"{self.run_name}/finished.json")
@@ -136,12 +153,13 @@ class Worker:
             session = secrets.token_hex(4)  # group ids stay unique across restarts of this worker id
             self._beat("generating")
             while not self._stop and (self.max_batches is None or self.batches < self.max_batches):
+                if self._finished():
+                    break
                 head = self.sub.head()
                 if head is not None and head > self.engine.version:
                     self._sync()
-                if cohorts_at.get(self.engine.version, 0) >= rc.cohorts_per_version:
-                    if self._finished():
-                        break
+                if ((rc.cohorts_per_version and cohorts_at.get(self.engine.version, 0) >= rc.cohorts_per_version)
+                        or (rc.max_outstanding and self._outstanding(writer) >= rc.max_outstanding)):
                     self._beat("waiting")
                     time.sleep(rc.poll_seconds)
                     continue

@@ -1,0 +1,332 @@
+"""The fleet runtime with real processes meeting in a real store: end to end, kills, resume, bad input.
+
+Every test here starts real `stoa trainer` / `stoa worker` processes on a tiny model and a tiny
+synthetic task. Process start-up (torch, MLX, transformers imports) dominates their time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from stoa.fleet.config import load_config
+from stoa.fleet.metrics import read_metrics
+from stoa.fleet.status import fleet_status
+from stoa.transport.chain import WeightSubscriber, generate_private_key, save_keypair
+from stoa.transport.exchange import RolloutWriter, rollout_key
+from stoa.transport.pulse import state_hash
+from stoa.transport.store import LocalStore
+from stoa.types import Episode, Segment, encode_episodes
+
+pytestmark = pytest.mark.slow
+
+TINY = """
+name = "{name}"
+seed = 3
+
+[model]
+tiny = {{ vocab_size = 700, hidden_size = 64, num_layers = 1, num_heads = 2, num_kv_heads = 1, intermediate_size = 128 }}
+
+[env]
+id = "stoa/SyntheticSearch-v0"
+kwargs = {{ num_entities = 30, facts_per_entity = 3, num_test_facts = 10, seed = 5 }}
+
+[warmstart]
+reading_steps = 2
+reading_worlds = 2
+steps = 2
+batch_size = 8
+habit_reading_demos = 4
+
+[rollout]
+group_size = 2
+groups_per_cohort = 2
+max_turn_tokens = 8
+max_episode_tokens = 160
+max_batch = 8
+poll_seconds = 0.1
+
+[trainer]
+steps = {steps}
+groups_per_step = 2
+max_lag = {max_lag}
+checkpoint_every = 2
+threads = 1
+learner_config = {{ lr = 1e-3 }}
+poll_seconds = 0.05
+
+[pulse]
+anchor_every = 4
+
+[eval]
+every = 100
+num_questions = 4
+samples = 1
+
+[fleet]
+workers = 2
+"""
+
+
+def write_config(tmp: Path, name: str = "fleet-test", steps: int = 6, max_lag: int = 3) -> Path:
+    p = tmp / f"{name}.toml"
+    p.write_text(TINY.format(name=name, steps=steps, max_lag=max_lag))
+    return p
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+                TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+
+
+class Fleet:
+    """Spawns trainer and worker processes of one run; kills whatever is left at the end."""
+
+    def __init__(self, tmp: Path, config: Path):
+        self.tmp, self.config = tmp, config
+        self.cfg = load_config(config)
+        self.store_dir, self.run_dir = tmp / "store", tmp / "run"
+        self.key, self.pub = save_keypair(generate_private_key(), tmp / "keys", "run")
+        self.procs: list[subprocess.Popen] = []
+
+    @property
+    def store(self) -> LocalStore:
+        return LocalStore(self.store_dir)
+
+    def _spawn(self, args: list[str], log: str) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-m", "stoa", *args], env=env(), stdout=open(self.tmp / log, "ab"),
+                             stderr=subprocess.STDOUT)
+        self.procs.append(p)
+        return p
+
+    def trainer(self, *extra: str) -> subprocess.Popen:
+        return self._spawn(["trainer", str(self.config), "--store", str(self.store_dir), "--key", str(self.key),
+                            "--run-dir", str(self.run_dir), *extra], "trainer.log")
+
+    def worker(self, wid: str, *extra: str) -> subprocess.Popen:
+        return self._spawn(["worker", "--store", str(self.store_dir), "--run", self.cfg.name, "--public-key",
+                            str(self.pub), "--id", wid, "--cache", str(self.tmp / "cache" / wid), *extra],
+                           f"{wid}.log")
+
+    def log(self, name: str) -> str:
+        p = self.tmp / name
+        return p.read_text(errors="replace") if p.exists() else ""
+
+    def rows(self, kind: str | None = None) -> list[dict]:
+        rows = read_metrics(self.run_dir / "metrics.jsonl")
+        return [r for r in rows if kind is None or r["kind"] == kind]
+
+    def ledger(self) -> list[dict]:
+        p = self.run_dir / "ledger.jsonl"
+        return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+
+    def wait(self, proc: subprocess.Popen, timeout: float = 240) -> int:
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"process did not finish in {timeout}s; trainer log:\n{self.log('trainer.log')[-3000:]}")
+
+    def wait_for(self, cond, timeout: float = 240, what: str = "condition") -> None:
+        deadline = time.time() + timeout
+        while not cond():
+            if time.time() > deadline:
+                raise AssertionError(f"timed out waiting for {what}; trainer log:\n{self.log('trainer.log')[-3000:]}")
+            for p in self.procs:
+                if p.poll() not in (None, 0, -9, -15):
+                    raise AssertionError(f"a process failed ({p.args[3]}):\n{self.log('trainer.log')[-3000:]}")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    f = Fleet(tmp_path, write_config(tmp_path))
+    yield f
+    f.close()
+
+
+def trained_groups(ledger: list[dict]) -> list[str]:
+    return [g for e in ledger for g in e.get("trained", [])]
+
+
+def uploaded_groups(store: LocalStore, run: str) -> set[str]:
+    from stoa.types import decode_episodes
+
+    out = set()
+    for key in store.list(f"{run}/rollouts/"):
+        out |= {e.group_id for e in decode_episodes(store.get(key))}
+    return out
+
+
+def test_local_train_end_to_end(tmp_path):
+    """`stoa train` runs the trainer + 2 workers to the end and writes metrics, plots and a summary."""
+    config = write_config(tmp_path, "e2e", steps=4)
+    r = subprocess.run([sys.executable, "-m", "stoa", "train", str(config), "--runs", str(tmp_path / "runs")],
+                       env=env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run = tmp_path / "runs" / "e2e"
+    rows = read_metrics(run / "metrics.jsonl")
+    evals = [x for x in rows if x["kind"] == "eval"]
+    train = [x for x in rows if x["kind"] == "train"]
+    assert [x["version"] for x in evals] == [0, 4] and len(train) == 4
+    for x in evals:
+        assert 0.0 <= x["eval/pass@1"] <= 1.0 and 0.0 <= x["eval/search_rate"] <= 1.0
+    for x in train:  # a step whose groups all had equal rewards trains nothing, and says so
+        assert x["learner/skipped_no_signal"] or 0.0 <= x["gate/masked_frac"] <= 1.0
+        assert x["pulse/bytes"] > 0
+    assert [x["phase"] for x in rows if x["kind"] == "warmstart"] == ["reading", "habit"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["versions"] == 4 and summary["workers"] == 2
+    assert all(Path(p).stat().st_size > 1000 for p in summary["plots"])
+    assert "pass@1" in r.stdout and (run / "summary.md").exists()
+    assert list((run / "tensorboard").iterdir())
+    # The workers saw the finish marker and left cleanly.
+    status = fleet_status(LocalStore(run / "store"), "e2e", public_key=run / "keys" / "run.pub")
+    assert status["finished"] and status["head"] == 4
+    assert {w["status"] for w in status["workers"]} == {"stopped"} and len(status["workers"]) == 2
+    r = subprocess.run([sys.executable, "-m", "stoa", "status", "--store", str(run / "store"), "--run", "e2e",
+                        "--public-key", str(run / "keys" / "run.pub")], env={**env(), "COLUMNS": "200"}, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "finished, head version 4" in r.stdout and "worker-1" in r.stdout, r.stdout + r.stderr
+
+
+def test_kill_worker_mid_run_trainer_carries_on(fleet):
+    """kill -9 a worker while it generates and uploads: the trainer never sees a partial batch."""
+    trainer = fleet.trainer()
+    steady = fleet.worker("steady")
+    victim = fleet.worker("victim")
+    hb = f"{fleet.cfg.name}/workers/victim.json"
+    fleet.wait_for(lambda: fleet.store.exists(hb) and b"generating" in fleet.store.get(hb), what="the victim to generate")
+    rng = np.random.default_rng(0)
+    for _ in range(3):  # kill it at random moments of its loop, restart it, and kill it again
+        time.sleep(float(rng.uniform(0.0, 0.6)))
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        victim = fleet.worker("victim")
+    assert fleet.wait(trainer) == 0, fleet.log("trainer.log")[-3000:]
+    assert fleet.wait(steady, 60) == 0
+    assert fleet.wait(victim, 120) == 0
+    st = fleet.store
+    assert st.list(f"{fleet.cfg.name}/quarantine/") == []  # nothing torn was ever visible
+    assert not [k for k in st.list("") if ".stoa-tmp" in k]
+    trained = trained_groups(fleet.ledger())
+    assert len(trained) == len(set(trained)) == 6 * 2
+
+
+def test_kill_trainer_mid_step_and_resume(fleet):
+    """kill -9 the trainer mid-run; --resume loses no episode, counts none twice, keeps the chain intact."""
+    trainer = fleet.trainer()
+    workers = [fleet.worker("w0"), fleet.worker("w1")]
+    fleet.wait_for(lambda: len(fleet.rows("train")) >= 3, what="three RL steps")
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait()
+    killed_at = max(r["version"] for r in fleet.rows("train"))
+    resumed = fleet.trainer("--resume")
+    assert fleet.wait(resumed) == 0, fleet.log("trainer.log")[-3000:]
+    for w in workers:
+        assert fleet.wait(w, 60) == 0
+
+    ledger = fleet.ledger()
+    trained = trained_groups(ledger)
+    assert len(trained) == len(set(trained)), "a group was trained on twice"
+    assert max(e["rl_step"] for e in ledger) == 6 and len([e for e in ledger if "trained" in e]) == 6
+    dropped = {g for e in ledger for gs in e.get("dropped", {}).values() for g in gs}
+    # Every uploaded group was trained, dropped with a reason, or is still waiting; none vanished.
+    from stoa.transport.exchange import RolloutReader
+
+    ck = sorted((fleet.run_dir / "checkpoints").glob("v*"))[-1]
+    extra = json.loads((ck / "meta.json").read_text())["extra"]
+    reader = RolloutReader(fleet.store, fleet.cfg.name)
+    reader.restore(extra["reader"])
+    waiting = {e.group_id for b in reader.poll() for e in b.episodes}
+    assert uploaded_groups(fleet.store, fleet.cfg.name) <= set(trained) | dropped | waiting
+    # Versions never repeat: the resumed trainer published past what the killed one had.
+    events = [r for r in fleet.rows("event") if r.get("event") == "resumed"]
+    assert len(events) == 1 and events[0]["version"] > killed_at
+    # The chain is intact: a fresh worker joins at the head and the state verifies.
+    sub = WeightSubscriber(fleet.store, fleet.cfg.name, fleet.pub)
+    res = sub.sync(None)
+    assert res.version == sub.head() and state_hash(res.state) == sub.manifest(res.version)["state_hash"]
+
+
+def test_offline_worker_catches_up(tmp_path):
+    """A worker stopped (SIGSTOP) for many versions catches up through deltas or a newer anchor."""
+    fleet = Fleet(tmp_path, write_config(tmp_path, steps=30))
+    try:
+        _offline_worker_catches_up(fleet)
+    finally:
+        fleet.close()
+
+
+def _offline_worker_catches_up(fleet: Fleet) -> None:
+    trainer = fleet.trainer()
+    sleeper = fleet.worker("sleeper")
+    hb = f"{fleet.cfg.name}/workers/sleeper.json"
+    fleet.wait_for(lambda: fleet.store.exists(hb), what="the sleeper's first heartbeat")
+    sleeper.send_signal(signal.SIGSTOP)
+    stopped_at = json.loads(fleet.store.get(hb))["version"]
+    w0 = fleet.worker("w0")  # the run goes on without the sleeper
+    fleet.wait_for(lambda: len(fleet.rows("train")) >= stopped_at + 4, what="four RL steps while the sleeper is offline")
+    sleeper.send_signal(signal.SIGCONT)
+    fleet.wait_for(lambda: (b := json.loads(fleet.store.get(hb)))["version"] >= stopped_at + 4
+                   and b["batches"] >= 2, what="the sleeper to catch up and upload again")
+    assert fleet.wait(trainer) == 0
+    assert fleet.wait(w0, 60) == 0 and fleet.wait(sleeper, 60) == 0
+    assert json.loads(fleet.store.get(hb))["status"] == "stopped"
+    assert "joined run" in fleet.log("sleeper.log") and "Traceback" not in fleet.log("sleeper.log")
+
+
+def _raw_batch(episodes: list[Episode], mutate) -> bytes:
+    body = msgpack.unpackb(encode_episodes(episodes, compress=False)[6:], raw=False)
+    mutate(body["episodes"][0])
+    return b"STEP\x01\x00" + msgpack.packb(body, use_bin_type=True)
+
+
+def test_bad_episodes_are_quarantined_with_a_reason(fleet):
+    """Wrong version, out-of-vocabulary tokens, non-finite log-probs, oversize: quarantined, counted, no crash."""
+    trainer = fleet.trainer()
+    fleet.wait_for(lambda: fleet.store.exists(f"{fleet.cfg.name}/current.json"), what="version 0")
+    run = fleet.cfg.name
+    st = fleet.store
+
+    def ep(**kw):
+        base = dict(prompt_tokens=np.array([1, 2, 3]), segments=[Segment("model", np.array([4, 5]), np.array([-0.5, -1.0]))],
+                    reward=1.0, policy_version=0, worker_id="mallory", group_id="g", sample_index=0)
+        base.update(kw)
+        return Episode(**base)
+
+    good = [ep(sample_index=i) for i in range(2)]
+    st.put(rollout_key(run, "mallory", 0, 0), encode_episodes([ep(worker_id="mallory", policy_version=0, segments=[
+        Segment("model", np.array([4, 10**6]), np.array([-0.5, -1.0]))])]))  # token id far outside the vocabulary
+    st.put(rollout_key(run, "mallory", 1, 0), _raw_batch(good, lambda d: d.update(
+        segments=[{"kind": "model", "tokens": np.array([4], "<i4").tobytes(),
+                   "logprobs": np.array([np.nan], "<f4").tobytes()}])))
+    st.put(rollout_key(run, "mallory", 2, 999), encode_episodes([ep(policy_version=999, group_id="future")]))
+    st.put(rollout_key(run, "mallory", 3, 0), _raw_batch(good, lambda d: d.update(  # over the token limit
+        prompt=(np.arange(400_000) % 50).astype("<i4").tobytes())))
+    st.put(rollout_key(run, "mallory", 4, 0), b"\x00garbage, not an episode batch")
+    workers = [fleet.worker("w0"), fleet.worker("w1")]
+    assert fleet.wait(trainer) == 0, fleet.log("trainer.log")[-3000:]
+    for w in workers:
+        fleet.wait(w, 60)
+    reasons = {k.rsplit("/", 1)[1]: json.loads(st.get(k))["reason"]
+               for k in st.list(f"{run}/quarantine/mallory/") if k.endswith(".reason.json")}
+    assert len(reasons) == 5, reasons
+    text = " | ".join(sorted(reasons.values()))
+    for needle in ("outside the vocabulary", "non-finite", "newer than the trainer", "over the limit", "magic"):
+        assert needle in text, text
+    assert fleet.rows("train")[-1]["dropped/quarantined_batches"] == 5
