@@ -160,8 +160,6 @@ def _setup_logging(verbose: bool) -> None:
 
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    for noisy in ("bm25s", "httpx", "urllib3", "botocore", "boto3"):  # their INFO/DEBUG chatter drowns ours
-        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 @app.command("train")

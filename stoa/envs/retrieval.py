@@ -198,6 +198,15 @@ def _as_documents(docs: Iterable[Document]) -> list[Document]:
 # ---------------------------------------------------------------------------------------------
 
 
+def _bm25s():
+    import logging
+
+    import bm25s
+
+    logging.getLogger("bm25s").setLevel(logging.WARNING)  # it sets itself to DEBUG on import
+    return bm25s
+
+
 class BM25SRetriever:
     """BM25 (Lucene variant) on ``bm25s``: build, :meth:`save`, :meth:`load` memory-mapped."""
 
@@ -215,7 +224,7 @@ class BM25SRetriever:
         are never held in memory; the index is saved there and returned memory-mapped. That is
         the way to index a corpus larger than RAM allows as Python objects.
         """
-        import bm25s
+        bm25s = _bm25s()
 
         folder = _new_folder(out) if out is not None else None
         kept: list[Document] = []
@@ -268,7 +277,7 @@ class BM25SRetriever:
     @classmethod
     def load(cls, path: str | Path, *, mmap: bool = True) -> BM25SRetriever:
         """Open an index written by :meth:`save`; with ``mmap`` the arrays and documents stay on disk."""
-        import bm25s
+        bm25s = _bm25s()
 
         folder = Path(path)
         manifest = _read_manifest(folder)

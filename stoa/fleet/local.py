@@ -139,6 +139,7 @@ def _fmt(x: Any, pct: bool = False) -> str:
 def _summary_md(cfg: RunConfig, s: dict[str, Any]) -> str:
     d1 = None if s["pass@1_end"] is None else 100 * (s["pass@1_end"] - s["pass@1_start"])
     d2 = None if s["search_rate_end"] is None else 100 * (s["search_rate_end"] - s["search_rate_start"])
+    gate = "-" if s["gate_masked_frac_mean"] is None else f"{100 * s['gate_masked_frac_mean']:.3f}%"
     lines = [
         f"# {cfg.name}: summary",
         "",
@@ -155,7 +156,7 @@ def _summary_md(cfg: RunConfig, s: dict[str, Any]) -> str:
         f"- wall time {s['wall_seconds']:.0f} s, {s['versions']} versions, {s['workers']} int8 workers",
         f"- staleness of trained episodes (versions behind: count): {s['staleness_histogram']}; "
         f"{s['episodes_stale_ge_1']} episodes at staleness >= 1; {s['dropped_stale_groups']} stale groups dropped",
-        f"- DPPO gate masked fraction (mean over steps): {_fmt(s['gate_masked_frac_mean'], True)}",
+        f"- DPPO gate masked fraction (mean over steps): {gate} of model tokens",
         f"- PULSE: mean delta {_fmt(s['delta_bytes_mean'])} bytes vs full int8 state {_fmt(s['full_bytes'])} bytes"
         + (f" ({100 * s['delta_bytes_mean'] / s['full_bytes']:.1f}%)" if s["delta_bytes_mean"] and s["full_bytes"] else ""),
     ]

@@ -167,6 +167,9 @@ class Trainer:
         from stoa.backends.learner import make_learner
 
         cfg = self.cfg
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise RuntimeError("stoa trainer runs one process: the trainer loop does not yet broadcast batches "
+                               "to other ranks (the Megatron learner itself supports TP/PP/DP under torchrun)")
         self.model_dir = prepare_model(cfg, self.run_dir)
         publish_run(self.store, self.run_name, cfg, self.model_dir, self.key)
         self.learner = make_learner(cfg.trainer.learner, self.model_dir, self._learner_config())
