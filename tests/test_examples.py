@@ -1,0 +1,25 @@
+"""Smoke tests: every example script runs with tiny sizes (the demo config itself: tests/test_fleet.py)."""
+
+import runpy
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_dppo_loop_example_runs(tmp_path, capsys):
+    mod = runpy.run_path(str(ROOT / "examples" / "dppo_loop.py"))
+    args = mod["Args"](out=str(tmp_path), num_entities=30, warmstart_steps=2, iterations=2, prompts=2,
+                       group_size=2, eval_questions=4)
+    result = mod["main"](args)
+    assert set(result) == {"pass@1_start", "pass@1_end", "search_rate_start", "search_rate_end"}
+    assert all(0.0 <= v <= 1.0 for v in result.values())
+    out = capsys.readouterr().out
+    assert "before RL" in out and "iter   2" in out and "after RL" in out
+
+
+def test_example_configs_load():
+    from stoa.fleet.config import load_config
+
+    for path in sorted((ROOT / "examples").glob("*.toml")):
+        cfg = load_config(path)
+        assert cfg.name and cfg.seed is not None, path
