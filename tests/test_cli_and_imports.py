@@ -3,7 +3,6 @@
 import subprocess
 import sys
 
-import pytest
 
 BLOCK_HEAVY = """
 import importlib.abc, sys

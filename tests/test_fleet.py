@@ -22,7 +22,7 @@ from stoa.fleet.config import load_config
 from stoa.fleet.metrics import read_metrics
 from stoa.fleet.status import fleet_status
 from stoa.transport.chain import WeightSubscriber, generate_private_key, save_keypair
-from stoa.transport.exchange import RolloutWriter, rollout_key
+from stoa.transport.exchange import rollout_key
 from stoa.transport.pulse import state_hash
 from stoa.transport.store import LocalStore
 from stoa.types import Episode, Segment, encode_episodes

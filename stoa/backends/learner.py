@@ -58,7 +58,7 @@ import numpy as np
 if TYPE_CHECKING:
     from stoa.types import Episode
 
-__all__ = ["BACKENDS", "Learner", "LearnerConfig", "LearnerError", "lr_at", "make_learner"]
+__all__ = ["BACKENDS", "Learner", "LearnerConfig", "LearnerError", "check_episodes", "lr_at", "make_learner"]
 
 BACKENDS: dict[str, str] = {
     "torch": "stoa.backends.torch",
@@ -135,6 +135,30 @@ class LearnerConfig:
             raise ValueError(f"device={self.device!r} must be auto, cpu, cuda or cuda:N")
         if self.threads < 0:
             raise ValueError("threads must be >= 0")
+
+
+def check_episodes(episodes: Sequence[Episode], vocab_size: int, *, train: bool) -> list[np.ndarray]:
+    """Every backend's input check; returns each episode's tokens (int64).
+
+    Raises:
+        LearnerError: an empty batch, an episode without tokens, a token id outside
+            ``[0, vocab_size)``, no model tokens when training, a temperature that is not finite and > 0.
+    """
+    if len(episodes) == 0:
+        raise LearnerError("empty batch")
+    tokens = []
+    for i, ep in enumerate(episodes):
+        t = ep.tokens()
+        if t.size == 0:
+            raise LearnerError(f"episode {i} has no tokens")
+        if int(t.min()) < 0 or int(t.max()) >= vocab_size:
+            raise LearnerError(f"episode {i}: token id outside [0, {vocab_size})")
+        if train and ep.num_model_tokens == 0:
+            raise LearnerError(f"episode {i} has no model tokens to train on")
+        if not (math.isfinite(ep.temperature) and ep.temperature > 0):
+            raise LearnerError(f"episode {i}: temperature {ep.temperature!r} must be finite and > 0")
+        tokens.append(t.astype(np.int64))
+    return tokens
 
 
 def lr_at(config: LearnerConfig, step: int) -> float:

@@ -96,28 +96,15 @@ def write_plots(rows: list[dict[str, Any]], out_dir: str | Path) -> list[Path]:
     if train:
         ax.plot([r["version"] for r in train], [r.get("rollout/search_rate") for r in train], alpha=0.35,
                 label="search rate (rollouts)")
-    ax.set_xlabel("policy version")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title("Learning to search")
-    ax.legend()
-    fig.tight_layout()
-    paths.append(out / "pass_at_1_and_search_rate.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_finish(plt, fig, ax, "Learning to search", None, out / "pass_at_1_and_search_rate.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     pub = [r for r in train if r.get("pulse/bytes")]
     if pub:
         ax.semilogy([r["version"] for r in pub], [r["pulse/bytes"] for r in pub], ".", label="published bytes")
         ax.semilogy([r["version"] for r in pub], [r["pulse/full_bytes"] for r in pub], "-", label="full int8 checkpoint")
-    ax.set_xlabel("policy version")
-    ax.set_ylabel("bytes")
-    ax.set_title("PULSE: delta size vs full checkpoint")
-    ax.legend()
-    fig.tight_layout()
-    paths.append(out / "delta_bytes.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_finish(plt, fig, ax, "PULSE: delta size vs full checkpoint", "bytes", out / "delta_bytes.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     if train:
@@ -125,12 +112,17 @@ def write_plots(rows: list[dict[str, Any]], out_dir: str | Path) -> list[Path]:
         ax.plot(v, [r.get("gate/masked_frac") for r in train], label="masked (total)")
         ax.plot(v, [r.get("gate/masked_high_frac") for r in train], label="masked high (A>0, pi-mu>delta)")
         ax.plot(v, [r.get("gate/masked_low_frac") for r in train], label="masked low (A<0, pi-mu<-delta)")
+    paths.append(_finish(plt, fig, ax, "DPPO gate", "fraction of model tokens", out / "gate_fraction.png"))
+    return paths
+
+
+def _finish(plt, fig, ax, title: str, ylabel: str | None, path: Path) -> Path:
     ax.set_xlabel("policy version")
-    ax.set_ylabel("fraction of model tokens")
-    ax.set_title("DPPO gate")
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    paths.append(out / "gate_fraction.png")
-    fig.savefig(paths[-1], dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    return paths
+    return path

@@ -43,7 +43,8 @@ from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from safetensors import safe_open
 
-from stoa.backends.learner import LearnerConfig, LearnerError, lr_at
+from stoa.backends.learner import LearnerConfig, LearnerError, check_episodes, lr_at
+from stoa.backends.torch.packing import plan_micro_batches
 from stoa.types import Episode
 
 from . import checkpoint
@@ -137,33 +138,6 @@ class _Micro:
     packed: PackedSeqParams | None
     num_tokens: int
     num_slots: int
-
-
-def _plan(lengths: Sequence[int], budget: int, packing: bool) -> list[list[list[int]]]:
-    """``plan[micro][row]`` = episode indices. Packed: first-fit decreasing, one row a micro-batch;
-    padded: one episode a row, a micro-batch grows while ``rows * longest <= budget``."""
-    if packing:
-        rows: list[list[int]] = []
-        room: list[int] = []
-        for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-            j = next((j for j, r in enumerate(room) if lengths[i] <= r), None)
-            if j is None:
-                rows.append([i])
-                room.append(budget - lengths[i])
-            else:
-                rows[j].append(i)
-                room[j] -= lengths[i]
-        return [[r] for r in rows]
-    plan: list[list[list[int]]] = []
-    longest = 0
-    for i, n in enumerate(lengths):
-        if plan and (len(plan[-1]) + 1) * max(longest, n) <= budget:
-            plan[-1].append([i])
-            longest = max(longest, n)
-        else:
-            plan.append([[i]])
-            longest = n
-    return plan
 
 
 def _deal(sizes: Sequence[int], ranks: int) -> list[list[int]]:
@@ -371,19 +345,7 @@ class MegatronLearner:
 
     # -- inputs --------------------------------------------------------------------------------
     def _check(self, episodes: Sequence[Episode], *, train: bool) -> list[np.ndarray]:
-        if len(episodes) == 0:
-            raise LearnerError("empty batch")
-        out = []
-        for i, ep in enumerate(episodes):
-            t = ep.tokens()
-            if t.size == 0 or int(t.min()) < 0 or int(t.max()) >= self.vocab_size:
-                raise LearnerError(f"episode {i}: empty, or a token id outside [0, {self.vocab_size})")
-            if train and ep.num_model_tokens == 0:
-                raise LearnerError(f"episode {i} has no model tokens to train on")
-            if not (math.isfinite(ep.temperature) and ep.temperature > 0):
-                raise LearnerError(f"episode {i}: temperature {ep.temperature!r} must be finite and > 0")
-            out.append(t.astype(np.int64))
-        return out
+        return check_episodes(episodes, self.vocab_size, train=train)
 
     def _micro(self, rows: list[list[int]], tokens: list[np.ndarray], temps: Sequence[float]) -> _Micro:
         lengths = [len(tokens[i]) for row in rows for i in row]
@@ -429,7 +391,7 @@ class MegatronLearner:
 
     def _micro_batches(self, tokens: list[np.ndarray], temps: Sequence[float]) -> tuple[list[_Micro], int, int, int]:
         """This data-parallel rank's micro-batches; the whole batch's token, slot and micro-batch counts."""
-        plan = _plan([len(t) for t in tokens], self.config.micro_batch_tokens, self._packed)
+        plan = plan_micro_batches([len(t) for t in tokens], self.config.micro_batch_tokens, self._packed)
         sizes = [sum(len(tokens[i]) for row in rows for i in row) for rows in plan]
         slots = sum(len(rows) * max(sum(len(tokens[i]) for i in row) for row in rows) for rows in plan)
         mine = [self._micro(plan[j], tokens, temps) for j in _deal(sizes, self.dp)[self.dp_rank]]

@@ -139,16 +139,7 @@ class MLXEngine:
     def apply_delta(self, version: int, blob: bytes) -> list[str]:
         from stoa.transport import pulse
 
-        self._exclusive("apply_delta")
-        try:
-            mx.synchronize()  # nothing may still be reading the buffers written below
-            changed = pulse.apply_delta_inplace(self._state, blob)
-            if changed and self._mode == "dequantized":
-                W.rebuild_float(self._model, self._state, self._stems, changed)
-            self.version = int(version)
-            return changed
-        finally:
-            self._lock.release()
+        return self.update_inplace(lambda state: (version, pulse.apply_delta_inplace(state, blob)))
 
     def update_inplace(self, write: Callable[[dict[str, np.ndarray]], tuple[int, Sequence[str]]]) -> list[str]:
         """Change the live weights in place between cohorts: ``write(state) -> (version, changed names)``

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from stoa.backends.learner import LearnerConfig, LearnerError, lr_at
+from stoa.backends.learner import LearnerConfig, LearnerError, check_episodes, lr_at
 from stoa.backends.torch import attention
 from stoa.backends.torch.packing import MicroBatch, build_micro_batches
 from stoa.types import Episode
@@ -127,21 +127,7 @@ class TorchLearner:
 
     # -- inputs --------------------------------------------------------------------------------
     def _check(self, episodes: Sequence[Episode], *, train: bool) -> list[np.ndarray]:
-        if len(episodes) == 0:
-            raise LearnerError("empty batch")
-        tokens = []
-        for i, ep in enumerate(episodes):
-            t = ep.tokens()
-            if t.size == 0:
-                raise LearnerError(f"episode {i} has no tokens")
-            if int(t.min()) < 0 or int(t.max()) >= self.vocab_size:
-                raise LearnerError(f"episode {i}: token id outside [0, {self.vocab_size})")
-            if train and ep.num_model_tokens == 0:
-                raise LearnerError(f"episode {i} has no model tokens to train on")
-            if not (math.isfinite(ep.temperature) and ep.temperature > 0):
-                raise LearnerError(f"episode {i}: temperature {ep.temperature!r} must be finite and > 0")
-            tokens.append(t)
-        return tokens
+        return check_episodes(episodes, self.vocab_size, train=train)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self._compute_dtype == torch.float32:
