@@ -37,8 +37,10 @@ class Args:
     """Seed of the model, the prompt stream and sampling."""
     num_entities: int = 300
     """Size of the synthetic corpus (proteins; 3 facts each)."""
-    warmstart_steps: int = 400
+    warmstart_steps: int = 600
     """Supervised steps on search demonstrations from other worlds (teaches the format and reading)."""
+    warmstart_batch: int = 64
+    """Demonstrations per warm-start step."""
     iterations: int = 30
     """RL iterations (one optimizer step and one weight version each)."""
     prompts: int = 8
@@ -93,7 +95,7 @@ def main(args: Args) -> dict[str, float]:
                              tok, ["none"]) for s in range(1, 9)]
     rng = np.random.default_rng(args.seed)
     for step in range(args.warmstart_steps):
-        batch = [worlds[w].episode(int(rng.integers(len(worlds[w]))), True, rng) for w in rng.integers(8, size=32)]
+        batch = [worlds[w].episode(int(rng.integers(len(worlds[w]))), True, rng) for w in rng.integers(8, size=args.warmstart_batch)]
         loss = learner.sft_step(batch)["loss"]
         if step % 100 == 0:
             print(f"warm start {step:4d}  loss {loss:.3f}")

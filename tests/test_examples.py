@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_dppo_loop_example_runs(tmp_path, capsys):
     mod = runpy.run_path(str(ROOT / "examples" / "dppo_loop.py"))
-    args = mod["Args"](out=str(tmp_path), num_entities=30, warmstart_steps=2, iterations=2, prompts=2,
+    args = mod["Args"](out=str(tmp_path), num_entities=30, warmstart_steps=2, warmstart_batch=4, iterations=2, prompts=2,
                        group_size=2, eval_questions=4)
     result = mod["main"](args)
     assert set(result) == {"pass@1_start", "pass@1_end", "search_rate_start", "search_rate_end"}
