@@ -330,3 +330,23 @@ def test_bad_episodes_are_quarantined_with_a_reason(fleet):
     for needle in ("outside the vocabulary", "non-finite", "newer than the trainer", "over the limit", "magic"):
         assert needle in text, text
     assert fleet.rows("train")[-1]["dropped/quarantined_batches"] == 5
+
+
+def test_resume_before_any_checkpoint_starts_over_without_reusing_versions(fleet):
+    trainer = fleet.trainer()
+    sub = WeightSubscriber(fleet.store, fleet.cfg.name, fleet.pub)
+    fleet.wait_for(lambda: sub.head() is not None, what="version 0")
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait()
+    assert not (fleet.run_dir / "checkpoints").exists() or not list((fleet.run_dir / "checkpoints").iterdir())
+    first_head = sub.head()
+    resumed = fleet.trainer("--resume")
+    workers = [fleet.worker("w0"), fleet.worker("w1")]
+    assert fleet.wait(resumed) == 0, fleet.log("trainer.log")[-3000:]
+    for w in workers:
+        fleet.wait(w, 60)
+    evals = [r["version"] for r in fleet.rows("eval")]
+    assert first_head + 1 in evals  # started over after the old head: version numbers never repeat
+    assert sub.head() == first_head + 1 + 6
+    trained = trained_groups(fleet.ledger())
+    assert len(trained) == len(set(trained)) == 6 * 2

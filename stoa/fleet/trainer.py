@@ -180,6 +180,8 @@ class Trainer:
             if cfg.warmstart.steps or cfg.warmstart.reading_steps:
                 self.warm_start()
             self.learner.reset_optimizer(self._learner_config())
+            head = self.publisher.head()  # --resume without a checkpoint: start over, but never reuse a version
+            self.version = 0 if head is None else head + 1
             self._publish()
             self.evaluate()
         while self.rl_step < cfg.trainer.steps:
@@ -406,12 +408,12 @@ class Trainer:
         self.reader.prune(reader_state)
         return path
 
-    def _cut_ledger(self, checkpoint: str) -> None:
-        """Forget ledger lines written after ``checkpoint``'s marker: that training was lost."""
+    def _cut_ledger(self, checkpoint: str | None) -> None:
+        """Forget ledger lines written after ``checkpoint``'s marker (all of them for None): that training was lost."""
         if not self.ledger_path.exists():
             return
         lines = self.ledger_path.read_text().splitlines(keepends=True)
-        keep = len(lines)
+        keep = len(lines) if checkpoint is not None else 0
         for i, line in enumerate(lines):
             try:
                 if json.loads(line).get("checkpoint") == checkpoint:
@@ -429,6 +431,7 @@ class Trainer:
             if self.publisher.head() is not None and not self.resume:
                 raise RuntimeError(f"run {self.run_name!r} already has published weights in this store; "
                                    "pass --resume to continue it, or choose another run name")
+            self._cut_ledger(None)  # nothing of an earlier attempt survives without a checkpoint
             return False
         extra = self.learner.load_checkpoint(cks[-1])
         self._cut_ledger(cks[-1].name)
