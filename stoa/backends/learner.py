@@ -58,7 +58,8 @@ import numpy as np
 if TYPE_CHECKING:
     from stoa.types import Episode
 
-__all__ = ["BACKENDS", "Learner", "LearnerConfig", "LearnerError", "check_episodes", "lr_at", "make_learner"]
+__all__ = ["BACKENDS", "Learner", "LearnerConfig", "LearnerError", "check_episodes", "lr_at", "make_learner",
+           "resolve_objective"]
 
 BACKENDS: dict[str, str] = {
     "torch": "stoa.backends.torch",
@@ -159,6 +160,25 @@ def check_episodes(episodes: Sequence[Episode], vocab_size: int, *, train: bool)
             raise LearnerError(f"episode {i}: temperature {ep.temperature!r} must be finite and > 0")
         tokens.append(t.astype(np.int64))
     return tokens
+
+
+def resolve_objective(n_episodes: int, advantages: np.ndarray, objective: str,
+                      objective_config: Any) -> tuple[np.ndarray, Any, Any]:
+    """Every backend's ``train_step`` arguments, checked: ``(advantages float64 [n], config, loss_fn)``.
+
+    Raises:
+        LearnerError: advantages of the wrong shape or not finite; an unknown objective.
+    """
+    from stoa.algos import get_objective
+
+    adv = np.asarray(advantages, dtype=np.float64)
+    if adv.shape != (n_episodes,) or not np.all(np.isfinite(adv)):
+        raise LearnerError(f"advantages must be {n_episodes} finite numbers, got shape {adv.shape}")
+    try:
+        cfg_cls, loss_fn = get_objective(objective)
+    except (ValueError, ImportError) as e:
+        raise LearnerError(f"unknown objective {objective!r}: {e}") from None
+    return adv, (cfg_cls() if objective_config is None else objective_config), loss_fn
 
 
 def lr_at(config: LearnerConfig, step: int) -> float:

@@ -43,7 +43,7 @@ from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from safetensors import safe_open
 
-from stoa.backends.learner import LearnerConfig, LearnerError, check_episodes, lr_at
+from stoa.backends.learner import LearnerConfig, LearnerError, check_episodes, lr_at, resolve_objective
 from stoa.backends.torch.packing import plan_micro_batches
 from stoa.types import Episode
 
@@ -523,16 +523,9 @@ class MegatronLearner:
     def _rl_objective(self, episodes: Sequence[Episode], tokens: list[np.ndarray], advantages: np.ndarray,
                       objective: str, objective_config: Any) -> tuple[Callable, Callable[[], dict[str, float]]]:
         """The per-micro-batch loss of a policy-gradient objective, and the full-batch metrics after it ran."""
-        from stoa.algos import ObjectiveInputs, batch_normalizer, get_objective
+        from stoa.algos import ObjectiveInputs, batch_normalizer
 
-        adv = np.asarray(advantages, dtype=np.float64)
-        if adv.shape != (len(episodes),) or not np.all(np.isfinite(adv)):
-            raise LearnerError(f"advantages must be {len(episodes)} finite numbers, got shape {adv.shape}")
-        try:
-            cfg_cls, loss_fn = get_objective(objective)
-        except (ValueError, ImportError) as e:
-            raise LearnerError(f"unknown objective {objective!r}: {e}") from None
-        cfg = cfg_cls() if objective_config is None else objective_config
+        adv, cfg, loss_fn = resolve_objective(len(episodes), advantages, objective, objective_config)
         width, n = max(len(t) for t in tokens), len(episodes)
         mask, blp = torch.zeros(n, width), torch.zeros(n, width)
         for i, ep in enumerate(episodes):

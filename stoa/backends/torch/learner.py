@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from stoa.backends.learner import LearnerConfig, LearnerError, check_episodes, lr_at
+from stoa.backends.learner import LearnerConfig, LearnerError, check_episodes, lr_at, resolve_objective
 from stoa.backends.torch import attention
 from stoa.backends.torch.packing import MicroBatch, build_micro_batches
 from stoa.types import Episode
@@ -217,16 +217,9 @@ class TorchLearner:
     def _rl_loss(self, episodes: Sequence[Episode], advantages: np.ndarray, objective: str,
                  objective_config: Any) -> tuple[MicroLoss, Callable[[], dict[str, float]]]:
         """Per-micro-batch objective (full-batch normalizer) and the full-batch metrics after it."""
-        from stoa.algos import ObjectiveInputs, batch_normalizer, get_objective
+        from stoa.algos import ObjectiveInputs, batch_normalizer
 
-        adv = np.asarray(advantages, dtype=np.float64)
-        if adv.shape != (len(episodes),) or not np.all(np.isfinite(adv)):
-            raise LearnerError(f"advantages must be {len(episodes)} finite numbers, got shape {adv.shape}")
-        try:
-            cfg_cls, loss_fn = get_objective(objective)
-        except (ValueError, ImportError) as e:
-            raise LearnerError(f"unknown objective {objective!r}: {e}") from None
-        cfg = cfg_cls() if objective_config is None else objective_config
+        adv, cfg, loss_fn = resolve_objective(len(episodes), advantages, objective, objective_config)
         masks = [ep.loss_mask() for ep in episodes]
         temps = [ep.temperature for ep in episodes]
         width = max(len(m) for m in masks)
