@@ -21,6 +21,7 @@ import torch
 
 from stoa.backends.learner import Learner, LearnerConfig, LearnerError, make_learner
 from stoa.models.tiny import TinyConfig, build_tiny
+from helpers import random_episodes
 from stoa.types import Episode, Segment
 
 TINY = dict(vocab_size=400, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -98,22 +99,6 @@ def torch_learner(path: Path, **kw) -> Learner:
     return make_learner("torch", path, LearnerConfig(**{**CFG, **kw}))
 
 
-def episodes(n: int, vocab: int, seed: int = 0) -> list[Episode]:
-    """Multi-turn episodes: prompt, then model turns with env (tool) output between them."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        segs = []
-        for turn in range(int(rng.integers(1, 4))):
-            k = int(rng.integers(1, 12))
-            segs.append(Segment("model", rng.integers(0, vocab, k), -rng.uniform(0.1, 6, k).astype(np.float32)))
-            if turn < 2 and rng.random() < 0.7:
-                segs.append(Segment("env", rng.integers(0, vocab, int(rng.integers(1, 20)))))
-        out.append(Episode(rng.integers(0, vocab, int(rng.integers(2, 16))), segs, reward=float(rng.random()),
-                           group_id=str(i // 4), sample_index=i % 4, temperature=float(rng.choice([0.7, 1.0, 1.3]))))
-    return out
-
-
 def hf_logprobs(path: Path, ep: Episode, temperature: float) -> np.ndarray:
     """Reference: one unpacked transformers forward, float64 log-softmax."""
     from transformers import AutoModelForCausalLM
@@ -155,7 +140,7 @@ def test_gptmodel_log_softmax_matches_transformers(family, family_dirs, megatron
 def test_packed_learner_logprobs_match_transformers(family, family_dirs, megatron_cpu):
     path = family_dirs[family]
     m = megatron(path)
-    eps = episodes(10, m.vocab_size, seed=1)
+    eps = random_episodes(10, m.vocab_size, seed=1)
     got = m.logprobs(eps, temperature=None)
     assert m._packed and any(len(mb.placements) > 1 for mb in m._micro_batches(
         [e.tokens() for e in eps], [1.0] * len(eps))[0])  # several episodes really share a row
@@ -168,7 +153,7 @@ def test_packed_learner_logprobs_match_transformers(family, family_dirs, megatro
 def test_learner_logprobs_match_torch_learner(layout, untied_dir, megatron_cpu):
     kw = {"packed": {}, "padded": {"packing": False}, "local": {"attention": "local"}}[layout]
     m, t = megatron(untied_dir, **kw), torch_learner(untied_dir)
-    eps = episodes(16, m.vocab_size, seed=2)
+    eps = random_episodes(16, m.vocab_size, seed=2)
     for temperature in (1.0, None):
         for x, y in zip(m.logprobs(eps, temperature), t.logprobs(eps, temperature)):
             assert rel_err(x[1:], y[1:]) < 1e-5
@@ -180,7 +165,7 @@ def test_logprobs_match_the_rollout_engines_mlx_float32_recomputation(qwen2_dir,
 
     model, _ = load(str(qwen2_dir))
     m = megatron(qwen2_dir)
-    eps = episodes(6, m.vocab_size, seed=9)
+    eps = random_episodes(6, m.vocab_size, seed=9)
     for ep, x in zip(eps, m.logprobs(eps, temperature=None)):
         logits = model(mx.array(ep.tokens()[None]))[0].astype(mx.float32) / ep.temperature
         lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -213,7 +198,7 @@ def test_dppo_loss_and_gradient_match_torch_learner(qwen2_dir, megatron_cpu):
     from stoa.algos import dppo
 
     m, t = megatron(qwen2_dir), torch_learner(qwen2_dir)
-    eps = episodes(16, m.vocab_size, seed=3)
+    eps = random_episodes(16, m.vocab_size, seed=3)
     adv = np.random.default_rng(0).standard_normal(len(eps))
     cfg = dppo.Config()
     mm, gm = m.gradients(eps, adv, "dppo", cfg)
@@ -237,7 +222,7 @@ def test_dppo_loss_and_gradient_match_torch_learner(qwen2_dir, megatron_cpu):
 
 def test_train_step_matches_torch_learner_and_moves_with_the_advantage(qwen2_dir, megatron_cpu):
     m, t = megatron(qwen2_dir), torch_learner(qwen2_dir)
-    eps = episodes(12, m.vocab_size, seed=4)
+    eps = random_episodes(12, m.vocab_size, seed=4)
     adv = np.where(np.arange(12) % 2 == 0, 1.0, -1.0)
     before = m.logprobs(eps, temperature=None)
     rm, rt = m.train_step(eps, adv), t.train_step(eps, adv)
@@ -254,7 +239,7 @@ def test_train_step_matches_torch_learner_and_moves_with_the_advantage(qwen2_dir
 
 def test_bad_inputs_raise_clear_errors(qwen2_dir, megatron_cpu):
     m = megatron(qwen2_dir)
-    eps = episodes(2, m.vocab_size)
+    eps = random_episodes(2, m.vocab_size)
     with pytest.raises(LearnerError, match="empty"):
         m.logprobs([])
     with pytest.raises(LearnerError, match="advantages"):
@@ -282,7 +267,7 @@ def test_data_parallel_dealing_and_a_rank_with_no_work(qwen2_dir, megatron_cpu):
 
     assert _deal([5, 3, 3, 1], 2) == [[0, 3], [1, 2]]  # largest first, to the least loaded rank
     m = megatron(qwen2_dir)
-    eps = episodes(2, m.vocab_size, seed=8)
+    eps = random_episodes(2, m.vocab_size, seed=8)
     m.dp, m.dp_rank = 4, 3  # as rank 3 of 4 data-parallel ranks: 2 episodes leave it nothing
     mbs, n_tok, _, n_micro = m._micro_batches([e.tokens() for e in eps], [1.0, 1.0])
     assert len(mbs) == 1 and not mbs[0].placements and n_tok == sum(map(len, eps)) and n_micro < 4
@@ -310,7 +295,7 @@ def test_export_weights_equal_the_hf_folder(which, qwen2_dir, untied_dir, megatr
 
 
 def test_checkpoint_resumes_bit_exactly(qwen2_dir, untied_dir, megatron_cpu, tmp_path):
-    eps_a, eps_b = episodes(8, 300, seed=5), episodes(8, 300, seed=6)
+    eps_a, eps_b = random_episodes(8, 300, seed=5), random_episodes(8, 300, seed=6)
     adv = np.random.default_rng(1).standard_normal(8)
     cfg = dict(lr=2e-3, schedule="cosine", warmup_steps=1, total_steps=10, weight_decay=0.1)
     straight = megatron(qwen2_dir, **cfg)

@@ -12,6 +12,7 @@ import torch
 
 from stoa.backends.learner import Learner, LearnerConfig, LearnerError, make_learner
 from stoa.models.tiny import TinyConfig, build_tiny
+from helpers import random_episodes
 from stoa.types import Episode, Segment
 
 TINY = dict(vocab_size=400, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -43,23 +44,6 @@ def learner(path: Path, **kw) -> Learner:
     return make_learner("torch", path, LearnerConfig(**{"lr": 1e-3, "micro_batch_tokens": 96, **kw}))
 
 
-def episodes(n: int, vocab: int, seed: int = 0, temperature: float | None = None) -> list[Episode]:
-    """Multi-turn episodes: prompt, then model turns with env (tool) output between them."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        segs = []
-        for turn in range(int(rng.integers(1, 4))):
-            k = int(rng.integers(1, 12))
-            segs.append(Segment("model", rng.integers(0, vocab, k), -rng.uniform(0.1, 6, k).astype(np.float32)))
-            if turn < 2 and rng.random() < 0.7:
-                segs.append(Segment("env", rng.integers(0, vocab, int(rng.integers(1, 20)))))
-        t = float(rng.choice([0.7, 1.0, 1.3])) if temperature is None else temperature
-        out.append(Episode(rng.integers(0, vocab, int(rng.integers(2, 16))), segs, reward=float(rng.random()),
-                           group_id=str(i // 4), sample_index=i % 4, temperature=t))
-    return out
-
-
 def direct_logprobs(model: torch.nn.Module, ep: Episode, temperature: float) -> np.ndarray:
     """Reference: one unpacked forward of the HF model, float64 log-softmax."""
     ids = torch.from_numpy(ep.tokens().astype(np.int64))[None]
@@ -76,7 +60,7 @@ def direct_logprobs(model: torch.nn.Module, ep: Episode, temperature: float) -> 
 def test_packed_logprobs_equal_unpacked(family, qwen2_dir, tmp_path):
     path = qwen2_dir if family == "qwen2" else _hf_family_dir(tmp_path, family)
     packed, padded = learner(path), learner(path, packing=False)
-    eps = episodes(24, packed.vocab_size, seed=1)
+    eps = random_episodes(24, packed.vocab_size, seed=1)
     a, b = packed.logprobs(eps), padded.logprobs(eps)
     assert [len(x) for x in a] == [len(e) for e in eps]
     for ep, x, y in zip(eps, a, b):
@@ -89,7 +73,7 @@ def test_packed_logprobs_equal_unpacked(family, qwen2_dir, tmp_path):
 def test_packing_puts_several_episodes_in_a_row(qwen2_dir):
     from stoa.backends.torch.packing import build_micro_batches
 
-    eps = episodes(24, 300, seed=1)
+    eps = random_episodes(24, 300, seed=1)
     mbs = build_micro_batches([e.tokens() for e in eps], 96, packing=True)
     assert len(mbs) < len(eps) and all(m.attention_mask is None for m in mbs)
     assert sorted(p[0] for m in mbs for p in m.placements) == list(range(len(eps)))
@@ -98,7 +82,7 @@ def test_packing_puts_several_episodes_in_a_row(qwen2_dir):
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
 def test_logprobs_at_temperature_match_direct(temperature, qwen2_dir):
     ln = learner(qwen2_dir)
-    eps = episodes(6, ln.vocab_size, seed=2)
+    eps = random_episodes(6, ln.vocab_size, seed=2)
     for ep, x in zip(eps, ln.logprobs(eps, temperature=temperature)):
         np.testing.assert_allclose(x, direct_logprobs(ln.model, ep, temperature), rtol=1e-5, atol=2e-5)
     # None: each episode at its own sampling temperature.
@@ -108,7 +92,7 @@ def test_logprobs_at_temperature_match_direct(temperature, qwen2_dir):
 
 def test_chunked_log_softmax_matches_unchunked(qwen2_dir):
     whole, chunked = learner(qwen2_dir), learner(qwen2_dir, logits_chunk_elements=3 * 400)
-    eps = episodes(8, whole.vocab_size, seed=3)
+    eps = random_episodes(8, whole.vocab_size, seed=3)
     for x, y in zip(whole.logprobs(eps), chunked.logprobs(eps)):
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
     adv = np.linspace(-1, 1, len(eps))
@@ -120,7 +104,7 @@ def test_chunked_log_softmax_matches_unchunked(qwen2_dir):
 
 def test_gradient_checkpointing_gives_the_same_gradient(qwen2_dir):
     plain, ckpt = learner(qwen2_dir), learner(qwen2_dir, gradient_checkpointing=True)
-    eps = episodes(8, plain.vocab_size, seed=3)
+    eps = random_episodes(8, plain.vocab_size, seed=3)
     adv = np.linspace(-1, 1, len(eps))
     (m1, g1), (m2, g2) = plain.gradients(eps, adv), ckpt.gradients(eps, adv)
     assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-6)
@@ -133,7 +117,7 @@ def test_gradient_checkpointing_gives_the_same_gradient(qwen2_dir):
 
 def test_only_model_tokens_reach_the_lm_head_in_training(qwen2_dir):
     ln = learner(qwen2_dir)
-    eps = episodes(10, ln.vocab_size, seed=4)
+    eps = random_episodes(10, ln.vocab_size, seed=4)
     rows = []
     hook = ln.model.get_output_embeddings().register_forward_hook(lambda m, i, o: rows.append(o.shape[0]))
     ln.train_step(eps, np.ones(len(eps)))
@@ -147,7 +131,7 @@ def test_gradient_matches_a_masked_reference_and_ignores_env_tokens(qwen2_dir):
     from stoa.algos import ObjectiveInputs, dppo
 
     ln = learner(qwen2_dir)
-    eps = episodes(8, ln.vocab_size, seed=5)
+    eps = random_episodes(8, ln.vocab_size, seed=5)
     adv = np.array([1.0, -0.5, 0.3, -1.2, 0.8, 0.0, -0.2, 0.6])
     _, grads = ln.gradients(eps, adv)
 
@@ -179,7 +163,7 @@ def test_trailing_env_tokens_change_nothing(qwen2_dir):
     """Env tokens after the last model token: no loss term and no later context, so a step with
     them replaced by other tokens gives bit-identical metrics and weights."""
     vocab = learner(qwen2_dir).vocab_size
-    base = episodes(6, vocab, seed=6, temperature=1.0)
+    base = random_episodes(6, vocab, seed=6, temperature=1.0)
     rng = np.random.default_rng(0)
 
     def with_tail(tail_seed: int) -> list[Episode]:
@@ -205,7 +189,7 @@ def test_micro_batching_does_not_change_the_gradient(aggregation, qwen2_dir):
     from stoa.algos import dppo
 
     cfg = dppo.Config(aggregation=aggregation)
-    eps = episodes(12, 300, seed=7)
+    eps = random_episodes(12, 300, seed=7)
     adv = np.random.default_rng(1).standard_normal(len(eps))
     one = learner(qwen2_dir, micro_batch_tokens=10_000)
     many = learner(qwen2_dir, micro_batch_tokens=40)
@@ -223,7 +207,7 @@ def test_dppo_step_moves_log_probs_with_the_advantage(qwen2_dir):
     """On-policy batch (behaviour = current log-probs): after steps, positive-advantage episodes
     became likelier and negative ones less likely; the importance-sampled objective rose."""
     ln = learner(qwen2_dir, lr=3e-3)
-    eps = episodes(16, ln.vocab_size, seed=8, temperature=1.0)
+    eps = random_episodes(16, ln.vocab_size, seed=8, temperature=1.0)
     before = ln.logprobs(eps)
     for e, lp in zip(eps, before):  # make the batch on-policy: behaviour log-probs = current ones
         k = len(e.prompt_tokens)
@@ -245,7 +229,7 @@ def test_dppo_step_moves_log_probs_with_the_advantage(qwen2_dir):
 
 def test_sft_step_lowers_the_loss(qwen2_dir):
     ln = learner(qwen2_dir, lr=3e-3)
-    eps = episodes(8, ln.vocab_size, seed=9, temperature=1.0)
+    eps = random_episodes(8, ln.vocab_size, seed=9, temperature=1.0)
     lp = ln.logprobs(eps)
     expected = -sum(float(x[e.loss_mask()].sum()) for e, x in zip(eps, lp)) / sum(e.num_model_tokens for e in eps)
     losses = [ln.sft_step(eps)["loss"] for _ in range(4)]
@@ -258,7 +242,7 @@ def test_sft_step_lowers_the_loss(qwen2_dir):
 
 def test_lr_schedule_is_applied(qwen2_dir):
     ln = learner(qwen2_dir, lr=1e-3, schedule="linear", warmup_steps=2, total_steps=6)
-    eps = episodes(4, ln.vocab_size, seed=10)
+    eps = random_episodes(4, ln.vocab_size, seed=10)
     lrs = [ln.sft_step(eps)["lr"] for _ in range(7)]
     assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 7.5e-4, 5e-4, 2.5e-4, 0.0])
     ln.reset_optimizer(LearnerConfig(lr=2e-4, micro_batch_tokens=96))
@@ -268,7 +252,7 @@ def test_lr_schedule_is_applied(qwen2_dir):
 def test_bad_batches_raise_clear_errors(qwen2_dir):
     ln = learner(qwen2_dir)
     assert isinstance(ln, Learner)  # the runtime-checkable protocol
-    eps = episodes(3, ln.vocab_size, seed=11)
+    eps = random_episodes(3, ln.vocab_size, seed=11)
     with pytest.raises(LearnerError, match="empty batch"):
         ln.train_step([], np.zeros(0))
     with pytest.raises(LearnerError, match="advantages"):
@@ -310,7 +294,7 @@ def test_export_weights_match_the_hf_folder(which, qwen2_dir, untied_dir):
 
 
 def test_checkpoint_resumes_bit_exactly(qwen2_dir, tmp_path):
-    eps_a, eps_b = episodes(8, 300, seed=12), episodes(8, 300, seed=13)
+    eps_a, eps_b = random_episodes(8, 300, seed=12), random_episodes(8, 300, seed=13)
     adv = np.random.default_rng(2).standard_normal(8)
     cfg = dict(lr=2e-3, schedule="cosine", warmup_steps=1, total_steps=10, weight_decay=0.1)
 
@@ -344,6 +328,14 @@ def test_checkpoint_of_another_model_is_refused(qwen2_dir, untied_dir, tmp_path)
     learner(untied_dir).save_checkpoint(tmp_path / "c")
     with pytest.raises(LearnerError, match="another model"):
         learner(qwen2_dir).load_checkpoint(tmp_path / "c")
+    meta = tmp_path / "c" / "meta.json"
+    good = meta.read_text()
+    meta.write_text(good[: len(good) // 2])  # torn
+    with pytest.raises(LearnerError, match="not JSON"):
+        learner(untied_dir).load_checkpoint(tmp_path / "c")
+    meta.write_text(json.dumps({**json.loads(good), "format": "stoa.megatron_learner.v1"}))
+    with pytest.raises(LearnerError, match="is not a stoa.torch_learner.v1 checkpoint"):
+        learner(untied_dir).load_checkpoint(tmp_path / "c")
     (tmp_path / "c" / "rng.safetensors").unlink()
     with pytest.raises(LearnerError, match="complete"):
         learner(untied_dir).load_checkpoint(tmp_path / "c")
@@ -355,7 +347,7 @@ def test_checkpoint_of_another_model_is_refused(qwen2_dir, untied_dir, tmp_path)
 def test_bf16_autocast_path_on_cpu_runs_close_to_fp32(qwen2_dir):
     """The CUDA compute dtype, exercised on CPU at a tiny size (bf16 is slow on this CPU)."""
     fp32, bf16 = learner(qwen2_dir), learner(qwen2_dir, dtype="bfloat16")
-    eps = episodes(3, fp32.vocab_size, seed=14)
+    eps = random_episodes(3, fp32.vocab_size, seed=14)
     for x, y in zip(fp32.logprobs(eps), bf16.logprobs(eps)):
         assert y.dtype == np.float32
         np.testing.assert_allclose(y, x, atol=0.1)
@@ -367,7 +359,7 @@ def test_bf16_autocast_path_on_cpu_runs_close_to_fp32(qwen2_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_gpu_bf16_train_step_matches_cpu_direction(qwen2_dir):
     gpu, cpu = learner(qwen2_dir, device="cuda"), learner(qwen2_dir, device="cpu")
-    eps = episodes(16, cpu.vocab_size, seed=15)
+    eps = random_episodes(16, cpu.vocab_size, seed=15)
     for x, y in zip(cpu.logprobs(eps), gpu.logprobs(eps)):
         np.testing.assert_allclose(y, x, atol=0.1)
     adv = np.random.default_rng(3).standard_normal(len(eps))
@@ -399,7 +391,7 @@ def test_logprobs_match_the_mlx_engine_float32_recomputation(qwen2_dir, tmp_path
             shutil.copy(f, tmp_path / f.name)
     save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     ln = learner(tmp_path)
-    eps = episodes(10, ln.vocab_size, seed=16)
+    eps = random_episodes(10, ln.vocab_size, seed=16)
     for x, y in zip(ln.logprobs(eps, temperature=None), engine.score(eps, temperature=None)):
         assert x.shape == y.shape and y[0] == 0.0
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=2e-5)

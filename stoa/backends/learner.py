@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from stoa.types import Episode
 
 __all__ = ["BACKENDS", "Learner", "LearnerConfig", "LearnerError", "check_episodes", "lr_at", "make_learner",
-           "resolve_objective"]
+           "read_checkpoint_meta", "resolve_objective"]
 
 BACKENDS: dict[str, str] = {
     "torch": "stoa.backends.torch",
@@ -179,6 +179,23 @@ def resolve_objective(n_episodes: int, advantages: np.ndarray, objective: str,
     except (ValueError, ImportError) as e:
         raise LearnerError(f"unknown objective {objective!r}: {e}") from None
     return adv, (cfg_cls() if objective_config is None else objective_config), loss_fn
+
+
+def read_checkpoint_meta(path: Path, fmt: str) -> dict[str, Any]:
+    """``path/meta.json`` of a checkpoint, checked to be a JSON object of format ``fmt``.
+
+    Raises:
+        LearnerError: not JSON, not an object, or another format.
+    """
+    import json
+
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except ValueError as e:
+        raise LearnerError(f"{path}/meta.json is not JSON: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != fmt:
+        raise LearnerError(f"{path} is not a {fmt} checkpoint")
+    return meta
 
 
 def lr_at(config: LearnerConfig, step: int) -> float:

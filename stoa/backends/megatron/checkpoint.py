@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron.core import tensor_parallel
 from safetensors.torch import load_file, save_file
 
-from stoa.backends.learner import LearnerError
+from stoa.backends.learner import LearnerError, read_checkpoint_meta
 
 if TYPE_CHECKING:
     from .learner import MegatronLearner
@@ -99,12 +99,7 @@ def load(ln: MegatronLearner, path: Path) -> dict[str, Any]:
     rank_file = path / f"rank{dist.get_rank():05d}.safetensors"
     if not (path / "meta.json").is_file() or not rank_file.is_file():
         raise LearnerError(f"{path} is not a complete Megatron checkpoint for this rank")
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-    except ValueError as e:
-        raise LearnerError(f"{path}/meta.json is not JSON: {e}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise LearnerError(f"{path} is not a {FORMAT} checkpoint")
+    meta = read_checkpoint_meta(path, FORMAT)
     if meta.get("arch") != dataclasses.asdict(ln.arch):
         raise LearnerError(f"{path} holds another model")
     if meta.get("layout") != layout(ln):

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from stoa.backends.learner import LearnerConfig, LearnerError, check_episodes, lr_at, resolve_objective
+from stoa.backends.learner import LearnerConfig, LearnerError, check_episodes, lr_at, read_checkpoint_meta, resolve_objective
 from stoa.backends.torch import attention
 from stoa.backends.torch.packing import MicroBatch, build_micro_batches
 from stoa.types import Episode
@@ -414,12 +414,7 @@ class TorchLearner:
         missing = [f for f in files if not (path / f).is_file()]
         if missing:
             raise LearnerError(f"{path} is not a complete checkpoint (missing {missing})")
-        try:
-            meta = json.loads((path / "meta.json").read_text())
-        except ValueError as e:
-            raise LearnerError(f"{path}/meta.json is not JSON: {e}") from None
-        if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
-            raise LearnerError(f"{path} is not a {CHECKPOINT_FORMAT} checkpoint")
+        meta = read_checkpoint_meta(path, CHECKPOINT_FORMAT)
         shapes = {n: list(p.shape) for n, p in self._params.items()}
         if meta.get("params") != shapes:
             raise LearnerError(f"{path} holds another model (parameter names or shapes differ)")
