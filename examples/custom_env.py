@@ -1,10 +1,14 @@
-"""Add a new task to Stoa: arithmetic with a calculator tool, registered and checked.
+"""Add a new task to Stoa: arithmetic with a calculator tool, registered, checked and trained.
 
 The model may call ``<calc> 37 * 41 </calc>`` (the environment appends ``<result> 1517 </result>``)
 and ends with ``<answer> 1522 </answer>``; reward 1 for the right number. Registering is one call,
-after which ``stoa.envs.make("example/Arithmetic-v0")`` (and the trainer/worker configs) find it.
+after which ``stoa.envs.make("example/Arithmetic-v0")`` finds it. The optional hooks at the end of
+the class (metric types, demonstrations, tokenizer texts, sibling tasks) are what ``stoa train``
+needs to build a tiny model for the task, warm-start it and log its metrics; the runtime knows
+nothing else about it.
 
-Run: ``python examples/custom_env.py``
+Run: ``python examples/custom_env.py`` (checks the env), then
+``stoa train examples/arithmetic_tiny.toml`` (trains it; the config's ``env.module`` names this file).
 """
 
 import ast
@@ -41,11 +45,15 @@ class ArithmeticEnv(TextEnv):
     """Compute ``a * b + c`` (two-digit numbers) with an optional calculator call per turn."""
 
     stop_strings = ("</calc>", "</answer>")
+    metric_types = {"correct": bool, "used_calc": bool, "num_calls": int, "num_turns": int}
+    success_metric = "correct"
+    headline_metrics = ("used_calc",)
+    demo_styles = ("oracle", "guess")
 
-    def __init__(self, split: str = "train", max_turns: int = 3, size: int = 500) -> None:
-        rng = np.random.default_rng({"train": 0, "test": 1}[split])
+    def __init__(self, split: str = "train", max_turns: int = 3, size: int = 500, seed: int = 0) -> None:
+        rng = np.random.default_rng([seed, {"train": 0, "test": 1}[split]])
         self.items = [tuple(int(x) for x in row) for row in rng.integers(10, 100, size=(size, 3))]
-        self.split, self.max_turns, self._done = split, max_turns, True
+        self.split, self.max_turns, self.seed, self._done = split, max_turns, seed, True
 
     def __len__(self) -> int:
         return len(self.items)
@@ -59,7 +67,7 @@ class ArithmeticEnv(TextEnv):
         return prompt, {"question_id": f"{self.split}-{i}", "gold_answers": [str(self._gold)], "index": i}
 
     def _metrics(self, correct: bool) -> dict:
-        return {"correct": correct, "num_calls": self._calls, "num_turns": self._turns}
+        return {"correct": correct, "used_calc": self._calls > 0, "num_calls": self._calls, "num_turns": self._turns}
 
     def step(self, action):
         if not isinstance(action, str):
@@ -87,6 +95,22 @@ class ArithmeticEnv(TextEnv):
     def oracle_turns(self, index: int) -> list[str]:
         a, b, c = self.items[index]
         return [f"<calc> {a} * {b} + {c} </calc>", f"<answer> {a * b + c} </answer>"]
+
+    # -- optional hooks for `stoa train` (see stoa.envs.base) --------------------------------------
+    def demonstration_turns(self, index: int, style: str, rng: np.random.Generator) -> list[str] | None:
+        if style == "guess":  # answer at once, roughly right: what RL should improve on
+            a, b, c = self.items[index]
+            return [f"<answer> {round(a * b + c, -2) + int(rng.integers(-50, 50))} </answer>"]
+        return super().demonstration_turns(index, style, rng)
+
+    def tokenizer_texts(self):
+        for i, (a, b, c) in enumerate(self.items):
+            prompt, _ = self.reset(options={"index": i})
+            yield prompt + f"<calc> {a} * {b} + {c} </calc>\n<result> {a * b + c} </result>\n<answer> {a * b + c} </answer>"
+        yield "\nUse <calc> expression </calc> or <answer> number </answer>.\n<result> error </result>"
+
+    def practice_kwargs(self, k: int) -> dict:
+        return {"seed": self.seed + 1000 + k}  # other numbers, same protocol
 
 
 stoa.envs.register("example/Arithmetic-v0", entry_point=ArithmeticEnv)

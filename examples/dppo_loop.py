@@ -65,8 +65,7 @@ def parse() -> Args:
 def main(args: Args) -> dict[str, float]:
     # Heavy imports inside main: `import examples.dppo_loop` stays cheap.
     import stoa.envs
-    from stoa.algos import dppo
-    from stoa.algos.advantages import group_advantages
+    from stoa.algos import group_advantages, resolve_objective
     from stoa.backends.engine import EngineConfig, RolloutRequest, SamplingConfig
     from stoa.backends.learner import LearnerConfig, make_learner
     from stoa.backends.mlx import MLXEngine
@@ -91,15 +90,18 @@ def main(args: Args) -> dict[str, float]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    worlds = [Demonstrations(lambda s=s: stoa.envs.make("stoa/SyntheticSearch-v0", split="train", seed=s, **corpus),
-                             tok, ["none"]) for s in range(1, 9)]
+    worlds = [Demonstrations(lambda s=s: stoa.envs.make("stoa/SyntheticSearch-v0", split="train", seed=s, **corpus), tok)
+              for s in range(1, 9)]
     rng = np.random.default_rng(args.seed)
     for step in range(args.warmstart_steps):
-        batch = [worlds[w].episode(int(rng.integers(len(worlds[w]))), True, rng) for w in rng.integers(8, size=args.warmstart_batch)]
+        # "oracle": the environment's scripted search-then-answer demonstration of a random item
+        batch = [worlds[w].sample("oracle", rng) for w in rng.integers(8, size=args.warmstart_batch)]
         loss = learner.sft_step(batch)["loss"]
         if step % 100 == 0:
             print(f"warm start {step:4d}  loss {loss:.3f}")
     learner.reset_optimizer(LearnerConfig(lr=args.lr, seed=args.seed))
+    # The objective, resolved once: DPPO's config and loss function travel as one value.
+    objective = resolve_objective("dppo", {"delta_high": args.delta, "delta_low": args.delta})
 
     # 3. The int8 rollout engine, holding exactly the quantized trainer weights (version 0).
     state = quantize_state(learner.export_weights())
@@ -124,13 +126,11 @@ def main(args: Args) -> dict[str, float]:
         # advantages: reward minus the group mean (groups with equal rewards carry no signal)
         rewards = np.array([e.reward for e in episodes], np.float32)
         adv, stats = group_advantages(rewards, [e.group_id for e in episodes], kind="drgrpo")
-        keep = ~np.asarray(stats["zero_variance_mask"])
+        keep = ~stats["zero_variance_mask"]
         metrics = {}
         if keep.any():
             # objective: one DPPO step on the float32 trainer policy
-            metrics = learner.train_step([e for e, k in zip(episodes, keep) if k], np.asarray(adv)[keep],
-                                         objective="dppo", objective_config=dppo.Config(delta_high=args.delta,
-                                                                                       delta_low=args.delta))
+            metrics = learner.train_step([e for e, k in zip(episodes, keep) if k], adv[keep], objective)
         # publish: int8 re-quantization (keeping scales where the range did not move), a PULSE delta
         new_state = quantize_state(learner.export_weights(), previous=state)
         blob = pulse.encode_delta(state, new_state)

@@ -19,15 +19,24 @@ fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 stamp="$VENV/.stoa-install-stamp"
 want=$(cat pyproject.toml | sha256sum | cut -c1-16)
+log="$VENV/setup.log"
+# pip's output goes to the log; it is shown only when a step fails.
+quiet() {
+  if ! "$@" >>"$log" 2>&1; then
+    echo "[setup] failed: $*"; tail -40 "$log"; exit 1
+  fi
+}
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   t0=$(date +%s)
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip 2>&1 | grep -v "is ignored" || true
+  : >"$log"
+  pip=("$VENV/bin/python" -m pip install --disable-pip-version-check --no-input)
+  quiet "${pip[@]}" --upgrade pip
   # torch first, pinned: an unpinned resolve by a dependent would pull a multi-GB CUDA build.
   if [ "$(uname -s)" = Linux ]; then
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
+    quiet "${pip[@]}" "torch==2.13.0"
   fi
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[dev]" 2>&1 | grep -v "is ignored" || true
-  "$VENV/bin/python" -c "import stoa" 
+  quiet "${pip[@]}" -e ".[dev]"
+  quiet "$VENV/bin/python" -c "import stoa"
   echo "$want" > "$stamp"
-  echo "[setup] installed in $(( $(date +%s) - t0 )) s; venv $(du -sh "$VENV" | cut -f1)"
+  echo "[setup] installed in $(( $(date +%s) - t0 )) s; venv $(du -sh "$VENV" | cut -f1) (pip's log: $log)"
 fi

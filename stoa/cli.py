@@ -126,7 +126,7 @@ def keygen(
     name: Annotated[str, typer.Option(help="File name stem, e.g. the run's name.")] = "run",
 ) -> None:
     """Write a new ed25519 keypair for signing a run's weights (the trainer keeps .key, workers get .pub)."""
-    from stoa.transport.chain import generate_private_key, key_id, save_keypair
+    from stoa.transport.signing import generate_private_key, key_id, save_keypair
 
     key = generate_private_key()
     try:
@@ -168,12 +168,16 @@ def train(
     runs: Annotated[Path, typer.Option(help="Folder that holds runs/<name>/.")] = Path("runs"),
     resume: Annotated[bool, typer.Option("--resume", help="Continue runs/<name> from its newest checkpoint.")] = False,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a config key: --set trainer.steps=50.")] = None,
+    check: Annotated[bool, typer.Option("--check", help="Validate the config, print it resolved (JSON), and exit.")] = False,
 ) -> None:
     """Run a whole fleet locally: the trainer plus N int8 workers meeting in runs/<name>/store."""
-    from stoa.fleet.config import ConfigError
+    from stoa.fleet.config import ConfigError, load_config
     from stoa.fleet.local import train_local
 
     try:
+        if check:
+            typer.echo(load_config(config, _parse_sets(set_)).to_json())
+            return
         train_local(config, _parse_sets(set_), runs_root=runs, resume=resume, workers=workers)
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
@@ -193,7 +197,7 @@ def trainer(
     """Train: consume episodes from the store, take optimizer steps, publish int8 weights through PULSE."""
     from stoa.fleet.config import ConfigError, load_config
     from stoa.fleet.trainer import Trainer
-    from stoa.transport.chain import load_private_key
+    from stoa.transport.signing import load_private_key
     from stoa.transport.store import open_store
 
     _setup_logging(verbose)

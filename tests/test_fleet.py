@@ -21,7 +21,8 @@ import pytest
 from stoa.fleet.config import load_config
 from stoa.fleet.metrics import read_metrics
 from stoa.fleet.status import fleet_status
-from stoa.transport.chain import WeightSubscriber, generate_private_key, save_keypair
+from stoa.transport.chain import WeightSubscriber
+from stoa.transport.signing import generate_private_key, save_keypair
 from stoa.transport.exchange import rollout_key
 from stoa.transport.pulse import state_hash
 from stoa.transport.store import LocalStore
@@ -33,19 +34,25 @@ TINY = """
 name = "{name}"
 seed = 3
 
-[model]
-tiny = {{ vocab_size = 700, hidden_size = 64, num_layers = 1, num_heads = 2, num_kv_heads = 1, intermediate_size = 128 }}
+[model.tiny]
+vocab_size = 700
+hidden_size = 64
+num_layers = 1
+num_heads = 2
+num_kv_heads = 1
+intermediate_size = 128
 
 [env]
 id = "stoa/SyntheticSearch-v0"
 kwargs = {{ num_entities = 30, facts_per_entity = 3, num_test_facts = 10, seed = 5 }}
 
 [warmstart]
-reading_steps = 2
-reading_worlds = 2
+practice_steps = 2
+practice_worlds = 2
 steps = 2
+mix = {{ oracle = 0.25, guess = 0.75 }}
 batch_size = 8
-habit_reading_demos = 4
+practice_answer_only = 4
 
 [rollout]
 group_size = 2
@@ -61,8 +68,11 @@ groups_per_step = 2
 max_lag = {max_lag}
 checkpoint_every = 2
 threads = 1
-learner_config = {{ lr = 1e-3 }}
 poll_seconds = 0.05
+reward_range = [0.0, 1.0]
+
+[learner]
+lr = 1e-3
 
 [pulse]
 anchor_every = 4
@@ -184,11 +194,12 @@ def test_local_train_end_to_end(tmp_path):
     train = [x for x in rows if x["kind"] == "train"]
     assert [x["version"] for x in evals] == [0, 4] and len(train) == 4
     for x in evals:
-        assert 0.0 <= x["eval/pass@1"] <= 1.0 and 0.0 <= x["eval/search_rate"] <= 1.0
+        assert 0.0 <= x["eval/pass@1"] <= 1.0 and 0.0 <= x["eval/searched"] <= 1.0
     for x in train:  # a step whose groups all had equal rewards trains nothing, and says so
         assert x["learner/skipped_no_signal"] or 0.0 <= x["gate/masked_frac"] <= 1.0
         assert x["pulse/bytes"] > 0
-    assert [x["phase"] for x in rows if x["kind"] == "warmstart"] == ["reading", "habit"]
+    checks = [x["phase"] for x in rows if x["kind"] == "warmstart" and "warmstart/p_final_turn" in x]
+    assert checks == ["practice", "habit"]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["versions"] == 4 and summary["workers"] == 2
     assert all(Path(p).stat().st_size > 1000 for p in summary["plots"])
@@ -260,7 +271,7 @@ def test_kill_trainer_mid_step_and_resume(fleet):
     # The chain is intact: a fresh worker joins at the head and the state verifies.
     sub = WeightSubscriber(fleet.store, fleet.cfg.name, fleet.pub)
     res = sub.sync(None)
-    assert res.version == sub.head() and state_hash(res.state) == sub.manifest(res.version)["state_hash"]
+    assert res.version == sub.head() and state_hash(res.state) == sub.manifest(res.version).state_hash
 
 
 def test_offline_worker_catches_up(tmp_path):
@@ -350,3 +361,120 @@ def test_resume_before_any_checkpoint_starts_over_without_reusing_versions(fleet
     assert sub.head() == first_head + 1 + 6
     trained = trained_groups(fleet.ledger())
     assert len(trained) == len(set(trained)) == 6 * 2
+
+
+def test_poisoned_batches_are_quarantined_and_a_killed_trainer_trains_on(fleet):
+    """Batches that pass the codec but not the run's bounds (a reward that overflows float32, a
+    temperature the run never asked for, metrics of the wrong type, another task's episodes) are
+    quarantined with reasons instead of crashing the step; a planted unsigned finish marker stops
+    no worker; the trainer killed after seeing them resumes and finishes (no crash loop)."""
+    trainer = fleet.trainer()
+    fleet.wait_for(lambda: fleet.store.exists(f"{fleet.cfg.name}/current.json"), what="version 0")
+    run, st = fleet.cfg.name, fleet.store
+
+    def group(gid: str, **kw) -> list[Episode]:
+        eps = []
+        for i in range(2):
+            base = dict(prompt_tokens=np.array([1, 2, 3]), reward=float(i),
+                        segments=[Segment("model", np.array([4, 5]), np.array([-0.5, -1.0]))],
+                        policy_version=0, worker_id="mallory", group_id=gid, sample_index=i,
+                        env_id="stoa/SyntheticSearch-v0", metrics={"em": bool(i), "searched": True, "turns": 1})
+            base.update(kw)
+            eps.append(Episode(**base))
+        return eps
+
+    poisons = {
+        "reward": group("p-reward", reward=1e300),
+        "temperature": group("p-temp", temperature=1e-30),
+        "metric-none": group("p-none", metrics={"em": None, "turns": 1}),
+        "metric-str": group("p-str", metrics={"searched": "yes", "turns": 1}),
+        "task": group("p-task", env_id="someone/Else-v0"),
+    }
+    for seq, eps in enumerate(poisons.values()):
+        st.put(rollout_key(run, "mallory", seq, 0), encode_episodes(eps))
+    st.put(f"{run}/finished.json", b'{"body": "{}", "sig": "00"}')  # unsigned: must stop nobody
+    fleet.wait_for(lambda: sum(k.endswith(".reason.json") for k in st.list(f"{run}/quarantine/")) >= 5,
+                   what="the poisoned batches to be quarantined")
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait()
+    resumed = fleet.trainer("--resume")
+    workers = [fleet.worker("w0"), fleet.worker("w1")]
+    assert fleet.wait(resumed) == 0, fleet.log("trainer.log")[-3000:]
+    for w in workers:
+        assert fleet.wait(w, 60) == 0
+    reasons = " | ".join(json.loads(st.get(k))["reason"] for k in st.list(f"{run}/quarantine/mallory/")
+                         if k.endswith(".reason.json"))
+    for needle in ("not finite in float32", "temperature 1e-30", "metric 'em' is NoneType", "metric 'searched' is str",
+                   "not the run's task"):
+        assert needle in reasons, reasons
+    assert "Traceback" not in fleet.log("trainer.log")
+    assert "ignoring" in fleet.log("w0.log") + fleet.log("w1.log")  # the planted marker was seen and refused
+    trained = trained_groups(fleet.ledger())
+    assert len(trained) == len(set(trained)) and not any(g.startswith("p-") for g in trained)
+
+
+ARITHMETIC = """
+name = "arith"
+seed = 1
+
+[model.tiny]
+vocab_size = 400
+hidden_size = 64
+num_layers = 1
+num_heads = 2
+num_kv_heads = 1
+intermediate_size = 128
+
+[env]
+module = "{module}"
+id = "example/Arithmetic-v0"
+kwargs = {{ size = 40 }}
+
+[warmstart]
+practice_steps = 2
+practice_worlds = 2
+steps = 2
+mix = {{ oracle = 0.5, guess = 0.5 }}
+batch_size = 8
+
+[rollout]
+group_size = 4
+groups_per_cohort = 2
+max_turn_tokens = 16
+max_episode_tokens = 128
+max_batch = 8
+
+[trainer]
+steps = 3
+groups_per_step = 2
+threads = 1
+reward_range = [0.0, 1.0]
+skip_zero_variance_groups = false
+
+[eval]
+every = 100
+num_questions = 4
+samples = 1
+
+[fleet]
+workers = 1
+"""
+
+
+def test_a_researchers_own_env_trains_end_to_end(tmp_path):
+    """`stoa train` on examples/custom_env.py's task: the runtime builds a tiny model from the env's
+    tokenizer texts, warm-starts it from its demonstrations and logs its own metrics."""
+    module = Path(__file__).resolve().parents[1] / "examples" / "custom_env.py"
+    config = tmp_path / "arith.toml"
+    config.write_text(ARITHMETIC.format(module=module))
+    r = subprocess.run([sys.executable, "-m", "stoa", "train", str(config), "--runs", str(tmp_path / "runs")],
+                       env=env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = read_metrics(tmp_path / "runs" / "arith" / "metrics.jsonl")
+    train = [x for x in rows if x["kind"] == "train"]
+    evals = [x for x in rows if x["kind"] == "eval"]
+    assert len(train) == 3 and [x["version"] for x in evals] == [0, 3]
+    for x in train:
+        assert {"rollout/correct", "rollout/used_calc", "rollout/num_calls"} <= set(x)
+    assert {"eval/pass@1", "eval/used_calc"} <= set(evals[-1])
+    assert "used_calc" in r.stdout

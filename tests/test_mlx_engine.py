@@ -195,12 +195,12 @@ def test_behaviour_logprobs_equal_recomputation(engines, mode):
     assert_logprobs_match_recomputation(eng, eps, atol=1e-5 if mode == "dequantized" else 1e-4)
 
 
-def test_episode_fields_and_order(engines):
-    eng = engines["dequantized"]
-    eng.worker_id = "w-test"
+def test_episode_fields_and_order(tiny):
+    from stoa.backends.engine import make_engine
+
+    eng = make_engine(tiny, "mlx", mode="dequantized", config=EngineConfig(max_batch=16), worker_id="w-test")
     eps = eng.rollout(make_env, [RolloutRequest(5, "five", 2), RolloutRequest(3, "three", 3)],
                       SamplingConfig(temperature=0.7, max_turn_tokens=8, max_episode_tokens=300, seed=1))
-    eng.worker_id = ""
     assert [(e.group_id, e.sample_index) for e in eps] == [("five", 0), ("five", 1), ("three", 0), ("three", 1),
                                                           ("three", 2)]
     for ep in eps:

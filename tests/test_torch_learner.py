@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from stoa.algos import OBJECTIVES, ObjectiveInputs, resolve_objective
 from stoa.backends.learner import Learner, LearnerConfig, LearnerError, make_learner
 from stoa.models.tiny import TinyConfig, build_tiny
 from helpers import random_episodes
@@ -71,7 +72,7 @@ def test_packed_logprobs_equal_unpacked(family, qwen2_dir, tmp_path):
 
 
 def test_packing_puts_several_episodes_in_a_row(qwen2_dir):
-    from stoa.backends.torch.packing import build_micro_batches
+    from stoa.backends.packing import build_micro_batches
 
     eps = random_episodes(24, 300, seed=1)
     mbs = build_micro_batches([e.tokens() for e in eps], 96, packing=True)
@@ -128,7 +129,7 @@ def test_only_model_tokens_reach_the_lm_head_in_training(qwen2_dir):
 def test_gradient_matches_a_masked_reference_and_ignores_env_tokens(qwen2_dir):
     """Learner gradient == autograd of DPPO over an unpacked forward with the loss mask; a
     reference that also counts env tokens differs (the comparison is sensitive)."""
-    from stoa.algos import ObjectiveInputs, dppo
+    from stoa.algos import dppo
 
     ln = learner(qwen2_dir)
     eps = random_episodes(8, ln.vocab_size, seed=5)
@@ -186,17 +187,15 @@ def test_trailing_env_tokens_change_nothing(qwen2_dir):
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
 def test_micro_batching_does_not_change_the_gradient(aggregation, qwen2_dir):
-    from stoa.algos import dppo
-
-    cfg = dppo.Config(aggregation=aggregation)
+    objective = resolve_objective("dppo", {"aggregation": aggregation})
     eps = random_episodes(12, 300, seed=7)
     adv = np.random.default_rng(1).standard_normal(len(eps))
     one = learner(qwen2_dir, micro_batch_tokens=10_000)
     many = learner(qwen2_dir, micro_batch_tokens=40)
     padded = learner(qwen2_dir, micro_batch_tokens=40, packing=False)
-    m1, g1 = one.gradients(eps, adv, objective_config=cfg)
+    m1, g1 = one.gradients(eps, adv, objective)
     for other in (many, padded):
-        m2, g2 = other.gradients(eps, adv, objective_config=cfg)
+        m2, g2 = other.gradients(eps, adv, objective)
         assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5, abs=1e-8)
         assert m2["gate/masked_frac"] == m1["gate/masked_frac"]
         for n in g1:
@@ -225,6 +224,43 @@ def test_dppo_step_moves_log_probs_with_the_advantage(qwen2_dir):
     assert surrogate[0] > surrogate[1]
     assert metrics[0]["gate/masked_frac"] == 0.0 and metrics[0]["ratio/mean"] == pytest.approx(1.0, abs=1e-5)
     assert ln.step == 3 and ln.version == 3
+
+
+# Options that change each objective's loss on the batch below (its gate, clip or aggregation acts;
+# TIS's cap would not: a random tiny model's ratios pi/mu are mostly below 1).
+ACTIVE = {
+    "dppo": {"gate": "kl", "delta_high": 0.01, "delta_low": 0.01},
+    "ppo": {"clip_low": 0.05, "clip_high": 0.05},
+    "tis": {"cap": 1.0, "aggregation": "seq_mean_token_sum_norm", "max_tokens_norm": 8.0},
+    "icepop": {"ratio_low": 0.9, "ratio_high": 1.1},
+    "reinforce": {"aggregation": "seq_mean_token_mean"},
+}
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_train_step_runs_each_builtin_objective_with_its_config(name, qwen2_dir):
+    """The step's loss and metrics are the resolved objective's, over the log-probs the step
+    started from; the same objective with default options would have reported otherwise."""
+    ln = learner(qwen2_dir, micro_batch_tokens=40)
+    eps = random_episodes(8, ln.vocab_size, seed=17)
+    adv = np.random.default_rng(4).standard_normal(len(eps)).astype(np.float32)
+    objective = resolve_objective(name, ACTIVE[name])
+    width = max(len(e) for e in eps)
+    lp, blp, advs, mask = (torch.zeros(len(eps), width) for _ in range(4))
+    for i, (e, x) in enumerate(zip(eps, ln.logprobs(eps, temperature=None))):
+        mask[i, : len(e)] = torch.from_numpy(e.loss_mask().astype(np.float32))
+        lp[i, : len(e)] = torch.from_numpy(x)
+        blp[i, : len(e)] = torch.from_numpy(e.behavior_logprobs())
+        advs[i] = float(adv[i]) * mask[i]
+    inputs = ObjectiveInputs(lp, blp, advs, mask)
+    ref_loss, ref = objective.loss(inputs)
+    default_loss, _ = resolve_objective(name).loss(inputs)
+    got = ln.train_step(eps, adv, objective)
+    assert got["loss"] == pytest.approx(float(ref_loss), rel=1e-4, abs=1e-6)
+    assert abs(float(default_loss) - float(ref_loss)) > 1e-3  # the options mattered
+    for k, v in ref.items():
+        assert got[k] == pytest.approx(v, rel=1e-4, abs=1e-5), k
+    assert got["micro_batches"] > 1 and ln.step == 1 and np.isfinite(got["grad_norm"])
 
 
 def test_sft_step_lowers_the_loss(qwen2_dir):
@@ -259,8 +295,14 @@ def test_bad_batches_raise_clear_errors(qwen2_dir):
         ln.train_step(eps, np.zeros(2))
     with pytest.raises(LearnerError, match="advantages"):
         ln.train_step(eps, np.array([0.0, np.nan, 1.0]))
-    with pytest.raises(LearnerError, match="objective"):
-        ln.train_step(eps, np.zeros(3), objective="nope")
+    with pytest.raises(LearnerError, match="advantages"):
+        ln.train_step(eps, np.array([True, False, True]))
+    with pytest.raises(LearnerError, match=r"got the bare name 'ppo'; resolve it first"):
+        ln.train_step(eps, np.zeros(3), objective="ppo")  # type: ignore[arg-type]
+    from stoa.algos import ppo
+
+    with pytest.raises(LearnerError, match=r"got a bare stoa.algos.ppo.Config; pair it with"):
+        ln.train_step(eps, np.zeros(3), objective=ppo.Config())  # type: ignore[arg-type]
     bad = Episode(np.array([1, ln.vocab_size]), [Segment("model", np.array([2]), np.array([-1.0]))], 0.0)
     with pytest.raises(LearnerError, match="outside"):
         ln.logprobs([bad])

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 import torch
@@ -9,9 +13,36 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stoa.backends.learner import LearnerConfig, lr_at
-from stoa.backends.torch.packing import build_micro_batches, plan_micro_batches
+from stoa.backends.packing import build_micro_batches, plan_micro_batches
 
 lengths_st = st.lists(st.integers(1, 60), min_size=1, max_size=40)
+
+
+BLOCK_HEAVY = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in {'torch', 'transformers', 'megatron', 'mlx', 'mlx_lm'}:
+            raise ImportError(f'{name} is blocked in this test')
+sys.meta_path.insert(0, Block())
+"""
+
+
+def test_packing_imports_neither_torch_nor_transformers():
+    """Both learners plan their micro-batches with this module; planning stays as light as `import stoa`."""
+    code = BLOCK_HEAVY + textwrap.dedent("""
+        import numpy as np
+        from stoa.backends.packing import build_micro_batches, plan_micro_batches
+        import stoa.backends.learner
+        print(plan_micro_batches([5, 3, 4], 8, True), len(build_micro_batches([np.arange(5), np.arange(3)], 8, True)))
+        try:
+            import torch
+        except ImportError:
+            print("blocked")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:2] == ["[[[0, 1]], [[2]]] 1", "blocked"]
 
 
 @settings(max_examples=150, deadline=None)

@@ -39,12 +39,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, get_args
+from typing import NamedTuple
 
 import torch
 
-Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
+from stoa.algos.checks import AGGREGATIONS, Aggregation, check_choice
+
+__all__ = ["AGGREGATIONS", "Aggregation", "ObjectiveInputs", "Prepared", "aggregate", "batch_normalizer",
+           "common_metrics", "k3", "masked_mean", "prepare", "to_floats"]
 
 # Log-ratios are clamped here before exp() so metrics and PPO ratios never overflow float32.
 LOG_RATIO_CLAMP = 20.0
@@ -215,33 +217,3 @@ def to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
     keys = list(metrics)
     values = torch.stack([metrics[k].detach().to(torch.float64) for k in keys]).tolist()
     return dict(zip(keys, values))
-
-
-# -- config checks ----------------------------------------------------------------------------
-
-
-def check_number(
-    name: str, value: Any, *, lo: float | None = None, hi: float | None = None,
-    lo_open: bool = False, hi_open: bool = False, allow_inf: bool = False,
-) -> None:
-    """Raise ValueError unless ``value`` is a real number (not bool) within the bounds."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    if math.isnan(value) or (math.isinf(value) and not allow_inf):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    if lo is not None and (value < lo or (lo_open and value == lo)):
-        raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value!r}")
-    if hi is not None and (value > hi or (hi_open and value == hi)):
-        raise ValueError(f"{name} must be {'<' if hi_open else '<='} {hi}, got {value!r}")
-
-
-def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    """Raise ValueError unless ``value`` is one of ``choices``."""
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-
-
-def check_aggregation(aggregation: Any, max_tokens_norm: Any) -> None:
-    """The two aggregation fields every objective Config carries."""
-    check_choice("aggregation", aggregation, AGGREGATIONS)
-    check_number("max_tokens_norm", max_tokens_norm, lo=0, lo_open=True)

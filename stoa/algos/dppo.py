@@ -56,25 +56,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from stoa.algos import ppo
-from stoa.algos.base import (
-    Aggregation,
-    ObjectiveInputs,
-    Prepared,
-    aggregate,
-    check_aggregation,
-    check_choice,
-    check_number,
-    common_metrics,
-    k3,
-    masked_mean,
-    prepare,
-    to_floats,
-)
+from stoa.algos.checks import Aggregation, check_aggregation, check_choice, check_number
+
+# torch is imported inside the functions: building a Config (resolving a run config) needs none.
+if TYPE_CHECKING:
+    import torch
+
+    from stoa.algos.base import ObjectiveInputs, Prepared
 
 Gate = Literal["tv", "kl"]
 Surrogate = Literal["pg", "ppo_dual_clip"]
@@ -128,6 +119,8 @@ class Config:
 
 def binary_kl(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor) -> torch.Tensor:
     """KL(Bernoulli(mu) || Bernoulli(pi)) per token, float64, from log pi and log mu."""
+    import torch
+
     lp = logprobs.detach().to(torch.float64).clamp(max=-1e-12)
     lm = behavior_logprobs.detach().to(torch.float64).clamp(max=-1e-12)
     log1m_pi, log1m_mu = torch.log(-torch.expm1(lp)), torch.log(-torch.expm1(lm))
@@ -148,6 +141,10 @@ def gate_masks(p: Prepared, config: Config) -> tuple[torch.Tensor, torch.Tensor]
 
 def loss(inputs: ObjectiveInputs, config: Config) -> tuple[torch.Tensor, dict[str, float]]:
     """DPPO loss and metrics (see the module docstring for the rule and metric names)."""
+    import torch
+
+    from stoa.algos.base import aggregate, common_metrics, k3, masked_mean, prepare, to_floats
+
     p = prepare(inputs)
     high, low = gate_masks(p, config)
     gated = high | low

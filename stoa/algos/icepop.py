@@ -23,21 +23,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+from stoa.algos.checks import Aggregation, check_aggregation, check_number
 
-from stoa.algos.base import (
-    Aggregation,
-    ObjectiveInputs,
-    aggregate,
-    check_aggregation,
-    check_number,
-    common_metrics,
-    k3,
-    masked_mean,
-    prepare,
-    to_floats,
-)
+# torch is imported inside loss(): building a Config (resolving a run config) needs none.
+if TYPE_CHECKING:
+    import torch
+
+    from stoa.algos.base import ObjectiveInputs
 
 
 @dataclass(frozen=True)
@@ -61,6 +55,10 @@ class Config:
 
 def loss(inputs: ObjectiveInputs, config: Config) -> tuple[torch.Tensor, dict[str, float]]:
     """IcePop loss and metrics (see the module docstring)."""
+    import torch
+
+    from stoa.algos.base import aggregate, common_metrics, k3, masked_mean, prepare, to_floats
+
     p = prepare(inputs)
     log_hi = math.log(config.ratio_high) if math.isfinite(config.ratio_high) else math.inf
     high = p.counted & (p.log_ratio > log_hi)

@@ -22,21 +22,15 @@ Deviations from the papers:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+from stoa.algos.checks import Aggregation, check_aggregation, check_number
 
-from stoa.algos.base import (
-    LOG_RATIO_CLAMP,
-    Aggregation,
-    ObjectiveInputs,
-    aggregate,
-    check_aggregation,
-    check_number,
-    common_metrics,
-    masked_mean,
-    prepare,
-    to_floats,
-)
+# torch is imported inside the functions: building a Config (resolving a run config) needs none.
+if TYPE_CHECKING:
+    import torch
+
+    from stoa.algos.base import ObjectiveInputs
 
 
 @dataclass(frozen=True)
@@ -70,6 +64,10 @@ def clipped_surrogate(
 
     Returns ``(loss_token, clipped_high, clipped_low, clipped_dual)``; the flags are bool.
     """
+    import torch
+
+    from stoa.algos.base import LOG_RATIO_CLAMP
+
     ratio = torch.exp((lp - blp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
     s = torch.minimum(ratio * adv, clipped * adv)
@@ -87,6 +85,10 @@ def clipped_surrogate(
 def loss(inputs: ObjectiveInputs, config: Config) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip loss against mu; metrics add ``clip/frac``, ``clip/high_frac``,
     ``clip/low_frac`` and ``clip/dual_frac`` (fractions of counted tokens) to the common ones."""
+    import torch
+
+    from stoa.algos.base import aggregate, common_metrics, masked_mean, prepare, to_floats
+
     p = prepare(inputs)
     per_token, high, low, dual = clipped_surrogate(
         p.lp, p.blp, p.adv, config.clip_low, config.clip_high, config.dual_clip_c

@@ -12,18 +12,15 @@ Metrics: the common ones (``loss/tokens``, ``loss/sequences``, ``mismatch/kl_all
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+from stoa.algos.checks import Aggregation, check_aggregation
 
-from stoa.algos.base import (
-    Aggregation,
-    ObjectiveInputs,
-    aggregate,
-    check_aggregation,
-    common_metrics,
-    prepare,
-    to_floats,
-)
+# torch is imported inside loss(): building a Config (resolving a run config) needs none.
+if TYPE_CHECKING:
+    import torch
+
+    from stoa.algos.base import ObjectiveInputs
 
 
 @dataclass(frozen=True)
@@ -41,6 +38,10 @@ class Config:
 
 def loss(inputs: ObjectiveInputs, config: Config) -> tuple[torch.Tensor, dict[str, float]]:
     """REINFORCE loss and metrics (see the module docstring)."""
+    import torch
+
+    from stoa.algos.base import aggregate, common_metrics, prepare, to_floats
+
     p = prepare(inputs)
     per_token = torch.where(p.counted, -p.adv * p.lp, 0)
     out = aggregate(per_token, p.counted, config.aggregation,

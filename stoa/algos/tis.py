@@ -20,20 +20,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+from stoa.algos.checks import Aggregation, check_aggregation, check_number
 
-from stoa.algos.base import (
-    Aggregation,
-    ObjectiveInputs,
-    aggregate,
-    check_aggregation,
-    check_number,
-    common_metrics,
-    masked_mean,
-    prepare,
-    to_floats,
-)
+# torch is imported inside loss(): building a Config (resolving a run config) needs none.
+if TYPE_CHECKING:
+    import torch
+
+    from stoa.algos.base import ObjectiveInputs
 
 
 @dataclass(frozen=True)
@@ -54,6 +49,10 @@ class Config:
 
 def loss(inputs: ObjectiveInputs, config: Config) -> tuple[torch.Tensor, dict[str, float]]:
     """TIS loss and metrics (see the module docstring)."""
+    import torch
+
+    from stoa.algos.base import aggregate, common_metrics, masked_mean, prepare, to_floats
+
     p = prepare(inputs)
     log_cap = math.log(config.cap) if math.isfinite(config.cap) else math.inf
     per_token = torch.where(p.counted, -p.adv * p.log_ratio.clamp(max=log_cap).exp() * p.lp, 0)

@@ -105,7 +105,9 @@ __all__ = [
 ]
 
 BACKENDS: dict[str, str] = {"mlx": "stoa.backends.mlx"}
-"""Backend name -> module. The module exports ``make(hf_dir, **options) -> RolloutEngine``."""
+"""Backend name -> module. The module exports ``make(hf_dir, *, state, version, mode, config,
+worker_id, **options) -> RolloutEngine`` (the arguments of :func:`make_engine`). A second backend
+registers here (or its module is added at run time) and the fleet uses it with no change."""
 
 FINISH_REASONS = ("terminated", "truncated", "eos", "max_episode_tokens")
 """Values of ``Episode.metrics["finish_reason"]`` (see the module docstring)."""
@@ -249,11 +251,13 @@ class RolloutEngine(Protocol):
         state: the live weight state, ``dict[str, numpy.ndarray]`` keyed by HF names (int8
             codes as uint8, scales, biases, unquantized tensors). Treat it as read-only; change
             weights through :meth:`load_state` / :meth:`apply_delta`.
-        worker_id: stamped on every episode (``Episode.worker_id``); settable.
+        worker_id: stamped on every episode (``Episode.worker_id``); given at construction.
     """
 
     version: int
-    worker_id: str
+
+    @property
+    def worker_id(self) -> str: ...
 
     @property
     def mode(self) -> str: ...
@@ -285,6 +289,20 @@ class RolloutEngine(Protocol):
         Raises:
             stoa.transport.pulse.PulseError: the blob is malformed or made for another layout
                 (the weights are then unchanged).
+            EngineBusyError: a rollout is running.
+        """
+
+    def update_inplace(self, write: Callable[[dict[str, np.ndarray]], tuple[int, Sequence[str]]]) -> list[str]:
+        """Change the live weights in place between cohorts (how a worker follows the chain).
+
+        ``write(state) -> (version, changed_names)`` writes new values into the arrays of
+        :attr:`state` (same shapes and dtypes; e.g. ``WeightSubscriber.sync(..., apply_inplace=True)``
+        writing a verified delta); the engine then rebuilds whatever depends on the changed
+        tensors, sets :attr:`version`, and returns the changed names. If ``write`` raises, the
+        exception propagates and :attr:`version` is unchanged; ``write`` must leave the arrays
+        intact in that case (verify before writing).
+
+        Raises:
             EngineBusyError: a rollout is running.
         """
 
@@ -331,12 +349,36 @@ class RolloutEngine(Protocol):
         """Counters of the last :meth:`rollout` call."""
 
 
-def make_engine(hf_dir: str | Path, backend: str = "mlx", **options: Any) -> RolloutEngine:
-    """Build a rollout engine of ``backend`` from a local Hugging Face folder.
+def make_engine(
+    hf_dir: str | Path,
+    backend: str = "mlx",
+    *,
+    state: dict[str, np.ndarray] | None = None,
+    version: int = 0,
+    mode: str = "auto",
+    config: EngineConfig = EngineConfig(),
+    worker_id: str = "",
+    **options: Any,
+) -> RolloutEngine:
+    """Build a rollout engine of ``backend``; the only way the runtime makes one.
 
-    ``options`` go to the backend's ``make`` (for MLX: ``mode``, ``version``, ``config``).
+    Args:
+        hf_dir: a local Hugging Face folder: its config and tokenizer always; its float weights
+            (quantized to int8 on load) only when ``state`` is None.
+        backend: a key of :data:`BACKENDS`.
+        state: an int8 weight state (``stoa.transport.quant.quantize_state`` layout, e.g. an anchor
+            from the weight chain) to start from instead of the folder's weights; copied.
+        version: the policy version of those weights.
+        mode: the backend's compute mode (``"auto"`` picks the fastest exact one for the machine).
+        config: batching and cache policy.
+        worker_id: stamped on every episode.
+        **options: backend-specific settings.
+
+    Raises:
+        EngineError: unknown backend, or a state / folder the backend cannot use.
     """
     if backend not in BACKENDS:
         raise EngineError(f"unknown engine backend {backend!r}; known: {sorted(BACKENDS)}")
     module = importlib.import_module(BACKENDS[backend])
-    return module.make(hf_dir, **options)
+    return module.make(Path(hf_dir), state=state, version=version, mode=mode, config=config, worker_id=worker_id,
+                       **options)

@@ -11,7 +11,10 @@ checkpoints itself. Two backends implement it:
   / data parallel under ``torchrun``.
 
 Pick one with :func:`make_learner`. This module imports neither torch nor megatron, so
-``import stoa.backends.learner`` is as light as ``import stoa``.
+``import stoa.backends.learner`` is as light as ``import stoa``. Both backends share the
+packing planner (:mod:`stoa.backends.packing`, numpy only) and the objective plumbing
+(:mod:`stoa.backends.torch.objective`: padded masks, per-token advantages, the full-batch
+normalizer and metrics).
 
 Token alignment
 ---------------
@@ -56,10 +59,11 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 import numpy as np
 
 if TYPE_CHECKING:
+    from stoa.algos import Objective
     from stoa.types import Episode
 
 __all__ = ["BACKENDS", "Learner", "LearnerConfig", "LearnerError", "check_episodes", "lr_at", "make_learner",
-           "read_checkpoint_meta", "resolve_objective"]
+           "read_checkpoint_meta"]
 
 BACKENDS: dict[str, str] = {
     "torch": "stoa.backends.torch",
@@ -162,25 +166,6 @@ def check_episodes(episodes: Sequence[Episode], vocab_size: int, *, train: bool)
     return tokens
 
 
-def resolve_objective(n_episodes: int, advantages: np.ndarray, objective: str,
-                      objective_config: Any) -> tuple[np.ndarray, Any, Any]:
-    """Every backend's ``train_step`` arguments, checked: ``(advantages float64 [n], config, loss_fn)``.
-
-    Raises:
-        LearnerError: advantages of the wrong shape or not finite; an unknown objective.
-    """
-    from stoa.algos import get_objective
-
-    adv = np.asarray(advantages, dtype=np.float64)
-    if adv.shape != (n_episodes,) or not np.all(np.isfinite(adv)):
-        raise LearnerError(f"advantages must be {n_episodes} finite numbers, got shape {adv.shape}")
-    try:
-        cfg_cls, loss_fn = get_objective(objective)
-    except (ValueError, ImportError) as e:
-        raise LearnerError(f"unknown objective {objective!r}: {e}") from None
-    return adv, (cfg_cls() if objective_config is None else objective_config), loss_fn
-
-
 def read_checkpoint_meta(path: Path, fmt: str) -> dict[str, Any]:
     """``path/meta.json`` of a checkpoint, checked to be a JSON object of format ``fmt``.
 
@@ -265,8 +250,7 @@ class Learner(Protocol):
         self,
         episodes: Sequence[Episode],
         advantages: np.ndarray,
-        objective: str = "dppo",
-        objective_config: Any = None,
+        objective: Objective | None = None,
     ) -> dict[str, float]:
         """One optimizer step of a policy-gradient objective over the whole batch.
 
@@ -281,10 +265,11 @@ class Learner(Protocol):
 
         Args:
             episodes: the batch (validated episodes; whole groups, as the trainer builds them).
-            advantages: float ``[len(episodes)]``, one finite advantage per episode.
-            objective: a name known to ``stoa.algos.get_objective`` (built-ins such as
-                ``"dppo"``, or ``"module:function"``).
-            objective_config: that objective's ``Config``; ``None`` uses its defaults.
+            advantages: numpy ``[len(episodes)]``, one finite advantage per episode (the output
+                of ``stoa.algos.group_advantages``); converted to the learner's tensors once.
+            objective: the resolved :class:`stoa.algos.Objective` (its config and loss function
+                together, e.g. ``resolve_objective("ppo", {"clip_high": 0.28})``); ``None``
+                is DPPO with its defaults. A bare name or a bare ``Config`` is an error.
 
         Returns:
             Flat float metrics: ``loss`` (full-batch objective value), the objective's own
@@ -296,7 +281,8 @@ class Learner(Protocol):
 
         Raises:
             LearnerError: empty batch, advantages of the wrong shape or not finite, an episode
-                without model tokens, a token id outside the vocabulary, unknown objective.
+                without model tokens, a token id outside the vocabulary, an ``objective`` that
+                is not an :class:`~stoa.algos.Objective`.
         """
         ...
 

@@ -41,12 +41,33 @@ Ending an episode:
 Determinism: with the same ``reset(seed=..., options=...)`` and the same turns, an environment
 returns the same observations, rewards and infos (retrieval included, for a fixed index).
 
+Optional hooks (what the runtime may ask of a task; each has a safe default here)
+---------------------------------------------------------------------------------
+The trainer and workers know no task: whatever task knowledge they use comes through these.
+
+- :attr:`metric_types`: the type of every key the environment puts in ``info["metrics"]``. The
+  trainer checks workers' episodes against it (a worker is a stranger: a ``None`` or a string
+  where a number belongs is refused, not trained on) and logs the mean of every numeric or bool
+  metric as ``rollout/<key>`` and ``eval/<key>``.
+- :attr:`success_metric`: the bool metric that says an episode solved the task (evaluation's
+  pass@1 and pass@k); ``None`` means ``reward > 0``.
+- :attr:`headline_metrics`: metrics shown beside pass@1 in the live view, plots and summary.
+- :meth:`tokenizer_texts`: texts a new tokenizer for the task is trained on, so that ``stoa
+  train`` can build a tiny model for the task from scratch (``model.path = ""``).
+- :meth:`demonstration_turns` and :attr:`demo_styles`: scripted turns for the supervised warm
+  start, in named styles (``"oracle"`` solves the item; a task may add others, e.g. a style that
+  answers without using its tool, so RL has something to improve).
+- :meth:`practice_kwargs`: keyword overrides that make a *sibling* task (same protocol, none of
+  this instance's items), for warm-start practice that teaches the protocol without the answers.
+
 ``stoa.envs.check_env`` verifies all of the above for any registered environment.
 """
 
 from __future__ import annotations
 
+import math
 import string
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import gymnasium
@@ -55,10 +76,29 @@ from gymnasium import spaces
 
 from stoa.types import MetricValue
 
-__all__ = ["TextEnv", "TextSpace", "MetricValue"]
+__all__ = ["TextEnv", "TextSpace", "MetricValue", "metric_problem"]
 
 MAX_TEXT = 1 << 20
 """Default length bound (characters) of observation and action spaces."""
+
+
+def metric_problem(metrics: dict[str, Any], metric_types: dict[str, type | tuple[type, ...]]) -> str | None:
+    """Why ``metrics`` break ``metric_types`` (a missing declared key is allowed), or ``None``.
+
+    ``bool`` is not an ``int`` here and ``float`` admits ``int`` (not ``bool``); numbers must be finite.
+    """
+    for key, want in metric_types.items():
+        if key not in metrics:
+            continue
+        v = metrics[key]
+        kinds = want if isinstance(want, tuple) else (want,)
+        ok = any(type(v) is k or (k is float and type(v) is int) for k in kinds)
+        if not ok:
+            names = "/".join(k.__name__ for k in kinds)
+            return f"metric {key!r} is {type(v).__name__} {str(v)[:40]!r}, expected {names}"
+        if type(v) in (int, float) and not math.isfinite(v):
+            return f"metric {key!r} is not finite"
+    return None
 
 
 class TextSpace(spaces.Text):
@@ -105,6 +145,16 @@ class TextEnv(gymnasium.Env[str, str]):
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
     stop_strings: tuple[str, ...] = ()
+    metric_types: ClassVar[dict[str, type | tuple[type, ...]]] = {}
+    """Type of each ``info["metrics"]`` key (``bool``, ``int``, ``float``, ``str``, a tuple of them;
+    ``float`` admits ints; include ``type(None)`` for a key that may be ``None``). Keys not listed
+    are kept but neither checked nor logged."""
+    success_metric: ClassVar[str | None] = None
+    """The bool metric that means "solved" (pass@1 / pass@k); ``None``: ``reward > 0``."""
+    headline_metrics: ClassVar[tuple[str, ...]] = ()
+    """Metrics shown next to pass@1 in the live view, the plots and the run summary."""
+    demo_styles: ClassVar[tuple[str, ...]] = ("oracle",)
+    """Styles :meth:`demonstration_turns` knows; ``"oracle"`` is :meth:`oracle_turns`."""
     observation_space = TextSpace()
     action_space = TextSpace()
 
@@ -157,6 +207,28 @@ class TextEnv(gymnasium.Env[str, str]):
 
     def oracle_turns(self, index: int) -> list[str] | None:
         """Turns that solve item ``index`` with the maximum reward, or ``None`` if unknown."""
+        return None
+
+    def demonstration_turns(self, index: int, style: str, rng: np.random.Generator) -> list[str] | None:
+        """Scripted turns for item ``index`` in ``style`` (one of :attr:`demo_styles`), or ``None``
+        if the item has none. They are played through :meth:`step` like model turns, so their
+        observations and reward are the environment's own. ``rng`` draws any random choice.
+
+        Raises:
+            ValueError: ``style`` is not in :attr:`demo_styles`.
+        """
+        if style not in self.demo_styles:
+            raise ValueError(f"{type(self).__name__} has no demonstration style {style!r}; styles: {self.demo_styles}")
+        return self.oracle_turns(index) if style == "oracle" else None
+
+    def tokenizer_texts(self) -> Iterable[str] | None:
+        """Texts a tokenizer for this task should be trained on (prompts, tool outputs, ideal turns),
+        or ``None`` if the task cannot supply them (then a run must name a pretrained model)."""
+        return None
+
+    def practice_kwargs(self, k: int) -> dict[str, Any] | None:
+        """Overrides of this environment's constructor kwargs that make sibling task ``k`` (``k >= 1``):
+        same protocol and styles, none of this instance's items or answers. ``None``: no siblings."""
         return None
 
     # -- helpers for subclasses ----------------------------------------------------------------

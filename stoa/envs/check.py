@@ -7,6 +7,7 @@ import warnings
 from typing import Any
 
 import gymnasium
+import numpy as np
 
 __all__ = ["check_env", "EnvCheckError", "MALFORMED_TURNS"]
 
@@ -194,3 +195,44 @@ def check_env(env_or_id: gymnasium.Env | str, *, seed: int = 0, gymnasium_checks
             _, reward, term, _, _ = t1[-1]
             if not term or sum(s[1] for s in t1[1:]) <= 0:
                 _fail(f"{name}: oracle_turns({i}) did not end the episode with a positive reward")
+    _check_hooks(env, u, name, n, seed)
+
+
+def _check_hooks(env: Any, u: Any, name: str, n: int, seed: int) -> None:
+    """The optional runtime hooks of :mod:`stoa.envs.base`: declared metric types hold on real
+    episodes, every demonstration style plays, tokenizer texts are strings, practice kwargs a dict."""
+    from stoa.envs.base import metric_problem
+
+    types = getattr(u, "metric_types", {}) or {}
+    if not isinstance(types, dict) or not all(isinstance(k, str) for k in types):
+        _fail(f"{name}: metric_types must be a dict of metric name -> type")
+    for k, t in types.items():
+        kinds = t if isinstance(t, tuple) else (t,)
+        if not all(k2 in (bool, int, float, str, type(None)) for k2 in kinds):
+            _fail(f"{name}: metric_types[{k!r}] must be bool/int/float/str/NoneType or a tuple of them")
+    success = getattr(u, "success_metric", None)
+    if success is not None and types.get(success) is not bool:
+        _fail(f"{name}: success_metric {success!r} must be declared as bool in metric_types")
+    for h in getattr(u, "headline_metrics", ()):
+        if h not in types:
+            _fail(f"{name}: headline metric {h!r} is not in metric_types")
+    rng = np.random.default_rng(seed)
+    for style in getattr(u, "demo_styles", ()):
+        for i in sorted({0, n - 1}):
+            turns = u.demonstration_turns(i, style, rng)
+            if turns is None:
+                continue
+            if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
+                _fail(f"{name}: demonstration_turns({i}, {style!r}) must return a list of str or None")
+            steps = _play(env, turns, n, f"{name} demonstration {style!r} of item {i}", seed=seed, options={"index": i})
+            why = metric_problem(steps[-1][4].get("metrics", {}), types)
+            if why:
+                _fail(f"{name}: {why} (demonstration {style!r} of item {i})")
+    texts = u.tokenizer_texts()
+    if texts is not None:
+        for j, t in zip(range(64), texts):
+            if not isinstance(t, str):
+                _fail(f"{name}: tokenizer_texts() yielded a {type(t).__name__}, not a str")
+    kw = u.practice_kwargs(1)
+    if kw is not None and not (isinstance(kw, dict) and all(isinstance(k, str) for k in kw)):
+        _fail(f"{name}: practice_kwargs(1) must return a dict of keyword arguments or None")

@@ -229,6 +229,13 @@ class SyntheticSearchEnv(SearchEnv):
         self._rows = data.split(split)
         super().__init__(questions, retriever, protocol)
 
+    def tokenizer_texts(self) -> Iterator[str]:
+        return tokenizer_texts(self.data)
+
+    def practice_kwargs(self, k: int) -> dict[str, Any]:
+        """Another corpus seed: other entity names and facts, same templates and protocol."""
+        return {"seed": self.data.config.seed + k}
+
     def oracle_turns(self, index: int) -> list[str]:
         """Search the protein *and* the relation's keyword (``Kavorin kinase``), so BM25 ranks the
         asked-for fact first, then answer with the object's name."""

@@ -5,30 +5,47 @@ A run config has a top-level ``name`` and ``seed`` and one table per component::
     name = "papersearch-tiny"
     seed = 0
     [model]      # which weights: a local HF folder, or a tiny model built for the task
+    [model.tiny] # the tiny model's shape (stoa.models.tiny.TinyConfig)
     [env]        # gymnasium id and kwargs of the task
-    [rollout]    # how workers sample (group size, cohort size, temperature, caps)
-    [trainer]    # learner, batch, staleness gate, objective and its settings
+    [rollout]    # how workers sample (engine, group size, cohort size, temperature, caps)
+    [trainer]    # batch, staleness gate, advantages, checkpoints, trust bounds
+    [learner]    # backend and optimizer (stoa.backends.learner.LearnerConfig fields)
+    [objective]  # kind = a stoa.algos objective, plus that objective's Config fields
     [warmstart]  # optional supervised steps on scripted demonstrations before RL
     [pulse]      # weight channel (anchors, dtype)
     [eval]       # held-out evaluation
     [fleet]      # the local launcher (`stoa train`): how many workers
 
-Unknown keys are errors (a typo must not silently fall back to a default). The resolved config is
-written as JSON beside the run (``<run>/config.json`` in the store) and read back by workers.
+Every section is typed and checked when the file is read: an unknown key, a value of the wrong
+type or out of range is a :class:`ConfigError` naming the key's path (a typo must not surface
+minutes later, after the warm start). ``[objective]`` is resolved at load into one
+:class:`stoa.algos.Objective` (its config and its loss function together). The resolved config
+is written as JSON beside the run (``<run>/config.json`` in the store) and read back by workers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.util
 import json
+import math
+import sys
 import tomllib
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from stoa.algos import Objective
+from stoa.backends.learner import LearnerConfig
+from stoa.models.tiny import TinyConfig
+
 __all__ = [
-    "ConfigError", "EnvConfig", "EvalConfig", "FleetConfig", "ModelConfig", "PulseConfig",
-    "RolloutConfig", "RunConfig", "TrainerConfig", "WarmstartConfig", "load_config",
+    "ConfigError", "EnvConfig", "EvalConfig", "FleetConfig", "LearnerSection", "ModelConfig", "PulseConfig",
+    "RolloutConfig", "RunConfig", "TrainerConfig", "UnresolvedObjective", "WarmstartConfig", "import_env_module",
+    "load_config",
 ]
 
 
@@ -46,9 +63,10 @@ class ModelConfig:
     """Which weights the run starts from."""
 
     path: str = ""
-    """A local Hugging Face folder (config.json + safetensors + tokenizer). Empty: build a tiny model."""
-    tiny: dict[str, Any] = field(default_factory=dict)
-    """``stoa.models.tiny.TinyConfig`` fields for the tiny model (used when ``path`` is empty)."""
+    """A local Hugging Face folder (config.json + safetensors + tokenizer). Empty: build a tiny model
+    whose tokenizer is trained on the task's ``tokenizer_texts()``."""
+    tiny: TinyConfig = TinyConfig()
+    """Shape of the tiny model (used when ``path`` is empty); its ``seed`` is the run's seed."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +76,10 @@ class EnvConfig:
     id: str = "stoa/SyntheticSearch-v0"
     """gymnasium id of a registered ``stoa`` text environment."""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments for ``gymnasium.make`` shared by train and eval."""
+    """Keyword arguments for ``gymnasium.make`` shared by train and eval (the task validates them)."""
+    module: str = ""
+    """Imported before the env is made, on the trainer and on every worker, so that it can register
+    ``id``: a module name, or a ``.py`` file path (relative to the working directory)."""
     train_split: str = "train"
     """Split the workers draw prompts from."""
     eval_split: str = "test"
@@ -88,8 +109,10 @@ class RolloutConfig:
     """Most tokens in one episode (prompt included)."""
     max_batch: int = 128
     """Episodes in flight at once in the engine."""
+    engine: str = "mlx"
+    """Rollout engine backend (``stoa.backends.engine.BACKENDS``)."""
     engine_mode: Literal["auto", "quantized", "dequantized"] = "auto"
-    """MLX compute mode (see ``stoa.backends.mlx``)."""
+    """Engine compute mode (for MLX, see ``stoa.backends.mlx``)."""
     poll_seconds: float = 0.5
     """How often an idle worker checks the version pointer."""
 
@@ -101,14 +124,15 @@ class RolloutConfig:
         _check(self.temperature > 0 and 0 < self.top_p <= 1, "rollout.temperature > 0 and 0 < top_p <= 1")
         _check(0 < self.max_turn_tokens <= self.max_episode_tokens, "0 < rollout.max_turn_tokens <= max_episode_tokens")
         _check(self.max_batch >= 1 and self.poll_seconds > 0, "rollout.max_batch >= 1 and poll_seconds > 0")
+        from stoa.backends.engine import BACKENDS
+
+        _check(self.engine in BACKENDS, f"rollout.engine {self.engine!r} is not one of {sorted(BACKENDS)}")
 
 
 @dataclass(frozen=True)
 class TrainerConfig:
     """How the trainer turns episodes into optimizer steps."""
 
-    learner: str = "torch"
-    """Learner backend: ``"torch"`` or ``"megatron"``."""
     steps: int = 100
     """Optimizer steps of RL (each publishes one weight version)."""
     groups_per_step: int = 16
@@ -119,12 +143,8 @@ class TrainerConfig:
     """Group advantage estimator (``stoa.algos.advantages``)."""
     skip_zero_variance_groups: bool = True
     """Leave out groups whose rewards are all equal (they carry no signal)."""
-    objective: str = "dppo"
-    """A built-in objective name (``stoa.algos.OBJECTIVES``) or ``"module:function"``."""
-    objective_config: dict[str, Any] = field(default_factory=dict)
-    """Overrides of the objective's ``Config`` fields."""
-    learner_config: dict[str, Any] = field(default_factory=dict)
-    """Overrides of ``stoa.backends.learner.LearnerConfig`` (lr, grad_clip, micro_batch_tokens, ...)."""
+    reward_range: tuple[float, float] = (-1000.0, 1000.0)
+    """Rewards a worker may report; a batch with one outside is quarantined (workers are strangers)."""
     checkpoint_every: int = 25
     """Save a full training checkpoint every this many steps (and at the end)."""
     threads: int = 0
@@ -136,47 +156,77 @@ class TrainerConfig:
         _check(self.steps >= 0 and self.groups_per_step >= 1, "trainer.steps >= 0 and groups_per_step >= 1")
         _check(self.max_lag >= 0, "trainer.max_lag must be >= 0")
         _check(self.checkpoint_every >= 1 and self.threads >= 0, "trainer.checkpoint_every >= 1, threads >= 0")
+        lo, hi = self.reward_range
+        _check(math.isfinite(lo) and math.isfinite(hi) and lo <= hi and max(abs(lo), abs(hi)) < 1e30,
+               "trainer.reward_range must be two finite numbers lo <= hi (|x| < 1e30)")
+
+
+@dataclass(frozen=True)
+class LearnerSection:
+    """The learner: a backend and its optimizer settings (``seed`` is always the run's seed)."""
+
+    kind: Literal["torch", "megatron"] = "torch"
+    """Learner backend (``stoa.backends.learner.BACKENDS``)."""
+    config: LearnerConfig = LearnerConfig()
+    """Every other key of ``[learner]``: ``stoa.backends.learner.LearnerConfig`` fields."""
+
+
+@dataclass(frozen=True)
+class UnresolvedObjective:
+    """An ``[objective]`` table read without importing its code (what workers hold: they never run
+    the objective, and a custom ``module:function`` need not exist on their machines)."""
+
+    kind: str
+    options: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **self.options}
 
 
 @dataclass(frozen=True)
 class WarmstartConfig:
-    """Supervised steps on scripted demonstrations, so RL starts from a policy that rarely searches.
+    """Supervised steps on the task's scripted demonstrations, so RL starts from a realistic policy.
 
-    Two phases. *Reading practice* (``reading_steps``): demonstrations played in other worlds of
-    the task (the environment with other corpus ``seed``s, so no fact of this run's world is
-    seen) that search and answer from the retrieved text; they teach the protocol and how to read
-    (a base model's general skill). *Habit* (``steps``): demonstrations in this run's world in which
-    only ``search_fraction`` search; the rest answer at once with a random name, so the policy
-    RL starts from rarely searches.
+    Two phases, both built from the environment's hooks (``demonstration_turns``, ``practice_kwargs``).
+    *Practice* (``practice_steps``): ``practice_style`` demonstrations in sibling tasks (so no item
+    of this run's task is seen); for the search tasks they search and answer from the retrieved
+    text, teaching the protocol and how to read (a base model's general skill). *Habit*
+    (``steps``): demonstrations of this run's task in the styles of ``mix`` (weights), plus
+    ``practice_answer_only`` practice demonstrations per batch trained on their last turn only
+    (earlier turns are context), so the skill is kept without teaching the rest. For the demo:
+    ``mix = {oracle = 0.22, guess = 0.78}``: RL starts from a policy that rarely searches.
     """
 
-    reading_steps: int = 0
-    """Supervised steps of reading practice in other worlds (0 = none)."""
-    reading_worlds: int = 16
-    """Other worlds (corpus seeds ``env.kwargs.seed + 1 ...``) the reading practice draws from."""
+    practice_steps: int = 0
+    """Supervised steps of practice in sibling tasks (0 = none)."""
+    practice_worlds: int = 16
+    """Sibling tasks (``env.practice_kwargs(1..N)``) the practice draws from."""
+    practice_style: str = "oracle"
+    """Demonstration style of the practice (and of the held-out check)."""
     steps: int = 0
-    """Supervised steps in this run's world with ``search_fraction`` searching (0 = none)."""
+    """Supervised steps in this run's task with the ``mix`` of styles (0 = none)."""
+    mix: dict[str, float] = field(default_factory=lambda: {"oracle": 1.0})
+    """Demonstration style -> weight, for the habit steps (styles the env lists in ``demo_styles``)."""
+    practice_answer_only: int = 0
+    """Practice demonstrations added to each habit batch with only their last turn trained."""
     batch_size: int = 64
     """Demonstrations per step."""
-    search_fraction: float = 0.22
-    """Fraction of this world's demonstrations that search and then answer from the retrieved text."""
-    habit_reading_demos: int = 0
-    """Other-world demonstrations added to each habit batch with only their answer trained (the
-    search turn is context), so the reading skill is kept without teaching the decision to search."""
     lr: float = 2e-3
     """Learning rate of the warm start (AdamW, its own optimizer state)."""
     check_every: int = 0
-    """Report accuracy-after-search on held-out demonstrations every this many steps (0 = only at the end)."""
+    """Report p(last turn) of held-out practice-style demonstrations every this many steps (0 = at the end)."""
     threads: int = 0
     """torch CPU threads during the warm start (workers are idle then); 0 = the trainer's setting."""
 
     def __post_init__(self) -> None:
         _check(self.steps >= 0 and self.batch_size >= 1, "warmstart.steps >= 0 and batch_size >= 1")
-        _check(self.reading_steps >= 0 and self.reading_worlds >= 1 and self.threads >= 0
-               and self.habit_reading_demos >= 0,
-               "warmstart.reading_steps >= 0, reading_worlds >= 1, threads >= 0, habit_reading_demos >= 0")
-        _check(0.0 <= self.search_fraction <= 1.0, "warmstart.search_fraction must lie in [0, 1]")
-        _check(self.lr > 0 and self.check_every >= 0, "warmstart.lr > 0 and check_every >= 0")
+        _check(self.practice_steps >= 0 and self.practice_worlds >= 1 and self.threads >= 0
+               and self.practice_answer_only >= 0,
+               "warmstart.practice_steps >= 0, practice_worlds >= 1, threads >= 0, practice_answer_only >= 0")
+        _check(bool(self.mix) and all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                                      and math.isfinite(v) and v >= 0 for k, v in self.mix.items())
+               and sum(self.mix.values()) > 0, "warmstart.mix must map style names to weights >= 0 (sum > 0)")
+        _check(math.isfinite(self.lr) and self.lr > 0 and self.check_every >= 0, "warmstart.lr > 0 and check_every >= 0")
 
 
 @dataclass(frozen=True)
@@ -232,6 +282,10 @@ class RunConfig:
     env: EnvConfig = EnvConfig()
     rollout: RolloutConfig = RolloutConfig()
     trainer: TrainerConfig = TrainerConfig()
+    learner: LearnerSection = LearnerSection()
+    objective: Objective | UnresolvedObjective | None = None
+    """The resolved :class:`stoa.algos.Objective` (``[objective]``; default: DPPO with its defaults),
+    or an :class:`UnresolvedObjective` when read with ``resolve_objective=False``."""
     warmstart: WarmstartConfig = WarmstartConfig()
     pulse: PulseConfig = PulseConfig()
     eval: EvalConfig = EvalConfig()
@@ -240,34 +294,157 @@ class RunConfig:
     def __post_init__(self) -> None:
         _check(bool(self.name) and all(c.isalnum() or c in "-_." for c in self.name) and self.name[0] != ".",
                f"name {self.name!r} must be non-empty and use only letters, digits, '-', '_', '.'")
+        if self.objective is None:
+            object.__setattr__(self, "objective", _resolve_objective({"kind": "dppo"}))
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(self)
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
-        return _build(cls, data, "")
+    def from_dict(cls, data: dict[str, Any], *, resolve_objective: bool = True) -> RunConfig:
+        """Build and check a config from plain data (TOML or the JSON of :meth:`to_json`).
+
+        ``resolve_objective=False`` keeps ``[objective]`` as an :class:`UnresolvedObjective`
+        (no import of objective code): for workers, which never run it."""
+        if not isinstance(data, dict):
+            raise ConfigError("config must be a table")
+        data = dict(data)
+        table = data.pop("objective", {"kind": "dppo"})
+        if not isinstance(table, dict):
+            raise ConfigError("[objective] must be a table")
+        if resolve_objective:
+            objective = _resolve_objective(table)
+        else:
+            kind = table.get("kind", "dppo")
+            _check(isinstance(kind, str), "objective.kind must be a string")
+            objective = UnresolvedObjective(kind, {k: v for k, v in table.items() if k != "kind"})
+        return _build(cls, {**data, "objective": objective}, "")
+
+
+def _resolve_objective(table: dict[str, Any]) -> Any:
+    from stoa.algos import resolve_objective
+
+    options = dict(table)
+    kind = options.pop("kind", "dppo")
+    if not isinstance(kind, str):
+        raise ConfigError(f"objective.kind must be a string, got {type(kind).__name__}")
+    try:
+        return resolve_objective(kind, options, where="objective")
+    except (ValueError, TypeError, ImportError) as e:
+        msg = str(e)
+        raise ConfigError(msg if msg.startswith("objective") else f"objective: {msg}") from None
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, (Objective, UnresolvedObjective)):
+        return value.to_dict()
+    if isinstance(value, LearnerSection):
+        return {"kind": value.kind, **_to_plain(value.config)}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    return value
+
+
+def _type_problem(value: Any, hint: Any) -> str | None:
+    """Why ``value`` does not fit the annotation ``hint`` (the few shapes configs use), or None."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return None
+    if origin is Literal:
+        return None if value in args else f"must be one of {list(args)}, got {value!r}"
+    if origin in (typing.Union, types.UnionType):
+        return None if any(_type_problem(value, a) is None for a in args) else f"has the wrong type ({type(value).__name__})"
+    if hint is bool:
+        return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
+    if hint is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else f"must be an integer, got {value!r}"
+    if hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return None if ok else f"must be a finite number, got {value!r}"
+    if hint is str:
+        return None if isinstance(value, str) else f"must be a string, got {value!r}"
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            return f"must be a list of {len(args)} values, got {value!r}"
+        for v, a in zip(value, args):
+            why = _type_problem(v, a)
+            if why:
+                return why
+        return None
+    if origin is dict:
+        if not isinstance(value, dict):
+            return f"must be a table, got {value!r}"
+        for k, v in value.items():
+            why = _type_problem(k, args[0]) or _type_problem(v, args[1])
+            if why:
+                return f"entry {k!r} {why}"
+        return None
+    return None
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'config'} must be a table")
+    if cls is LearnerSection:
+        data = dict(data)
+        kind = data.pop("kind", "torch")
+        return LearnerSection(kind=_build_value(LearnerSection, "kind", kind, where),
+                              config=_build(LearnerConfig, data, where))
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ConfigError(f"unknown key(s) in {where or 'the top level'}: {', '.join(unknown)}")
-    kwargs = {}
-    for name, value in data.items():
-        f = fields[name]
-        default = f.default if f.default is not dataclasses.MISSING else None
-        if dataclasses.is_dataclass(default):
-            kwargs[name] = _build(type(default), value, f"[{name}]")
-        else:
-            kwargs[name] = value
+        section = where.strip("[]")
+        path = ", ".join(f"{section}.{k}" if section else k for k in unknown)
+        raise ConfigError(f"unknown key(s) {path} in {where or 'the top level'}; valid: {', '.join(sorted(fields))}")
+    kwargs = {name: _build_value(cls, name, value, where) for name, value in data.items()}
     try:
         return cls(**kwargs)
-    except TypeError as e:
-        raise ConfigError(f"{where or 'config'}: {e}") from None
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"[{where.strip('[]') or 'config'}] {e}") from None
+
+
+def _build_value(cls: type, name: str, value: Any, where: str) -> Any:
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
+    path = f"{where.strip('[]')}.{name}" if where else name
+    default = f.default if f.default is not dataclasses.MISSING else None
+    if dataclasses.is_dataclass(default) and not isinstance(value, type(default)):
+        return _build(type(default), value, f"[{path}]")
+    hint = typing.get_type_hints(cls).get(name, Any)
+    if isinstance(value, list) and typing.get_origin(hint) is tuple:
+        value = tuple(value)
+    why = None if dataclasses.is_dataclass(value) else _type_problem(value, hint)
+    if why:
+        raise ConfigError(f"{path} {why}")
+    return value
+
+
+def import_env_module(env: EnvConfig) -> None:
+    """Import ``env.module`` (a module name or a ``.py`` path) so that it registers its env id."""
+    spec = env.module
+    if not spec:
+        return
+    if spec.endswith(".py"):
+        path = Path(spec).expanduser().resolve()
+        name = f"stoa_env_{path.stem}"
+        if name in sys.modules:
+            return
+        loader = importlib.util.spec_from_file_location(name, path)
+        if loader is None or not path.exists():
+            raise ConfigError(f"env.module {spec!r}: no such file")
+        module = importlib.util.module_from_spec(loader)
+        sys.modules[name] = module
+        loader.loader.exec_module(module)  # type: ignore[union-attr]
+    else:
+        importlib.import_module(spec)
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
@@ -282,5 +459,7 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
         *parents, leaf = dotted.split(".")
         for p in parents:
             node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {dotted}: {p} is not a table")
         node[leaf] = value
     return RunConfig.from_dict(data)

@@ -38,7 +38,7 @@ def train_local(config_path: str | Path, overrides: dict[str, Any] | None = None
     """Run the trainer and ``fleet.workers`` workers locally until the run finishes; returns the summary."""
     from rich.console import Console
 
-    from stoa.transport.chain import generate_private_key, load_private_key, save_keypair
+    from stoa.transport.signing import generate_private_key, load_private_key, save_keypair
 
     console = console or Console()
     cfg = load_config(config_path, overrides)
@@ -106,6 +106,7 @@ def summarize(rows: list[dict[str, Any]], wall_s: float, workers: int) -> dict[s
     evals = [r for r in rows if r.get("kind") == "eval"]
     train = [r for r in rows if r.get("kind") == "train"]
     first, last = (evals[0], evals[-1]) if evals else ({}, {})
+    headline = _headline(rows)
     lag: dict[str, int] = {}
     for r in train:
         for k, v in r.items():
@@ -113,14 +114,17 @@ def summarize(rows: list[dict[str, Any]], wall_s: float, workers: int) -> dict[s
                 lag[k[len("staleness/lag"):]] = lag.get(k[len("staleness/lag"):], 0) + int(v)
     deltas = [r["pulse/bytes"] for r in train if not r.get("pulse/anchor")]
     full = [r["pulse/full_bytes"] for r in train]
-    mean = lambda key: float(np.mean([r[key] for r in train if r.get(key) is not None])) if train else None
+    def mean(key: str) -> float | None:
+        vals = [r[key] for r in train if r.get(key) is not None]
+        return float(np.mean(vals)) if vals else None
+
     return {
         "wall_seconds": round(wall_s, 1),
         "workers": workers,
         "versions": train[-1]["version"] if train else 0,
         "eval_questions": first.get("eval/questions"),
         "pass@1_start": first.get("eval/pass@1"), "pass@1_end": last.get("eval/pass@1"),
-        "search_rate_start": first.get("eval/search_rate"), "search_rate_end": last.get("eval/search_rate"),
+        "headline": {m: [first.get(f"eval/{m}"), last.get(f"eval/{m}")] for m in headline},
         "staleness_histogram": dict(sorted(lag.items(), key=lambda kv: int(kv[0]))),
         "episodes_stale_ge_1": sum(v for k, v in lag.items() if int(k) >= 1),
         "gate_masked_frac_mean": mean("gate/masked_frac"),
@@ -130,6 +134,14 @@ def summarize(rows: list[dict[str, Any]], wall_s: float, workers: int) -> dict[s
     }
 
 
+def _headline(rows: list[dict[str, Any]]) -> list[str]:
+    """The task's headline metrics, as the trainer announced them when it started."""
+    for r in rows:
+        if r.get("kind") == "event" and r.get("event") == "started":
+            return list(r.get("headline") or [])
+    return []
+
+
 def _fmt(x: Any, pct: bool = False) -> str:
     if x is None:
         return "-"
@@ -137,8 +149,10 @@ def _fmt(x: Any, pct: bool = False) -> str:
 
 
 def _summary_md(cfg: RunConfig, s: dict[str, Any]) -> str:
-    d1 = None if s["pass@1_end"] is None else 100 * (s["pass@1_end"] - s["pass@1_start"])
-    d2 = None if s["search_rate_end"] is None else 100 * (s["search_rate_end"] - s["search_rate_start"])
+    def row(name: str, a: Any, b: Any) -> str:
+        d = None if a is None or b is None else 100 * (b - a)
+        return f"| {name} | {_fmt(a, True)} | {_fmt(b, True)} | {'-' if d is None else f'{d:+.1f} points'} |"
+
     gate = "-" if s["gate_masked_frac_mean"] is None else f"{100 * s['gate_masked_frac_mean']:.3f}%"
     lines = [
         f"# {cfg.name}: summary",
@@ -148,10 +162,8 @@ def _summary_md(cfg: RunConfig, s: dict[str, Any]) -> str:
         "",
         "| metric | start | end | change |",
         "|---|---|---|---|",
-        f"| pass@1 | {_fmt(s['pass@1_start'], True)} | {_fmt(s['pass@1_end'], True)} | "
-        f"{'-' if d1 is None else f'{d1:+.1f} points'} |",
-        f"| search rate | {_fmt(s['search_rate_start'], True)} | {_fmt(s['search_rate_end'], True)} | "
-        f"{'-' if d2 is None else f'{d2:+.1f} points'} |",
+        row("pass@1", s["pass@1_start"], s["pass@1_end"]),
+        *(row(m, a, b) for m, (a, b) in s["headline"].items()),
         "",
         f"- wall time {s['wall_seconds']:.0f} s, {s['versions']} versions, {s['workers']} int8 workers",
         f"- staleness of trained episodes (versions behind: count): {s['staleness_histogram']}; "
@@ -198,8 +210,9 @@ def _watch(cfg: RunConfig, run_dir: Path, store: LocalStore, procs: dict[str, su
         printed = 0
         while procs["trainer"].poll() is None or printed < len(state["rows"]):
             refresh()
+            headline = _headline(state["rows"])
             for r in state["rows"][printed:]:
-                line = _plain_line(r)
+                line = _plain_line(r, headline)
                 if line:
                     console.print(line, highlight=False)
             printed = len(state["rows"])
@@ -210,19 +223,22 @@ def _watch(cfg: RunConfig, run_dir: Path, store: LocalStore, procs: dict[str, su
             time.sleep(0.5)
 
 
-def _plain_line(r: dict[str, Any]) -> str | None:
+def _plain_line(r: dict[str, Any], headline: list[str]) -> str | None:
     t = time.strftime("%H:%M:%S", time.localtime(r.get("time", 0)))
     if r.get("kind") == "eval":
-        return (f"{t} eval    v{r['version']:<4d} pass@1 {r['eval/pass@1']:.3f}  search rate {r['eval/search_rate']:.3f}"
-                f"  ({r.get('eval/questions', 0):.0f} questions, {r.get('eval/seconds', 0):.1f}s)")
+        extra = "".join(f"  {m} {r[f'eval/{m}']:.3f}" for m in headline if f"eval/{m}" in r)
+        return (f"{t} eval    v{r['version']:<4d} pass@1 {r['eval/pass@1']:.3f}{extra}"
+                f"  ({r.get('eval/questions', 0):.0f} items, {r.get('eval/seconds', 0):.1f}s)")
     if r.get("kind") == "warmstart":
-        return (f"{t} warm    step {r['step']:<5d} loss {r['loss']:.3f}  p(answer|search) "
-                f"{r.get('warmstart/p_answer_after_search', 0):.2f}  ({r.get('seconds', 0):.0f}s)")
+        check = r.get("warmstart/p_final_turn")
+        return (f"{t} warm    step {r['step']:<5d}/{r.get('of', '?')} ({r.get('phase', '')}) loss {r['loss']:.3f}"
+                + ("" if check is None else f"  p(final turn | held out) {check:.2f}") + f"  ({r.get('seconds', 0):.0f}s)")
     if r.get("kind") == "train" and (r["version"] % 5 == 0 or r["version"] == 1):
-        return (f"{t} train   v{r['version']:<4d} reward {r['reward/mean']:.3f}  search {r['rollout/search_rate']:.2f}"
+        extra = "".join(f"  {m} {r[f'rollout/{m}']:.2f}" for m in headline if f"rollout/{m}" in r)
+        return (f"{t} train   v{r['version']:<4d} reward {r['reward/mean']:.3f}{extra}"
                 f"  gate {r.get('gate/masked_frac', 0):.4f}  lag {r['staleness/mean']:.2f}"
                 f"  delta {r['pulse/bytes'] / 1e3:.1f} kB  workers {r.get('fleet/workers_alive', 0)}")
-    if r.get("kind") == "event":
+    if r.get("kind") == "event" and r.get("event") != "started":
         return f"{t} event   {r.get('event')}"
     return None
 
@@ -238,17 +254,21 @@ def _view(cfg: RunConfig, rows: list[dict[str, Any]], store: LocalStore, procs: 
     table = Table(title=f"stoa train: {cfg.name}  ({time.time() - t0:.0f}s)", show_header=False, expand=False)
     table.add_column("what", style="bold")
     table.add_column("value")
+    headline = _headline(rows)
     if not train:
-        phase = "warm start" if cfg.warmstart.steps and not evals else "waiting for rollouts"
-        table.add_row("phase", phase + (f" (step {warm[-1]['step']}/{cfg.warmstart.steps})" if warm else ""))
+        phase = "warm start" if warm and not evals else "waiting for rollouts"
+        table.add_row("phase", phase + (f" (step {warm[-1]['step']}/{warm[-1].get('of', '?')})" if warm and not evals else ""))
     table.add_row("version", f"{last.get('version', evals[-1]['version'] if evals else 0)} / {cfg.trainer.steps}")
     table.add_row("episodes/s", f"{last.get('throughput/episodes_per_s', 0):.1f}")
     table.add_row("reward (rollouts)", f"{last.get('reward/mean', 0):.3f}")
-    table.add_row("search rate (rollouts)", f"{last.get('rollout/search_rate', 0):.2f}")
+    for m in headline:
+        table.add_row(f"{m} (rollouts)", f"{last.get(f'rollout/{m}', 0):.2f}")
     if evals:
         e0, e1 = evals[0], evals[-1]
         table.add_row("eval pass@1", f"{e0['eval/pass@1']:.3f} -> {e1['eval/pass@1']:.3f} (v{e1['version']})")
-        table.add_row("eval search rate", f"{e0['eval/search_rate']:.3f} -> {e1['eval/search_rate']:.3f}")
+        for m in headline:
+            if f"eval/{m}" in e0 and f"eval/{m}" in e1:
+                table.add_row(f"eval {m}", f"{e0[f'eval/{m}']:.3f} -> {e1[f'eval/{m}']:.3f}")
     table.add_row("gate masked fraction", f"{last.get('gate/masked_frac', 0):.4f}")
     hist: dict[int, int] = {}
     for r in train:

@@ -88,16 +88,20 @@ def write_plots(rows: list[dict[str, Any]], out_dir: str | Path) -> list[Path]:
     train = [r for r in rows if r.get("kind") == "train"]
     paths = []
 
+    headline = next((list(r.get("headline") or []) for r in rows
+                     if r.get("kind") == "event" and r.get("event") == "started"), [])
     fig, ax = plt.subplots(figsize=(6, 4))
     if evals:
         v = [r["version"] for r in evals]
         ax.plot(v, [r.get("eval/pass@1") for r in evals], "o-", label="pass@1 (held out)")
-        ax.plot(v, [r.get("eval/search_rate") for r in evals], "s-", label="search rate (held out)")
+        for m in headline:
+            ax.plot(v, [r.get(f"eval/{m}") for r in evals], "s-", label=f"{m} (held out)")
     if train:
-        ax.plot([r["version"] for r in train], [r.get("rollout/search_rate") for r in train], alpha=0.35,
-                label="search rate (rollouts)")
+        for m in headline:
+            ax.plot([r["version"] for r in train], [r.get(f"rollout/{m}") for r in train], alpha=0.35,
+                    label=f"{m} (rollouts)")
     ax.set_ylim(-0.02, 1.02)
-    paths.append(_finish(plt, fig, ax, "Learning to search", None, out / "pass_at_1_and_search_rate.png"))
+    paths.append(_finish(plt, fig, ax, "Learning curve", None, out / "pass_at_1.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     pub = [r for r in train if r.get("pulse/bytes")]

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from stoa.fleet.config import RunConfig
-from stoa.transport.chain import open_document, sign_document
+from stoa.transport.signing import open_document, sign_document
 from stoa.transport.store import KeyNotFound, ObjectStore
 
 __all__ = ["MODEL_FILES", "Heartbeat", "fetch_run", "publish_run", "read_heartbeats", "write_heartbeat"]
@@ -58,7 +58,7 @@ def fetch_run(store: ObjectStore, run: str, public_key: Any, cache_dir: Path) ->
         stoa.transport.chain.SignatureError / IntegrityError: anything unsigned, forged or corrupted.
     """
     body = open_document(store.get(f"{run}/config.json"), "run-config", public_key, f"{run}/config.json")
-    config = RunConfig.from_dict(body["config"])
+    config = RunConfig.from_dict(body["config"], resolve_objective=False)  # workers never run the objective
     files = body.get("model_files")
     if not isinstance(files, dict) or "config.json" not in files:
         raise ValueError(f"{run}/config.json lists no model files")

@@ -33,7 +33,7 @@ def fleet_status(store: ObjectStore, run: str, public_key: Any = None) -> dict[s
         try:
             blob = store.get(key)
             if public_key is not None:
-                from stoa.transport.chain import open_document
+                from stoa.transport.signing import open_document
 
                 body = open_document(blob, "eval", public_key, key)
             else:
@@ -68,8 +68,11 @@ def show_status(store: ObjectStore, run: str, public_key: Any = None) -> None:
     for key in s["bad_heartbeats"]:
         con.print(f"[yellow]unreadable heartbeat {key}[/yellow]")
     if s["evals"]:
-        e = Table("version", "pass@1", "search rate", "mean turns")
+        # Whatever the task reports (eval/<metric> means), up to six columns beside pass@1.
+        keys = [k for k in s["evals"][-1] if k.startswith("eval/") and k not in ("eval/pass@1", "eval/seconds",
+                                                                                   "eval/questions")][:6]
+        e = Table("version", "pass@1", *(k[len("eval/"):] for k in keys))
         for r in s["evals"]:
-            e.add_row(str(r["version"]), f"{r['eval/pass@1']:.3f}", f"{r['eval/search_rate']:.3f}",
-                      f"{r['eval/mean_turns']:.2f}")
+            e.add_row(str(r["version"]), f"{r['eval/pass@1']:.3f}",
+                      *(f"{r[k]:.3f}" if isinstance(r.get(k), (int, float)) else "-" for k in keys))
         con.print(e)

@@ -24,6 +24,7 @@ marker, so it always describes exactly the training the current weights contain.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -36,12 +37,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from stoa.fleet.config import RunConfig
+from stoa.fleet.admission import batch_problem, episode_metric_means
+from stoa.fleet.config import RunConfig, import_env_module
 from stoa.fleet.metrics import MetricsSink
 from stoa.fleet.run import publish_run, read_heartbeats
-from stoa.transport.chain import WeightPublisher, sign_document
+from stoa.transport.chain import WeightPublisher
+from stoa.transport.signing import open_document, sign_document
 from stoa.transport.exchange import Batch, RolloutReader
-from stoa.transport.store import ObjectStore
+from stoa.transport.store import KeyNotFound, ObjectStore
 from stoa.types import Episode
 
 __all__ = ["Trainer", "prepare_model", "eval_metrics"]
@@ -50,7 +53,8 @@ log = logging.getLogger("stoa.trainer")
 
 
 def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
-    """The run's starting HF folder: ``model.path``, or a tiny model built (deterministically) for the task."""
+    """The run's starting HF folder: ``model.path``, or a tiny model built (deterministically) for
+    the task, its tokenizer trained on the environment's ``tokenizer_texts()``."""
     if cfg.model.path:
         path = Path(cfg.model.path).expanduser()
         if not (path / "config.json").exists():
@@ -60,37 +64,35 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
     if (out / "model.safetensors").exists():
         return out
     import stoa.envs
-    from stoa.models.tiny import TinyConfig, build_tiny
+    from stoa.models.tiny import build_tiny
 
+    import_env_module(cfg.env)
     env = stoa.envs.make(cfg.env.id, split=cfg.env.train_split, **cfg.env.kwargs).unwrapped
-    data = getattr(env, "data", None)
-    if data is None:
-        raise ValueError(f"a tiny model is built from the synthetic task's texts; {cfg.env.id} has none. "
-                         "Set model.path to a Hugging Face folder.")
-    from stoa.envs.synthetic import tokenizer_texts
-
+    texts = env.tokenizer_texts()
+    if texts is None:
+        raise ValueError(f"{cfg.env.id} supplies no tokenizer_texts(), so no tiny model can be built for it; "
+                         "set model.path to a Hugging Face folder")
     tmp = run_dir / ".model.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    build_tiny(tmp, tokenizer_texts(data), TinyConfig(**{"seed": cfg.seed, **cfg.model.tiny}))
+    build_tiny(tmp, texts, dataclasses.replace(cfg.model.tiny, seed=cfg.seed + cfg.model.tiny.seed))
     tmp.replace(out)
     return out
 
 
-def eval_metrics(episodes: list[Episode], samples: int) -> dict[str, float]:
-    """pass@1 (mean exact match over every sample), pass@k (any of the k samples of a question),
-    search rate, mean turns and format rate of evaluation episodes."""
-    em = np.array([bool(e.metrics.get("em", e.reward > 0)) for e in episodes], float)
+def eval_metrics(episodes: list[Episode], samples: int, success_metric: str | None,
+                 metric_types: dict[str, Any]) -> dict[str, float]:
+    """pass@1 (mean success over every sample), pass@k (any of the k samples of an item), mean
+    reward, and the mean of every declared numeric or bool metric of the evaluation episodes."""
+    ok = np.array([bool(e.metrics.get(success_metric)) if success_metric else e.reward > 0 for e in episodes], float)
     by_q: dict[str, list[float]] = {}
-    for e, v in zip(episodes, em):
+    for e, v in zip(episodes, ok):
         by_q.setdefault(e.group_id, []).append(v)
     return {
-        "eval/pass@1": float(em.mean()),
+        "eval/pass@1": float(ok.mean()),
         f"eval/pass@{samples}": float(np.mean([max(v) for v in by_q.values()])),
-        "eval/search_rate": float(np.mean([bool(e.metrics.get("searched")) for e in episodes])),
-        "eval/mean_turns": float(np.mean([e.metrics.get("turns", 0) for e in episodes])),
-        "eval/format_ok": float(np.mean([bool(e.metrics.get("format_ok")) for e in episodes])),
         "eval/mean_reward": float(np.mean([e.reward for e in episodes])),
         "eval/questions": float(len(by_q)),
+        **episode_metric_means(episodes, metric_types, "eval"),
     }
 
 
@@ -103,6 +105,8 @@ class _Counters:
     dropped_malformed_groups: int = 0
     zero_variance_groups: int = 0
     future_version_batches: int = 0
+    rejected_batches: int = 0
+    failed_steps: int = 0
     staleness: dict[str, int] = field(default_factory=dict)
 
 
@@ -151,16 +155,15 @@ class Trainer:
             f.flush()
             os.fsync(f.fileno())
 
-    def _make_env(self, split: str):
+    def _make_env(self, split: str, **over: Any):
         import stoa.envs
 
-        return stoa.envs.make(self.cfg.env.id, split=split, **self.cfg.env.kwargs)
+        return stoa.envs.make(self.cfg.env.id, split=split, **{**self.cfg.env.kwargs, **over})
 
     def _learner_config(self, **over: Any):
-        from stoa.backends.learner import LearnerConfig
-
-        base = {"seed": self.cfg.seed, "threads": self.cfg.trainer.threads, **self.cfg.trainer.learner_config}
-        return LearnerConfig(**{**base, **over})
+        lc = self.cfg.learner.config
+        threads = self.cfg.trainer.threads or lc.threads
+        return dataclasses.replace(lc, **{"seed": self.cfg.seed, "threads": threads, **over})
 
     # -- phases -------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -170,14 +173,19 @@ class Trainer:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise RuntimeError("stoa trainer runs one process: the trainer loop does not yet broadcast batches "
                                "to other ranks (the Megatron learner itself supports TP/PP/DP under torchrun)")
+        import_env_module(cfg.env)
+        task = self._make_env(cfg.env.train_split).unwrapped
+        self.metric_types = dict(task.metric_types)
+        self.success_metric = task.success_metric
+        self._log("event", event="started", headline=list(task.headline_metrics), success_metric=self.success_metric)
         self.model_dir = prepare_model(cfg, self.run_dir)
         publish_run(self.store, self.run_name, cfg, self.model_dir, self.key)
-        self.learner = make_learner(cfg.trainer.learner, self.model_dir, self._learner_config())
+        self.learner = make_learner(cfg.learner.kind, self.model_dir, self._learner_config())
         self.reader = RolloutReader(self.store, self.run_name, vocab_size=self.learner.vocab_size)
         self.publisher = WeightPublisher(self.store, self.run_name, self.key, anchor_every=cfg.pulse.anchor_every)
         resumed = self._maybe_resume()
         if not resumed:
-            if cfg.warmstart.steps or cfg.warmstart.reading_steps:
+            if cfg.warmstart.steps or cfg.warmstart.practice_steps:
                 self.warm_start()
             self.learner.reset_optimizer(self._learner_config())
             head = self.publisher.head()  # --resume without a checkpoint: start over, but never reuse a version
@@ -197,48 +205,54 @@ class Trainer:
         return summary
 
     def warm_start(self) -> None:
-        """Reading practice in other worlds, then this world's habit (see ``WarmstartConfig``)."""
+        """Practice in sibling tasks, then this task's habit (see ``WarmstartConfig``)."""
         from transformers import AutoTokenizer
 
-        from stoa.fleet.warmstart import Demonstrations, answer_after_search_probability, answer_only
+        from stoa.fleet.warmstart import Demonstrations, answer_only, final_turn_probability
 
         ws, env_cfg = self.cfg.warmstart, self.cfg.env
         tok = AutoTokenizer.from_pretrained(str(self.model_dir))
-        train_env = self._make_env(env_cfg.train_split)
-        answers = sorted({q.golden_answers[0] for q in train_env.unwrapped.questions})
-        demos = Demonstrations(lambda: train_env, tok, answers, env_cfg.id)
-        held = Demonstrations(lambda: self._make_env(env_cfg.eval_split), tok, answers, env_cfg.id)
+        demos = Demonstrations(lambda: self._make_env(env_cfg.train_split), tok, env_cfg.id)
+        for style in [ws.practice_style, *ws.mix]:
+            if style not in demos.styles:
+                raise ValueError(f"warmstart: {env_cfg.id} has no demonstration style {style!r}; it has {demos.styles}")
+        held = Demonstrations(lambda: self._make_env(env_cfg.eval_split), tok, env_cfg.id)
         rng = np.random.default_rng([self.cfg.seed, 17])
-        check = [held.episode(int(i), True, rng) for i in rng.permutation(len(held))[:64]]
+        check = [held.sample(ws.practice_style, rng) for _ in range(64)]
         self.learner.reset_optimizer(self._learner_config(lr=ws.lr, schedule="constant", warmup_steps=20,
                                                           threads=ws.threads or self.cfg.trainer.threads))
-        worlds = []
-        if ws.reading_steps or ws.habit_reading_demos:
-            import stoa.envs
-
-            base = int(env_cfg.kwargs.get("seed", 0))
-            for k in range(1, ws.reading_worlds + 1):
-                env = stoa.envs.make(env_cfg.id, split=env_cfg.train_split, **{**env_cfg.kwargs, "seed": base + k})
-                worlds.append(Demonstrations(lambda env=env: env, tok, answers, env_cfg.id))
-        t0, losses, total = time.time(), [], ws.reading_steps + ws.steps
+        worlds: list[Demonstrations] = []
+        if ws.practice_steps or ws.practice_answer_only:
+            for k in range(1, ws.practice_worlds + 1):
+                over = demos.env.unwrapped.practice_kwargs(k)
+                if over is None:
+                    raise ValueError(f"warmstart: {env_cfg.id} has no sibling tasks (practice_kwargs); "
+                                     "set warmstart.practice_steps = 0 and practice_answer_only = 0")
+                worlds.append(Demonstrations(lambda over=over: self._make_env(env_cfg.train_split, **over), tok,
+                                             env_cfg.id))
+        t0 = last_report = time.time()
+        losses: list[float] = []
+        total = ws.practice_steps + ws.steps
         for s in range(1, total + 1):
-            if s <= ws.reading_steps:
-                phase = "reading"
-                batch = [worlds[w].episode(int(rng.integers(len(worlds[w]))), True, rng)
-                         for w in rng.integers(len(worlds), size=ws.batch_size)]
+            if s <= ws.practice_steps:
+                phase = "practice"
+                batch = [worlds[w].sample(ws.practice_style, rng) for w in rng.integers(len(worlds), size=ws.batch_size)]
             else:
                 phase = "habit"
-                batch = demos.batch(ws.batch_size, ws.search_fraction, rng)
-                batch += [answer_only(worlds[w].episode(int(rng.integers(len(worlds[w]))), True, rng))
-                          for w in rng.integers(len(worlds), size=ws.habit_reading_demos)]
+                batch = demos.batch(ws.batch_size, ws.mix, rng)
+                batch += [answer_only(worlds[w].sample(ws.practice_style, rng))
+                          for w in rng.integers(len(worlds), size=ws.practice_answer_only)] if worlds else []
             losses.append(self.learner.sft_step(batch)["loss"])
-            if (ws.check_every and s % ws.check_every == 0) or s in (ws.reading_steps, total):
-                p = answer_after_search_probability(self.learner.logprobs(check), check)
-                self._log("warmstart", step=s, phase=phase, loss=float(np.mean(losses)), seconds=time.time() - t0,
-                          **{"warmstart/p_answer_after_search": p})
-                log.info("warm start %d/%d (%s): loss %.3f, p(answer | search) on held-out questions %.2f",
-                         s, total, phase, np.mean(losses), p)
-                losses = []
+            row = {"step": s, "of": total, "phase": phase, "loss": float(np.mean(losses)), "seconds": time.time() - t0}
+            if (ws.check_every and s % ws.check_every == 0) or s in (ws.practice_steps, total):
+                p = final_turn_probability(self.learner.logprobs(check), check)
+                self._log("warmstart", **row, **{"warmstart/p_final_turn": p})
+                log.info("warm start %d/%d (%s): loss %.3f, p(final turn) of held-out %s demonstrations %.2f",
+                         s, total, phase, row["loss"], ws.practice_style, p)
+                losses, last_report = [], time.time()
+            elif time.time() - last_report >= 10:  # a heartbeat for non-TTY watchers; no held-out check
+                self._log("warmstart", **row)
+                last_report = time.time()
 
     def _publish(self) -> Any:
         from stoa.transport.quant import quantize_state
@@ -248,57 +262,82 @@ class Trainer:
         return self.publisher.publish(self.version, self.state, {"rl_step": self.rl_step})
 
     def _evaluated(self, version: int) -> bool:
-        return self.store.exists(f"{self.run_name}/eval/v{version:012d}.json")
+        """Whether ``version``'s evaluation is in the store *and* verifies under the run's key."""
+        key = f"{self.run_name}/eval/v{version:012d}.json"
+        try:
+            body = open_document(self.store.get(key), "eval", self.key.public_key(), key)
+        except KeyNotFound:
+            return False
+        except Exception as e:  # a planted or corrupted marker: evaluate again (and overwrite it)
+            log.warning("ignoring %s: %s", key, e)
+            return False
+        return body.get("run") == self.run_name and body.get("version") == version
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out pass@1 / pass@k / search rate of the current int8 state (what workers run)."""
-        from stoa.backends.engine import EngineConfig, RolloutRequest, SamplingConfig
-        from stoa.backends.mlx import MLXEngine
+        """Held-out pass@1 / pass@k / task metrics of the current int8 state (what workers run)."""
+        from stoa.backends.engine import EngineConfig, RolloutRequest, SamplingConfig, make_engine
 
         cfg, ev = self.cfg, self.cfg.eval
         assert self.state is not None
         t0 = time.time()
         if self._eval_engine is None:
-            self._eval_engine = MLXEngine.from_state(self.model_dir, self.state, self.version,
-                                                     mode=cfg.rollout.engine_mode,
-                                                     config=EngineConfig(max_batch=cfg.rollout.max_batch))
+            self._eval_engine = make_engine(self.model_dir, cfg.rollout.engine, state=self.state, version=self.version,
+                                            mode=cfg.rollout.engine_mode,
+                                            config=EngineConfig(max_batch=cfg.rollout.max_batch), worker_id="eval")
         else:
             self._eval_engine.load_state(self.version, self.state)
-        env = self._make_env(cfg.env.eval_split)
-        n = min(ev.num_questions, len(env.unwrapped))
+        make_env = lambda: self._make_env(cfg.env.eval_split)
+        n = min(ev.num_questions, len(make_env().unwrapped))
         requests = [RolloutRequest(i, f"eval-{i}", ev.samples) for i in range(n)]
         sampling = SamplingConfig(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                   max_turn_tokens=cfg.rollout.max_turn_tokens,
                                   max_episode_tokens=cfg.rollout.max_episode_tokens, seed=cfg.seed + 7919)
-        episodes = self._eval_engine.rollout(lambda: self._make_env(cfg.env.eval_split), requests, sampling)
-        m = eval_metrics(episodes, ev.samples)
+        episodes = self._eval_engine.rollout(make_env, requests, sampling)
+        m = eval_metrics(episodes, ev.samples, self.success_metric, self.metric_types)
         m["eval/seconds"] = time.time() - t0
         self.store.put(f"{self.run_name}/eval/v{self.version:012d}.json", sign_document("eval", {
             "run": self.run_name, "version": self.version, "metrics": m}, self.key))
         self._log("eval", **m)
-        log.info("eval v%d: pass@1 %.3f, search rate %.3f (%d questions x %d, %.1fs)", self.version,
-                 m["eval/pass@1"], m["eval/search_rate"], n, ev.samples, m["eval/seconds"])
+        log.info("eval v%d: pass@1 %.3f (%d items x %d, %.1fs)", self.version, m["eval/pass@1"], n, ev.samples,
+                 m["eval/seconds"])
         return m
 
     # -- RL -----------------------------------------------------------------------------------
+    def _reject(self, batch: Batch, reason: str) -> None:
+        """Quarantine a batch (recorded in the reader's state, so a restart never retries it)."""
+        self.reader.quarantine(batch, reason)
+        self.counters.rejected_batches += 1
+        self._ledger(rejected=batch.key, reason=reason[:500])
+        log.warning("quarantined %s: %s", batch.key, reason)
+
     def _poll(self) -> None:
+        cfg = self.cfg
         batches = self.reader.poll()
         if batches:  # what was taken, per worker: workers throttle on it (rollout.max_outstanding)
             self.store.put(f"{self.run_name}/progress.json", json.dumps(
                 {"version": self.version, "time": time.time(), "workers": self.reader.state()["workers"]}).encode())
         for batch in batches:
             if batch.version > self.version:
-                self.reader.quarantine(batch, f"policy version {batch.version} is newer than the trainer's "
-                                              f"{self.version}: not produced by this run's weights")
+                self._reject(batch, f"policy version {batch.version} is newer than the trainer's "
+                                    f"{self.version}: not produced by this run's weights")
                 self.counters.future_version_batches += 1
+                continue
+            try:
+                why = batch_problem(batch.episodes, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                    group_size=cfg.rollout.group_size, reward_range=cfg.trainer.reward_range,
+                                    env_id=cfg.env.id, metric_types=self.metric_types)
+            except Exception as e:  # whatever a stranger's batch breaks, it is the batch's fault
+                why = f"checking the batch failed: {type(e).__name__}: {e}"
+            if why:
+                self._reject(batch, why)
                 continue
             groups: dict[str, list[Episode]] = {}
             for ep in batch.episodes:
                 groups.setdefault(ep.group_id, []).append(ep)
             self.pool.append((batch, groups))
 
-    def _take_groups(self) -> list[list[Episode]] | None:
-        """``groups_per_step`` eligible groups, oldest first, or None if not enough yet."""
+    def _take_groups(self) -> list[tuple[Batch, list[Episode]]] | None:
+        """``groups_per_step`` eligible groups (with their batch), oldest first, or None if not enough yet."""
         tc, G = self.cfg.trainer, self.cfg.rollout.group_size
         chosen: list[tuple[int, str]] = []
         dropped: dict[str, list[str]] = {"reused": [], "stale": [], "malformed": []}
@@ -319,49 +358,96 @@ class Trainer:
         if len(chosen) < tc.groups_per_step:
             self.pool = [(b, g) for b, g in self.pool if g]
             return None
-        out = [self.pool[b_i][1].pop(gid) for b_i, gid in chosen]
+        out = [(self.pool[b_i][0], self.pool[b_i][1].pop(gid)) for b_i, gid in chosen]
         self.pool = [(b, g) for b, g in self.pool if g]
         return out
 
-    def step(self) -> bool:
-        """One RL step if enough groups are ready; returns whether a step was taken."""
-        from stoa.algos import make_objective
+    def _learn(self, taken: list[tuple[Batch, list[Episode]]]) -> tuple[list[list[Episode]], dict[str, Any], dict]:
+        """Advantages and one learner step over ``taken``; returns (groups, rollout metrics, learner metrics).
+
+        Raises whatever the learner raises (the caller finds the batch to blame)."""
         from stoa.algos.advantages import group_advantages
 
         tc = self.cfg.trainer
-        self._poll()
-        groups = self._take_groups()
-        if groups is None:
-            return False
-        t0 = time.time()
-        for g in groups:
-            self.used_groups.add(g[0].group_id)
+        groups = [g for _, g in taken]
         episodes = [e for g in groups for e in g]
         rewards = np.array([e.reward for e in episodes], np.float32)
         adv, stats = group_advantages(rewards, [e.group_id for e in episodes], kind=tc.advantage)
         adv = np.asarray(adv, np.float32)
-        keep = np.ones(len(episodes), bool)
-        if tc.skip_zero_variance_groups:
-            keep = ~np.asarray(stats["zero_variance_mask"], bool)
-        self.counters.zero_variance_groups += int(stats["num_zero_variance_groups"])
+        keep = ~np.asarray(stats["zero_variance_mask"], bool) if tc.skip_zero_variance_groups else np.ones(len(adv), bool)
         lags = [self.version - e.policy_version for e in episodes]
+        ok = [bool(e.metrics.get(self.success_metric)) if self.success_metric else e.reward > 0 for e in episodes]
         rollout = {
             "reward/mean": float(rewards.mean()),
-            "rollout/pass@1": float(np.mean([bool(e.metrics.get("em")) for e in episodes])),
-            "rollout/search_rate": float(np.mean([bool(e.metrics.get("searched")) for e in episodes])),
-            "rollout/mean_turns": float(np.mean([e.metrics.get("turns", 0) for e in episodes])),
+            "rollout/pass@1": float(np.mean(ok)),
+            **episode_metric_means(episodes, self.metric_types, "rollout"),
             "rollout/model_tokens": float(np.mean([e.num_model_tokens for e in episodes])),
             "staleness/mean": float(np.mean(lags)), "staleness/max": float(max(lags)),
             "groups/zero_variance_frac": float(stats["frac_zero_variance_groups"]),
+            "groups/zero_variance": int(stats["num_zero_variance_groups"]),
         }
         for lag, n in Counter(lags).items():
             rollout[f"staleness/lag{lag}"] = n
-            self.counters.staleness[str(lag)] = self.counters.staleness.get(str(lag), 0) + n
         learn: dict[str, Any] = {"learner/skipped_no_signal": not keep.any()}
         if keep.any():
-            obj_cfg, _ = make_objective(tc.objective, **tc.objective_config)
             sel = [e for e, k in zip(episodes, keep) if k]
-            learn = self.learner.train_step(sel, adv[keep], objective=tc.objective, objective_config=obj_cfg)
+            learn = self.learner.train_step(sel, adv[keep], objective=self.cfg.objective)
+        return groups, rollout, learn
+
+    def _blame(self, taken: list[tuple[Batch, list[Episode]]], error: Exception) -> None:
+        """A learner step failed: quarantine the batches whose episodes the learner cannot take, put
+        the other groups back, or (if no batch alone fails) quarantine every batch of the step."""
+        by_batch: dict[str, tuple[Batch, list[list[Episode]]]] = {}
+        for batch, g in taken:
+            by_batch.setdefault(batch.key, (batch, []))[1].append(g)
+        guilty = []
+        for key, (batch, groups) in by_batch.items():
+            try:
+                lps = self.learner.logprobs([e for g in groups for e in g])
+                if not all(np.isfinite(lp).all() for lp in lps):
+                    raise ValueError("non-finite trainer log-probs")
+            except Exception as e:
+                guilty.append((batch, f"the learner cannot take it: {type(e).__name__}: {e}"))
+        if not guilty:
+            guilty = [(b, f"a learner step over this and {len(by_batch) - 1} other batch(es) failed: "
+                          f"{type(error).__name__}: {error}") for b, _ in by_batch.values()]
+        bad = {b.key for b, _ in guilty}
+        for batch, reason in guilty:
+            self.pool = [(b, g) for b, g in self.pool if b.key != batch.key]
+            self._reject(batch, reason[:2000])
+        # The innocent groups go back to the front of the pool, as they were.
+        back: dict[str, tuple[Batch, dict[str, list[Episode]]]] = {}
+        for batch, g in taken:
+            if batch.key not in bad:
+                back.setdefault(batch.key, (batch, {}))[1][g[0].group_id] = g
+        self.pool = list(back.values()) + self.pool
+        self.counters.failed_steps += 1
+
+    def step(self) -> bool:
+        """One RL step if enough groups are ready; returns whether a step was taken.
+
+        Nothing a worker uploaded can make this raise: a batch that fails a check, or on which
+        the learner fails, is quarantined with the reason and training goes on."""
+        tc = self.cfg.trainer
+        self._poll()
+        taken = self._take_groups()
+        if taken is None:
+            return False
+        t0 = time.time()
+        try:
+            groups, rollout, learn = self._learn(taken)
+        except Exception as e:
+            log.warning("learner step failed (%s: %s); finding the batch to blame", type(e).__name__, e)
+            self._blame(taken, e)
+            return False
+        episodes = [e for g in groups for e in g]
+        for g in groups:
+            self.used_groups.add(g[0].group_id)
+        for k, n in rollout.items():
+            if k.startswith("staleness/lag"):
+                lag = k[len("staleness/lag"):]
+                self.counters.staleness[lag] = self.counters.staleness.get(lag, 0) + n
+        self.counters.zero_variance_groups += rollout.pop("groups/zero_variance")
         self.counters.episodes_trained += len(episodes)
         self.counters.groups_trained += len(groups)
         self.rl_step += 1
@@ -379,7 +465,8 @@ class Trainer:
                      "fleet/workers_alive": sum(now - b.time < 30 and b.status != "stopped" for b in beats),
                      "dropped/stale_groups": self.counters.dropped_stale_groups,
                      "dropped/reused_groups": self.counters.dropped_reused_groups,
-                     "dropped/quarantined_batches": self.reader.quarantined})
+                     "dropped/quarantined_batches": self.reader.quarantined,
+                     "dropped/rejected_batches": self.counters.rejected_batches})
         if self.version % self.cfg.eval.every == 0 and self.rl_step < tc.steps:
             self.evaluate()
         if self.rl_step % tc.checkpoint_every == 0 and self.rl_step < tc.steps:

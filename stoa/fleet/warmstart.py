@@ -1,61 +1,64 @@
 """Warm start: supervised steps on scripted demonstrations, so RL starts from a realistic policy.
 
-A base model that has never seen the search protocol would need millions of RL samples before it
-emitted a well-formed turn. The warm start teaches the *format* and the *reading skill* (copy the
-answer out of retrieved text) while leaving the *decision to search* mostly unlearned: only
-``search_fraction`` of the demonstrations search; the rest answer at once with a plausible but
-random name. RL then has to discover that searching pays, which is the behaviour the demo measures.
+A base model that has never seen a task's protocol would need millions of RL samples before it
+emitted a well-formed turn. The warm start teaches the *format* and the task's general *skill*
+from the environment's own scripted demonstrations (``TextEnv.demonstration_turns`` in named
+styles), while leaving what RL should discover mostly unlearned: for the search tasks, practice
+in sibling tasks teaches reading retrieved text, and this task's habit mixes a few searching
+(``"oracle"``) demonstrations with many that answer at once (``"guess"``), so RL has to discover
+that searching pays. Nothing here knows a task: styles, siblings and answers come from the env.
 
-Demonstrations are played through the real environment (its observations are the retrieved
-documents) and built at token level exactly as the rollout engine builds episodes: the prompt
-through the chat template, each turn's text encoded on its own, each observation encoded on its
-own. Their behaviour log-probs are 0 (they are not samples of any policy; SFT ignores them).
+Demonstrations are played through the real environment (its observations are the environment's
+own) and built at token level exactly as the rollout engine builds episodes: the prompt through
+the chat template, each turn's text encoded on its own, each observation encoded on its own. Their
+behaviour log-probs are 0 (they are not samples of any policy; SFT ignores them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from stoa.types import Episode, Segment
 
-__all__ = ["Demonstrations", "answer_after_search_probability", "answer_only"]
+__all__ = ["Demonstrations", "final_turn_probability", "answer_only"]
 
 
 class Demonstrations:
-    """Scripted demonstration episodes for a search environment (``oracle_turns`` + random answers).
+    """Scripted demonstration episodes of one environment instance.
 
     Args:
-        make_env: factory of the environment (its ``unwrapped`` must implement ``oracle_turns``).
+        make_env: factory of the environment (a :class:`stoa.envs.TextEnv`, possibly wrapped).
         tokenizer: the model's Hugging Face tokenizer (``apply_chat_template``, ``encode``).
-        distractors: names a non-searching demonstration answers with (drawn uniformly).
         env_id: stamped on the episodes.
+
+    Raises:
+        ValueError: the environment scripts no ``"oracle"`` demonstration of its first item and
+            has no other style.
     """
 
-    def __init__(self, make_env: Callable[[], Any], tokenizer: Any, distractors: Sequence[str], env_id: str = ""):
+    def __init__(self, make_env: Callable[[], Any], tokenizer: Any, env_id: str = ""):
         self.env = make_env()
         self.tok = tokenizer
-        self.distractors = list(distractors)
         self.env_id = env_id
-        if not self.distractors:
-            raise ValueError("need at least one distractor answer")
-        if self.env.unwrapped.oracle_turns(0) is None:
-            raise ValueError(f"{type(self.env.unwrapped).__name__} has no oracle_turns(); cannot script demonstrations")
+        u = self.env.unwrapped
+        self.styles = tuple(u.demo_styles)
+        if not self.styles:
+            raise ValueError(f"{type(u).__name__} lists no demonstration styles; cannot script demonstrations")
 
     def __len__(self) -> int:
         return len(self.env.unwrapped)
 
-    def episode(self, index: int, search: bool, rng: np.random.Generator) -> Episode:
-        """One demonstration of dataset item ``index``: search-then-answer, or a direct random answer."""
+    def episode(self, index: int, style: str, rng: np.random.Generator) -> Episode | None:
+        """One demonstration of item ``index`` in ``style``, or None if the env has none for it."""
+        turns = self.env.unwrapped.demonstration_turns(int(index), style, rng)
+        if not turns:
+            return None
         prompt, info = self.env.reset(options={"index": int(index)})
-        turns = self.env.unwrapped.oracle_turns(int(index))
-        if not search:  # the oracle's answer turn with the gold answer swapped for a random name
-            guess = self.distractors[int(rng.integers(len(self.distractors)))]
-            turns = [turns[-1].replace(info["gold_answers"][0], guess)]
         prompt_ids = self.tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                tokenize=True, return_dict=False)
+                                                  tokenize=True, return_dict=False)
         segments, reward, metrics = [], 0.0, {}
         for text in turns:
             ids = self.tok.encode(text, add_special_tokens=False)
@@ -70,10 +73,19 @@ class Demonstrations:
         return Episode(np.asarray(prompt_ids), segments, reward, dict(metrics), env_id=self.env_id,
                        group_id=f"demo-{info['question_id']}", worker_id="warmstart")
 
-    def batch(self, size: int, search_fraction: float, rng: np.random.Generator) -> list[Episode]:
-        idx = rng.integers(len(self), size=size)
-        searches = rng.random(size) < search_fraction
-        return [self.episode(int(i), bool(s), rng) for i, s in zip(idx, searches)]
+    def sample(self, style: str, rng: np.random.Generator, tries: int = 32) -> Episode:
+        """A demonstration of a random item in ``style`` (items without one are redrawn)."""
+        for _ in range(tries):
+            ep = self.episode(int(rng.integers(len(self))), style, rng)
+            if ep is not None:
+                return ep
+        raise ValueError(f"{type(self.env.unwrapped).__name__} scripted no {style!r} demonstration in {tries} draws")
+
+    def batch(self, size: int, mix: Mapping[str, float], rng: np.random.Generator) -> list[Episode]:
+        """``size`` demonstrations whose styles are drawn with the weights of ``mix``."""
+        names = list(mix)
+        p = np.asarray([mix[n] for n in names], float)
+        return [self.sample(names[int(k)], rng) for k in rng.choice(len(names), size=size, p=p / p.sum())]
 
 
 def answer_only(episode: Episode) -> Episode:
@@ -85,12 +97,12 @@ def answer_only(episode: Episode) -> Episode:
                    group_id=episode.group_id, worker_id=episode.worker_id)
 
 
-def answer_after_search_probability(logprobs: Sequence[np.ndarray], episodes: Sequence[Episode]) -> float:
-    """Mean probability of producing the demonstrated final turn (the answer) after the search.
+def final_turn_probability(logprobs: Sequence[np.ndarray], episodes: Sequence[Episode]) -> float:
+    """Mean probability of producing each demonstration's final turn given everything before it.
 
-    ``logprobs`` are the learner's per-token log-probs of search demonstrations (aligned with
-    ``episode.tokens()``); the final model segment is the answer turn, so ``exp`` of its summed
-    log-probs is the chance of sampling exactly that answer at temperature 1.
+    ``logprobs`` are the learner's per-token log-probs (aligned with ``episode.tokens()``); ``exp``
+    of the final model segment's summed log-probs is the chance of sampling exactly that turn at
+    temperature 1 (for the search tasks: the answer after the search, the reading skill).
     """
     probs = []
     for lp, ep in zip(logprobs, episodes):

@@ -19,23 +19,32 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import random
 import secrets
 import signal
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from stoa.fleet.config import import_env_module
 from stoa.fleet.run import Heartbeat, fetch_run, write_heartbeat
-from stoa.transport.chain import WeightSubscriber
+from stoa.transport.chain import ChainError, WeightSubscriber
+from stoa.transport.signing import open_document
 from stoa.transport.exchange import RolloutWriter
-from stoa.transport.store import KeyNotFound, ObjectStore
+from stoa.transport.store import KeyNotFound, ObjectStore, StoreError
+
+if TYPE_CHECKING:
+    from stoa.backends.engine import RolloutEngine
 
 __all__ = ["Worker"]
 
 log = logging.getLogger("stoa.worker")
+
+_SYNC_ATTEMPTS = 8
+"""Tries of one catch-up (backoff 0.5 s doubling to 30 s, jittered) before the worker gives up."""
 
 
 class Worker:
@@ -60,20 +69,22 @@ class Worker:
         self.episodes = self.batches = self.sync_bytes = 0
         self.episodes_per_s = self.tokens_per_s = 0.0
         self.host = socket.gethostname()
+        self.engine: RolloutEngine | None = None
+        self.sub: WeightSubscriber | None = None
+        self._last_status, self._last_beat = "", 0.0
 
     def request_stop(self, *_: Any) -> None:
         self._stop = True
 
     def _beat(self, status: str) -> None:
         now = time.time()
-        if status == getattr(self, "_last_status", None) and status == "waiting" and now - self._last_beat < 2.0:
+        if status == self._last_status and status == "waiting" and now - self._last_beat < 2.0:
             return  # an idle worker reports every 2 s, not every poll
         self._last_status, self._last_beat = status, now
-        version = self.engine.version if hasattr(self, "engine") else -1
+        e = self.engine
         write_heartbeat(self.store, self.run_name, Heartbeat(
-            self.worker_id, max(version, 0), status, self.episodes, self.batches, self.episodes_per_s,
-            self.tokens_per_s, getattr(getattr(self, "engine", None), "mode", ""), self.host, time.time(),
-            self.sync_bytes))
+            self.worker_id, max(e.version, 0) if e else 0, status, self.episodes, self.batches, self.episodes_per_s,
+            self.tokens_per_s, e.mode if e else "", self.host, time.time(), self.sync_bytes))
 
     def _wait_for(self, what: str, ready) -> Any:
         deadline = time.time() + self.wait_seconds
@@ -102,10 +113,22 @@ class Worker:
         return max(0, writer.next_seq - taken)
 
     def _finished(self) -> bool:
-        return self.store.exists(f"{self.run_name}/finished.json")
+        """Whether the trainer marked the run finished: the marker must verify under the run's key
+        (anyone with write access to the store could plant an unsigned one)."""
+        key = f"{self.run_name}/finished.json"
+        try:
+            body = open_document(self.store.get(key), "run-finished", self.public_key, key)
+        except KeyNotFound:
+            return False
+        except Exception as e:
+            log.warning("ignoring %s: %s", key, e)
+            return False
+        return body.get("run") == self.run_name
 
     def _sync(self) -> None:
-        """Catch up to the head between cohorts, writing deltas (or a newer anchor) into the live weights."""
+        """Catch up to the head between cohorts, writing verified deltas (or a newer anchor) into the
+        live weights. A failed sync is retried with backoff; the engine keeps the weights it had."""
+        assert self.engine is not None and self.sub is not None
         problems: list[str] = []
 
         def write(state: dict) -> tuple[int, list[str]]:
@@ -116,13 +139,21 @@ class Worker:
                 raise RuntimeError(f"version {res.version} changes the weight layout; restart the worker")
             return res.version, res.changed_names
 
-        self.engine.update_inplace(write)
+        for attempt in range(_SYNC_ATTEMPTS):
+            try:
+                self.engine.update_inplace(write)
+                break
+            except (StoreError, ChainError, OSError) as e:
+                delay = min(30.0, 0.5 * 2 ** attempt) * (0.5 + random.random())
+                log.warning("weight sync failed (%s: %s); retrying in %.1fs", type(e).__name__, e or "no detail", delay)
+                if attempt == _SYNC_ATTEMPTS - 1 or self._stop:
+                    raise
+                time.sleep(delay)
         for p in problems:
             log.warning("weight sync: %s", p)
 
     def run(self) -> int:
-        from stoa.backends.engine import EngineConfig, RolloutRequest, SamplingConfig
-        from stoa.backends.mlx import MLXEngine
+        from stoa.backends.engine import EngineConfig, RolloutRequest, SamplingConfig, make_engine
         import stoa.envs
 
         old = {s: signal.signal(s, self.request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -132,15 +163,15 @@ class Worker:
             if got is None:
                 return 0
             cfg, model_dir = got
+            import_env_module(cfg.env)
             self.sub = WeightSubscriber(self.store, self.run_name, self.public_key)
             if self._wait_for("the first weights", self.sub.head) is None:
                 return 0
             res = self.sub.sync(None)
             self.sync_bytes += res.bytes_read
             rc = cfg.rollout
-            self.engine = MLXEngine.from_state(model_dir, res.state, res.version, mode=rc.engine_mode,
-                                               config=EngineConfig(max_batch=rc.max_batch))
-            self.engine.worker_id = self.worker_id
+            self.engine = make_engine(model_dir, rc.engine, state=res.state, version=res.version, mode=rc.engine_mode,
+                                      config=EngineConfig(max_batch=rc.max_batch), worker_id=self.worker_id)
             log.info("worker %s joined run %s at version %d (%s mode, %d bytes)", self.worker_id, self.run_name,
                      res.version, self.engine.mode, res.bytes_read)
             make_env = lambda: stoa.envs.make(cfg.env.id, split=cfg.env.train_split, **cfg.env.kwargs)
@@ -181,7 +212,7 @@ class Worker:
                 self._beat("generating")
             return 0
         finally:
-            if hasattr(self, "engine"):
+            if self.engine is not None:
                 try:
                     self._beat("stopped")
                 except Exception as e:  # a dying store must not hide the real exit reason

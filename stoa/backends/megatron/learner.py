@@ -12,10 +12,12 @@ A megatron-core ``GPTModel`` built from the HF config (:mod:`.model`), loaded th
   code calls CUDA-only helpers, so on CPU the *caller* must make them work (see
   ``tests/test_megatron.py``); this module never patches megatron.
 
-Episodes are packed like the torch learner's (whole episodes per row, first-fit decreasing,
-at most ``micro_batch_tokens`` a row) and fed as THD packed sequences (``cu_seqlens``:
-attention and RoPE positions restart at every episode). Micro-batches are dealt out to the
-data-parallel ranks; each rank is called with the same full batch.
+Episodes are packed by the planner both learners share (:mod:`stoa.backends.packing`: whole
+episodes per row, first-fit decreasing, at most ``micro_batch_tokens`` a row) and fed as THD
+packed sequences (``cu_seqlens``: attention and RoPE positions restart at every episode).
+Micro-batches are dealt out to the data-parallel ranks; each rank is called with the same full
+batch. The objective plumbing (padded masks, per-token advantages, normalizer, metrics) is the
+torch learner's too (:class:`stoa.backends.torch.objective.ObjectiveBatch`).
 
 Under several processes, :meth:`MegatronLearner.export_weights` returns the full HF state on
 global rank 0 and an empty dict elsewhere, and checkpoints hold one file per rank (restore
@@ -43,8 +45,10 @@ from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from safetensors import safe_open
 
-from stoa.backends.learner import LearnerConfig, LearnerError, check_episodes, lr_at, resolve_objective
-from stoa.backends.torch.packing import plan_micro_batches
+from stoa.algos import Objective
+from stoa.backends.learner import LearnerConfig, LearnerError, check_episodes, lr_at
+from stoa.backends.packing import plan_micro_batches
+from stoa.backends.torch.objective import ObjectiveBatch
 from stoa.types import Episode
 
 from . import checkpoint
@@ -513,48 +517,26 @@ class MegatronLearner:
                 "micro_batches": float(n_micro),
                 "pad_fraction": 1.0 - n_tok / slots, "seconds": seconds, "tokens_per_s": n_tok / seconds}
 
-    def _rows(self, mb: _Micro, lp: torch.Tensor, width: int) -> torch.Tensor:
-        """``[episodes in mb, width]`` log-probs aligned with ``episode.tokens()`` (0 at entry 0 / past the end)."""
-        index = np.full((len(mb.placements), width), lp.shape[0], dtype=np.int64)
-        for j, (_i, r, s, n) in enumerate(mb.placements):
-            index[j, 1:n] = r * mb.row_len + s + np.arange(n - 1)
-        return torch.cat([lp, lp.new_zeros(1)])[torch.from_numpy(index).to(lp.device)]
-
     def _rl_objective(self, episodes: Sequence[Episode], tokens: list[np.ndarray], advantages: np.ndarray,
-                      objective: str, objective_config: Any) -> tuple[Callable, Callable[[], dict[str, float]]]:
+                      objective: Objective | None) -> tuple[Callable, Callable[[], dict[str, float]]]:
         """The per-micro-batch loss of a policy-gradient objective, and the full-batch metrics after it ran."""
-        from stoa.algos import ObjectiveInputs, batch_normalizer
-
-        adv, cfg, loss_fn = resolve_objective(len(episodes), advantages, objective, objective_config)
-        width, n = max(len(t) for t in tokens), len(episodes)
-        mask, blp = torch.zeros(n, width), torch.zeros(n, width)
-        for i, ep in enumerate(episodes):
-            mask[i, : len(tokens[i])] = torch.from_numpy(ep.loss_mask().astype(np.float32))
-            blp[i, : len(tokens[i])] = torch.from_numpy(ep.behavior_logprobs())
-        advs = torch.from_numpy(adv.astype(np.float32))[:, None] * mask
-        normalizer = batch_normalizer(mask, getattr(cfg, "aggregation", "token_mean"))
+        batch = ObjectiveBatch(episodes, advantages, objective)
         scored: dict[int, torch.Tensor] = {}
-        dev = self.device
 
         def loss_of(mb: _Micro, logits: torch.Tensor) -> torch.Tensor:
             lp = self._slot_logprobs(mb, logits)
             if not mb.placements:
                 return lp.sum() * 0.0
             self._scatter(lp, mb, scored)
-            w = max(p[3] for p in mb.placements)
-            sel = torch.tensor([p[0] for p in mb.placements])
-            inputs = ObjectiveInputs(self._rows(mb, lp, w), blp[sel, :w].to(dev), advs[sel, :w].to(dev),
-                                     mask[sel, :w].to(dev), normalizer=normalizer)
-            return loss_fn(inputs, cfg)[0]
+            # Slot r*row_len+s+k of an episode at (row r, start s) predicts its token k+1.
+            index = np.full((len(mb.placements), max(p[3] for p in mb.placements)), lp.shape[0], dtype=np.int64)
+            for j, (_i, r, s, n) in enumerate(mb.placements):
+                index[j, 1:n] = r * mb.row_len + s + np.arange(n - 1)
+            return batch.loss([p[0] for p in mb.placements], lp, index)
 
         def finish() -> dict[str, float]:
-            # Loss and metrics of the whole batch, from the log-probs the gradient used.
-            lp = torch.zeros(n, width)
-            for i, row in enumerate(self._share(scored, [len(t) for t in tokens])):
-                lp[i, : len(row)] = torch.from_numpy(row)
-            with torch.no_grad():
-                loss, metrics = loss_fn(ObjectiveInputs(lp, blp, advs, mask), cfg)
-            return {"loss": float(loss), **metrics}
+            # Every rank gets the log-probs of the micro-batches other ranks ran.
+            return batch.metrics(self._share(scored, [len(t) for t in tokens]))
 
         return loss_of, finish
 
@@ -581,9 +563,9 @@ class MegatronLearner:
         return loss_of, finish
 
     def train_step(self, episodes: Sequence[Episode], advantages: np.ndarray,
-                   objective: str = "dppo", objective_config: Any = None) -> dict[str, float]:
+                   objective: Objective | None = None) -> dict[str, float]:
         tokens = self._check(episodes, train=True)
-        loss_of, finish = self._rl_objective(episodes, tokens, advantages, objective, objective_config)
+        loss_of, finish = self._rl_objective(episodes, tokens, advantages, objective)
         out = self._optimizer_step(episodes, tokens, [ep.temperature for ep in episodes], loss_of)
         return {**finish(), **out}
 
@@ -594,8 +576,7 @@ class MegatronLearner:
         return {**finish(), **out}
 
     def gradients(self, episodes: Sequence[Episode], advantages: np.ndarray | None = None,
-                  objective: str = "dppo", objective_config: Any = None
-                  ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+                  objective: Objective | None = None) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         """The loss metrics and unclipped float32 gradients by HF name that ``train_step`` (or, with
         ``advantages=None``, ``sft_step``) would use; no weight or counter changes. For tests and
         backend parity checks; one data-parallel rank only (gradients arrive on global rank 0)."""
@@ -605,7 +586,7 @@ class MegatronLearner:
         if advantages is None:
             (loss_of, finish), temps = self._sft_objective(episodes), [1.0] * len(episodes)
         else:
-            loss_of, finish = self._rl_objective(episodes, tokens, advantages, objective, objective_config)
+            loss_of, finish = self._rl_objective(episodes, tokens, advantages, objective)
             temps = [ep.temperature for ep in episodes]
         mbs = self._micro_batches(tokens, temps)[0]
         self.model.train()

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from stoa import _blas
+from stoa.backends.engine import EngineConfig
 
 _blas.load_openblas()  # before mlx loads: bind its BLAS calls to OpenBLAS, not the bundled reference BLAS
 
@@ -17,6 +18,12 @@ from stoa.backends.mlx.engine import MODES, MLXEngine, resolve_mode  # noqa: E40
 __all__ = ["MLXEngine", "MODES", "make", "resolve_mode"]
 
 
-def make(hf_dir: str | Path, **options: Any) -> MLXEngine:
-    """``MLXEngine.from_pretrained(hf_dir, **options)`` (options: ``mode``, ``version``, ``config``)."""
-    return MLXEngine.from_pretrained(hf_dir, **options)
+def make(hf_dir: str | Path, *, state: Any = None, version: int = 0, mode: str = "auto",
+         config: EngineConfig = EngineConfig(), worker_id: str = "", fast_ops: bool | None = None) -> MLXEngine:
+    """The backend entry of :func:`stoa.backends.engine.make_engine`: from ``state`` when given,
+    else from the folder's float weights quantized to int8."""
+    if state is not None:
+        return MLXEngine.from_state(hf_dir, state, version, mode=mode, config=config, fast_ops=fast_ops,
+                                    worker_id=worker_id)
+    return MLXEngine.from_pretrained(hf_dir, mode=mode, version=version, config=config, fast_ops=fast_ops,
+                                     worker_id=worker_id)

@@ -44,14 +44,14 @@ class MLXEngine:
     :mod:`stoa.backends.mlx.fast` runs), ``eos_ids`` (token ids that end an episode)."""
 
     def __init__(self, hf_dir: Path, model: Any, model_config: dict[str, Any], mode: str, version: int,
-                 config: EngineConfig, fast_ops: bool | None = None) -> None:
+                 config: EngineConfig, fast_ops: bool | None = None, worker_id: str = "") -> None:
         from mlx_lm.models.cache import KVCache, make_prompt_cache
         from mlx_lm.utils import load_tokenizer
 
         if any(type(c) is not KVCache for c in make_prompt_cache(model)):
             raise EngineError(f"{hf_dir}: the model needs sliding-window or recurrent caches, which the "
                               "engine's batched full-attention cache does not implement")
-        self.hf_dir, self.config, self.version, self.worker_id = hf_dir, config, int(version), ""
+        self.hf_dir, self.config, self.version, self._worker_id = hf_dir, config, int(version), str(worker_id)
         self._model, self._mode = model, mode
         self._stems = W.quantized_stems(model)
         self._state = W.state_views(model)
@@ -76,7 +76,8 @@ class MLXEngine:
     # -- construction ---------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, hf_dir: str | Path, mode: str = "auto", version: int = 0,
-                        config: EngineConfig = EngineConfig(), fast_ops: bool | None = None) -> MLXEngine:
+                        config: EngineConfig = EngineConfig(), fast_ops: bool | None = None,
+                        worker_id: str = "") -> MLXEngine:
         """Load a float HF folder with ``mlx_lm`` (offline) and quantize it to int8 / group 64
         exactly as ``mlx_lm`` does. ``fast_ops``: use :mod:`stoa.backends.mlx.fast` for Qwen2
         models (None: on CPUs, where it is ~2x faster for small models)."""
@@ -84,11 +85,12 @@ class MLXEngine:
         model, cfg = W.load_model(hf_dir, with_weights=True)
         W.quantize(model, cfg)
         mx.eval(model.parameters())
-        return cls(Path(hf_dir), model, cfg, mode, version, config, fast_ops)
+        return cls(Path(hf_dir), model, cfg, mode, version, config, fast_ops, worker_id)
 
     @classmethod
     def from_state(cls, hf_dir: str | Path, state: dict[str, np.ndarray], version: int, mode: str = "auto",
-                   config: EngineConfig = EngineConfig(), fast_ops: bool | None = None) -> MLXEngine:
+                   config: EngineConfig = EngineConfig(), fast_ops: bool | None = None,
+                   worker_id: str = "") -> MLXEngine:
         """Config and tokenizer from ``hf_dir`` (weights there, if any, are not read); weights from
         a weight state (e.g. an anchor from the weight channel). The state is copied."""
         mode = resolve_mode(mode)
@@ -96,7 +98,7 @@ class MLXEngine:
         W.quantize(model, cfg)
         W.check_state(state, W.skeleton_layout(model), exact_dtypes=False)
         W.load_state_into(model, state)
-        return cls(Path(hf_dir), model, cfg, mode, version, config, fast_ops)
+        return cls(Path(hf_dir), model, cfg, mode, version, config, fast_ops, worker_id)
 
     # -- attributes -----------------------------------------------------------------------------
     @property
@@ -106,6 +108,10 @@ class MLXEngine:
     @property
     def vocab_size(self) -> int:
         return self._vocab
+
+    @property
+    def worker_id(self) -> str:
+        return self._worker_id
 
     @property
     def tokenizer(self) -> Any:

@@ -1,7 +1,7 @@
 """Attention over packed rows that never crosses an episode boundary (any device).
 
 Registered in ``transformers``' ``AttentionInterface`` as ``"stoa_varlen"``. A packed row's
-episodes are gathered into dense length buckets (see :class:`~stoa.backends.torch.packing.VarlenLayout`),
+episodes are gathered into dense length buckets (see :class:`~stoa.backends.packing.VarlenLayout`),
 each bucket runs causal SDPA, and the outputs are scattered back. Work is close to the exact
 block-diagonal cost; a dense masked SDPA over the row would cost ``row_len**2`` per head, which
 on a CPU is many times the rest of the model for rows of short episodes. Because no mask is
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from stoa.backends.torch.packing import VarlenLayout
+from stoa.backends.packing import VarlenLayout
 
 NAME = "stoa_varlen"
 

@@ -19,9 +19,11 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from stoa.backends.learner import LearnerConfig, LearnerError, check_episodes, lr_at, read_checkpoint_meta, resolve_objective
+from stoa.algos import Objective
+from stoa.backends.learner import LearnerConfig, LearnerError, check_episodes, lr_at, read_checkpoint_meta
+from stoa.backends.packing import MicroBatch, build_micro_batches
 from stoa.backends.torch import attention
-from stoa.backends.torch.packing import MicroBatch, build_micro_batches
+from stoa.backends.torch.objective import ObjectiveBatch
 from stoa.types import Episode
 
 CHECKPOINT_FORMAT = "stoa.torch_learner.v1"
@@ -214,50 +216,24 @@ class TorchLearner:
         return out  # type: ignore[return-value]
 
     # -- training ------------------------------------------------------------------------------
-    def _rl_loss(self, episodes: Sequence[Episode], advantages: np.ndarray, objective: str,
-                 objective_config: Any) -> tuple[MicroLoss, Callable[[], dict[str, float]]]:
+    def _rl_loss(self, episodes: Sequence[Episode], advantages: np.ndarray,
+                 objective: Objective | None) -> tuple[MicroLoss, Callable[[], dict[str, float]]]:
         """Per-micro-batch objective (full-batch normalizer) and the full-batch metrics after it."""
-        from stoa.algos import ObjectiveInputs, batch_normalizer
-
-        adv, cfg, loss_fn = resolve_objective(len(episodes), advantages, objective, objective_config)
-        masks = [ep.loss_mask() for ep in episodes]
-        temps = [ep.temperature for ep in episodes]
-        width = max(len(m) for m in masks)
-        full_mask = torch.zeros(len(episodes), width)
-        full_blp = torch.zeros(len(episodes), width)
-        for i, ep in enumerate(episodes):
-            full_mask[i, : len(masks[i])] = torch.from_numpy(masks[i].astype(np.float32))
-            full_blp[i, : len(masks[i])] = torch.from_numpy(ep.behavior_logprobs())
-        full_adv = torch.from_numpy(adv.astype(np.float32))[:, None] * full_mask
-        full_lp = torch.zeros(len(episodes), width)
-        normalizer = batch_normalizer(full_mask, getattr(cfg, "aggregation", "token_mean"))
-        dev = self.device
+        batch = ObjectiveBatch(episodes, advantages, objective)
+        masks, temps = batch.masks, [ep.temperature for ep in episodes]
 
         def micro_loss(mb: MicroBatch, hidden: torch.Tensor) -> torch.Tensor:
-            lp = self._scored(mb, hidden, masks, temps)
-            # The objective sees one episode per row (its per-sequence aggregations need that).
-            rows = [p[0] for p in mb.placements]
-            w = max(p[3] for p in mb.placements)
-            index = np.full((len(rows), w), lp.shape[0], dtype=np.int64)
+            lp = self._scored(mb, hidden, masks, temps)  # counted tokens only, in placement order
+            ids = [p[0] for p in mb.placements]
+            index = np.full((len(ids), max(p[3] for p in mb.placements)), lp.shape[0], dtype=np.int64)
             k = 0
-            for j, i in enumerate(rows):
+            for j, i in enumerate(ids):
                 where = np.flatnonzero(masks[i])
                 index[j, where] = np.arange(k, k + len(where))
                 k += len(where)
-            lp_rows = torch.cat([lp, lp.new_zeros(1)])[torch.from_numpy(index).to(dev)]
-            sel = torch.tensor(rows)
-            full_lp[sel, :w] = lp_rows.detach().float().cpu()
-            inputs = ObjectiveInputs(lp_rows, full_blp[sel, :w].to(dev), full_adv[sel, :w].to(dev),
-                                     full_mask[sel, :w].to(dev), normalizer=normalizer)
-            return loss_fn(inputs, cfg)[0]
+            return batch.loss(ids, lp, index)
 
-        def finish() -> dict[str, float]:
-            # Loss and metrics of the whole batch at once, from the log-probs of the gradient.
-            with torch.no_grad():
-                loss, metrics = loss_fn(ObjectiveInputs(full_lp, full_blp, full_adv, full_mask), cfg)
-            return {"loss": float(loss), **metrics}
-
-        return micro_loss, finish
+        return micro_loss, batch.metrics
 
     def _sft_loss(self, episodes: Sequence[Episode]) -> tuple[MicroLoss, Callable[[], dict[str, float]]]:
         masks = [ep.loss_mask() for ep in episodes]
@@ -314,23 +290,22 @@ class TorchLearner:
         }
 
     def train_step(self, episodes: Sequence[Episode], advantages: np.ndarray,
-                   objective: str = "dppo", objective_config: Any = None) -> dict[str, float]:
+                   objective: Objective | None = None) -> dict[str, float]:
         tokens = self._check(episodes, train=True)
-        return self._step_with(episodes, tokens, self._rl_loss(episodes, advantages, objective, objective_config))
+        return self._step_with(episodes, tokens, self._rl_loss(episodes, advantages, objective))
 
     def sft_step(self, episodes: Sequence[Episode]) -> dict[str, float]:
         tokens = self._check(episodes, train=True)
         return self._step_with(episodes, tokens, self._sft_loss(episodes))
 
     def gradients(self, episodes: Sequence[Episode], advantages: np.ndarray | None = None,
-                  objective: str = "dppo", objective_config: Any = None
-                  ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+                  objective: Objective | None = None) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         """The loss metrics and unclipped gradients (by parameter name) ``train_step`` (or, with
         ``advantages=None``, ``sft_step``) would use; no weight or counter changes. For tests and
         backend parity checks."""
         tokens = self._check(episodes, train=True)
         losses = (self._sft_loss(episodes) if advantages is None
-                  else self._rl_loss(episodes, advantages, objective, objective_config))
+                  else self._rl_loss(episodes, advantages, objective))
         self._backward(tokens, losses[0])
         grads = {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
                  for n, p in self._params.items()}

@@ -4,7 +4,8 @@ Packed mode puts several whole episodes in one row (first-fit decreasing, at mos
 ``budget`` tokens a row, one row per micro-batch); positions restart at 0 for each episode and
 :class:`VarlenLayout` tells the attention kernel where episodes begin, so attention never
 crosses an episode boundary. Padded mode (the baseline) keeps one episode a row and pads each
-micro-batch to its longest episode. No torch here, so the Megatron learner can share it.
+micro-batch to its longest episode. Shared by the torch and Megatron learners; numpy only (no
+torch, no transformers), so planning a batch is as light as ``import stoa``.
 """
 
 from __future__ import annotations
