@@ -11,12 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 from stoa.transport import pulse
-from stoa.transport.chain import (
-    ChainError,
-    IntegrityError,
+from stoa.transport.chain import ChainError, IntegrityError, PointerError, WeightPublisher, WeightSubscriber
+from stoa.transport.signing import (
     SignatureError,
-    WeightPublisher,
-    WeightSubscriber,
     generate_private_key,
     key_id,
     load_private_key,
@@ -94,7 +91,7 @@ def test_publish_join_and_follow(store, key, states):
     assert joined.version == 10 and same(joined.state, states[10])
     assert joined.applied == [(9, "anchor"), (10, "delta")] and not joined.problems
     assert sorted(joined.changed_names) == sorted(states[10])
-    assert sub.manifest(7)["metadata"] == {"step": 7}
+    assert sub.manifest(7).metadata == {"step": 7}
     # A worker one version behind moves only a delta (plus pointer and manifests).
     r = sub.sync((9, states[9]))
     assert r.applied == [(10, "delta")] and same(r.state, states[10])
@@ -113,7 +110,7 @@ def test_publisher_resumes_from_store_and_refuses_old_versions(tmp_path, key, st
         pub.publish(5, states[6])
     r = pub.publish(6, states[6])
     assert r.kind == "delta"
-    assert WeightSubscriber(store, RUN, key.public_key()).manifest(6)["parent"] == 5
+    assert WeightSubscriber(store, RUN, key.public_key()).manifest(6).parent == 5
     assert same(WeightSubscriber(store, RUN, key.public_key()).sync(None).state, states[6])
 
 
@@ -183,7 +180,7 @@ def test_forged_or_unsigned_objects_are_refused(tmp_path, key, states):
     for v in range(1, 5):
         other.publish(v, states[v])
     store.put(mkey, other.store.get(mkey))
-    with pytest.raises(SignatureError, match="not this run's key"):
+    with pytest.raises(IntegrityError, match="not this run's key"):  # the head manifest: no route around it
         WeightSubscriber(store, RUN, pub_key).sync((3, states[3]))
 
     # Body altered after signing (claims another state hash).
@@ -192,12 +189,14 @@ def test_forged_or_unsigned_objects_are_refused(tmp_path, key, states):
     body["state_hash"] = "0" * 64
     env["body"] = json.dumps(body, sort_keys=True, separators=(",", ":"))
     store.put(mkey, json.dumps(env).encode())
-    with pytest.raises(SignatureError, match="bad ed25519 signature"):
+    with pytest.raises(IntegrityError, match="bad ed25519 signature"):
         WeightSubscriber(store, RUN, pub_key).sync((3, states[3]))
+    with pytest.raises(SignatureError, match="bad ed25519 signature"):
+        WeightSubscriber(store, RUN, pub_key).manifest(4)
 
     # No signature at all.
     store.put(mkey, json.dumps({"body": env["body"]}).encode())
-    with pytest.raises(SignatureError, match="unsigned"):
+    with pytest.raises(IntegrityError, match="unsigned"):
         WeightSubscriber(store, RUN, pub_key).sync((3, states[3]))
 
     # A genuine signature replayed at another version.
@@ -210,8 +209,9 @@ def test_forged_or_unsigned_objects_are_refused(tmp_path, key, states):
     ptr = _envelope(store, f"{RUN}/current.json")
     ptr["signature"] = _envelope(store, mkey)["signature"]
     store.put(f"{RUN}/current.json", json.dumps(ptr).encode())
-    with pytest.raises(SignatureError):
+    with pytest.raises(PointerError, match="bad ed25519 signature"):
         WeightSubscriber(store, RUN, pub_key).head()
+    assert issubclass(PointerError, ChainError) and issubclass(PointerError, SignatureError)
 
 
 def test_swapped_payload_is_never_applied(tmp_path, key, states):
@@ -268,8 +268,8 @@ class FlakyStore:
     def __init__(self, inner, watch: set[str]):
         self.inner, self.watch = inner, set(watch)
 
-    def get(self, key):
-        data = self.inner.get(key)
+    def get(self, key, max_bytes=None):
+        data = self.inner.get(key, max_bytes=max_bytes)
         if key in self.watch:
             self.watch.discard(key)
             return data[: len(data) // 2]
@@ -303,7 +303,7 @@ def test_garbled_pointer_is_reported_and_repaired_by_the_publisher(tmp_path, key
     ptr = f"{RUN}/current.json"
     store.put(ptr, store.get(ptr)[:40])
     sub = WeightSubscriber(store, RUN, key.public_key())
-    with pytest.raises(IntegrityError, match="current.json: not valid JSON"):
+    with pytest.raises(PointerError, match="current.json: not valid JSON"):
         sub.sync(None)
     pub = WeightPublisher(store, RUN, key, anchor_every=50)
     assert pub.publish(5, states[5]).kind == "delta"  # resumed from version 4 after the repair
@@ -317,8 +317,9 @@ def test_held_version_newer_than_head_and_empty_run(tmp_path, key, states):
     with pytest.raises(ChainError, match="no published weights"):
         sub.sync(None)
     publish_all(store, key, {1: states[1]})
-    with pytest.raises(ChainError, match="newer than the store's head"):
-        sub.sync((5, states[5]))
+    r = sub.sync((5, states[5]))  # the store is behind the held version (rolled back?): keep what is held
+    assert r.version == 5 and r.state is states[5] and r.applied == []
+    assert "older than the held version 5" in r.problems[0] and "kept the held weights" in r.message
 
 
 # --------------------------------------------------------------------------------------------
@@ -416,7 +417,7 @@ def test_retention_keeps_what_joiners_need(tmp_path, key):
     pub = WeightPublisher(store, RUN, key, anchor_every=4, keep_anchors=None)
     assert pub.publish(14, step(states[12], np.random.default_rng(1))).kind == "anchor"
     assert store.exists(orphan)
-    deleted = pub.gc(keep_anchors=2)  # anchors 14 and 9 now
+    deleted = pub.gc(keep_anchors=2).deleted  # anchors 14 and 9 now
     assert orphan in deleted and store.exists(pending) and not store.exists(orphan)
     assert sorted({int(k.split("/")[3]) for k in store.list(f"{RUN}/weights/")}) == [9, 10, 11, 12, 14, 20]
     assert sub.sync(None).version == 14
@@ -447,6 +448,23 @@ def test_keys_raw_pem_and_files(tmp_path, states):
     store = LocalStore(tmp_path / "s")
     WeightPublisher(store, RUN, priv).publish(1, states[1])
     assert WeightSubscriber(store, RUN, raw_pub.hex()).head() == 1
+
+
+def test_overwriting_a_key_ends_with_mode_0600_and_never_writes_through_a_link(tmp_path):
+    old = tmp_path / "run.key"
+    old.write_bytes(b"an old key")
+    old.chmod(0o644)
+    priv, pub = save_keypair(generate_private_key(), tmp_path, "run", overwrite=True)
+    assert oct(priv.stat().st_mode & 0o777) == "0o600" and oct(pub.stat().st_mode & 0o777) == "0o644"
+    assert key_id(load_private_key(priv).public_key()) == key_id(load_public_key(pub))
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"not a key")
+    priv.unlink()
+    priv.symlink_to(outside)
+    save_keypair(generate_private_key(), tmp_path, "run", overwrite=True)
+    assert not priv.is_symlink() and outside.read_bytes() == b"not a key"
+    assert oct(priv.stat().st_mode & 0o777) == "0o600"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outside.txt", "run.key", "run.pub"]  # no temp files left
 
 
 def test_cli_keygen(tmp_path):
@@ -488,4 +506,4 @@ def test_tiny_model_states_through_the_chain(tmp_path, key, tiny_model):
     pub.publish(6, quantize_state({k: w * np.float32(1.001) for k, w in weights.items()}, previous=states[5]))
     r = sub.sync((5, live), apply_inplace=True)
     assert r.inplace and r.applied == [(6, "delta")] and live is r.state
-    assert pulse.state_hash(live) == sub.manifest(6)["state_hash"]
+    assert pulse.state_hash(live) == sub.manifest(6).state_hash

@@ -144,7 +144,8 @@ def test_invalid_objects_are_quarantined_never_raised(store):
     assert "outside the vocabulary" in reasons["s000000000003-v000000000005.episodes"]
     assert "corrupt" in reasons["s000000000004-v000000000005.episodes"]
     assert "object name" in reasons["notes.txt"] and "object name" in reasons["stray"]
-    assert store.exists(f"{RUN}/quarantine/_misnamed/bad%2Fnotes.txt")
+    misnamed = [k for k in store.list(f"{RUN}/quarantine/_misnamed/") if not k.endswith(".reason.json")]
+    assert len(misnamed) == 2 and all(len(k.rpartition("/")[2]) == 32 for k in misnamed)  # hashed, not the name
     assert store.get(f"{RUN}/quarantine/bad/s000000000001-v000000000006.episodes") == blob
     assert reader.poll() == [] and reader.quarantined == 7
     assert reader.state()["workers"]["bad"] == {"done": 6, "extra": []}

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from stoa.fleet.run import read_heartbeats
+from stoa.transport.exchange import is_finished
 from stoa.transport.store import KeyNotFound, ObjectStore
 
 __all__ = ["fleet_status", "show_status"]
@@ -45,7 +46,8 @@ def fleet_status(store: ObjectStore, run: str, public_key: Any = None) -> dict[s
         "run": run, "head": head, "verified": verified, "workers": workers, "bad_heartbeats": bad,
         "rollouts_waiting": len(store.list(f"{run}/rollouts/")),
         "quarantined": len([k for k in store.list(f"{run}/quarantine/") if k.endswith(".reason.json")]),
-        "finished": store.exists(f"{run}/finished.json"), "evals": evals,
+        "finished": is_finished(store, run, public_key) if public_key is not None else store.exists(f"{run}/finished.json"),
+        "evals": evals,
     }
 
 

@@ -42,9 +42,9 @@ from stoa.fleet.config import RunConfig, import_env_module
 from stoa.fleet.metrics import MetricsSink
 from stoa.fleet.run import publish_run, read_heartbeats
 from stoa.transport.chain import WeightPublisher
-from stoa.transport.signing import open_document, sign_document
-from stoa.transport.exchange import Batch, RolloutReader
-from stoa.transport.store import KeyNotFound, ObjectStore
+from stoa.transport.exchange import Batch, RolloutReader, mark_finished, write_progress
+from stoa.transport.signing import SignatureError, read_signed, sign_document
+from stoa.transport.store import ObjectStore
 from stoa.types import Episode
 
 __all__ = ["Trainer", "prepare_model", "eval_metrics"]
@@ -198,8 +198,7 @@ class Trainer:
         if not self._evaluated(self.version):
             self.evaluate()
         self.checkpoint()
-        self.store.put(f"{self.run_name}/finished.json", sign_document("run-finished", {
-            "run": self.run_name, "version": self.version, "time": time.time()}, self.key))
+        mark_finished(self.store, self.run_name, self.key, self.version)
         summary = self._log("event", event="finished", seconds=time.time() - self._t0, **asdict(self.counters))
         self.sink.close()
         return summary
@@ -265,13 +264,12 @@ class Trainer:
         """Whether ``version``'s evaluation is in the store *and* verifies under the run's key."""
         key = f"{self.run_name}/eval/v{version:012d}.json"
         try:
-            body = open_document(self.store.get(key), "eval", self.key.public_key(), key)
-        except KeyNotFound:
-            return False
-        except Exception as e:  # a planted or corrupted marker: evaluate again (and overwrite it)
+            body = read_signed(self.store, key, "eval", self.key.public_key(),
+                               expect={"run": self.run_name, "version": version})
+        except SignatureError as e:  # a planted or corrupted marker: evaluate again (and overwrite it)
             log.warning("ignoring %s: %s", key, e)
             return False
-        return body.get("run") == self.run_name and body.get("version") == version
+        return body is not None
 
     def evaluate(self) -> dict[str, float]:
         """Held-out pass@1 / pass@k / task metrics of the current int8 state (what workers run)."""
@@ -313,9 +311,8 @@ class Trainer:
     def _poll(self) -> None:
         cfg = self.cfg
         batches = self.reader.poll()
-        if batches:  # what was taken, per worker: workers throttle on it (rollout.max_outstanding)
-            self.store.put(f"{self.run_name}/progress.json", json.dumps(
-                {"version": self.version, "time": time.time(), "workers": self.reader.state()["workers"]}).encode())
+        if batches:  # what was taken, per worker (signed): workers throttle on it (rollout.max_outstanding)
+            write_progress(self.store, self.run_name, self.reader.progress(), self.key)
         for batch in batches:
             if batch.version > self.version:
                 self._reject(batch, f"policy version {batch.version} is newer than the trainer's "

@@ -17,7 +17,6 @@ SIGTERM / SIGINT finish the current cohort's upload (objects appear whole or not
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import random
 import secrets
@@ -31,10 +30,10 @@ import numpy as np
 
 from stoa.fleet.config import import_env_module
 from stoa.fleet.run import Heartbeat, fetch_run, write_heartbeat
-from stoa.transport.chain import ChainError, WeightSubscriber
-from stoa.transport.signing import open_document
-from stoa.transport.exchange import RolloutWriter
-from stoa.transport.store import KeyNotFound, ObjectStore, StoreError
+from stoa.transport.chain import SYNC_ERRORS, WeightSubscriber
+from stoa.transport.exchange import RolloutWriter, is_finished, read_progress
+from stoa.transport.signing import SignatureError
+from stoa.transport.store import KeyNotFound, ObjectStore
 
 if TYPE_CHECKING:
     from stoa.backends.engine import RolloutEngine
@@ -101,29 +100,18 @@ class Worker:
         return None
 
     def _outstanding(self, writer: RolloutWriter) -> int:
-        """Own batches uploaded but not yet taken by the trainer (from its progress hint)."""
+        """Own batches uploaded but not yet taken by the trainer (from its signed progress document)."""
         try:
-            d = json.loads(self.store.get(f"{self.run_name}/progress.json"))["workers"].get(self.worker_id, {})
-            taken = int(d.get("done", 0)) + len(d.get("extra", []))
-        except KeyNotFound:
-            taken = 0
-        except (ValueError, KeyError, TypeError, AttributeError):
-            log.warning("unreadable progress.json; not throttling on it")
+            progress = read_progress(self.store, self.run_name, self.public_key)
+        except SignatureError as e:
+            log.warning("progress.json does not verify (%s); not throttling on it", e)
             return 0
-        return max(0, writer.next_seq - taken)
+        return 0 if progress is None else progress.outstanding(self.worker_id, writer.next_seq)
 
     def _finished(self) -> bool:
-        """Whether the trainer marked the run finished: the marker must verify under the run's key
-        (anyone with write access to the store could plant an unsigned one)."""
-        key = f"{self.run_name}/finished.json"
-        try:
-            body = open_document(self.store.get(key), "run-finished", self.public_key, key)
-        except KeyNotFound:
-            return False
-        except Exception as e:
-            log.warning("ignoring %s: %s", key, e)
-            return False
-        return body.get("run") == self.run_name
+        """Whether the trainer marked the run finished: only a marker that verifies under the run's
+        key counts (anyone with write access to the store could plant one)."""
+        return is_finished(self.store, self.run_name, self.public_key)
 
     def _sync(self) -> None:
         """Catch up to the head between cohorts, writing verified deltas (or a newer anchor) into the
@@ -143,7 +131,7 @@ class Worker:
             try:
                 self.engine.update_inplace(write)
                 break
-            except (StoreError, ChainError, OSError) as e:
+            except (*SYNC_ERRORS, OSError) as e:
                 delay = min(30.0, 0.5 * 2 ** attempt) * (0.5 + random.random())
                 log.warning("weight sync failed (%s: %s); retrying in %.1fs", type(e).__name__, e or "no detail", delay)
                 if attempt == _SYNC_ATTEMPTS - 1 or self._stop:

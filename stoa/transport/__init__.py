@@ -1,1 +1,2 @@
-"""Transport: object stores, int8 quantization, the PULSE codec, the version chain and the rollout exchange."""
+"""Transport: object stores, run keys and signed documents, int8 quantization, the PULSE codec,
+the version chain and the rollout exchange (see ``docs/transport.md``)."""

@@ -1,11 +1,14 @@
-"""Rollout exchange: workers upload episode batches, the trainer consumes each exactly once.
+"""Rollout exchange: workers upload episode batches, the trainer consumes each exactly once;
+and the two control files the trainer writes for workers (progress, run finished).
 
 Layout under a run (``<run>`` is any valid key prefix)::
 
     <run>/rollouts/<worker_id>/s<seq:012d>-v<version:012d>.episodes   write-once batches
     <run>/quarantine/<worker_id>/<name>                                 invalid batches, moved
     <run>/quarantine/<worker_id>/<name>.reason.json                     why, as JSON
-    <run>/quarantine/_misnamed/<path with / as %2F>[.reason.json]       stray names under rollouts/
+    <run>/quarantine/_misnamed/<sha256 of the key, 32 hex>[.reason.json]  stray names under rollouts/
+    <run>/progress.json                                                 signed: batches taken per worker
+    <run>/finished.json                                                 signed: the run is over
 
 A worker's :class:`RolloutWriter` numbers its uploads with a per-worker sequence number and
 creates each object with ``put_if_absent`` (never overwriting, so two processes sharing a
@@ -15,28 +18,57 @@ LocalStore; S3 puts are atomic per object).
 The trainer's :class:`RolloutReader` lists new objects, validates them with
 :func:`stoa.types.decode_episodes` plus the naming checks (each episode's ``policy_version`` and
 ``worker_id`` must match the key) and returns them in order; an invalid object is moved to the
-quarantine prefix with a reason and counted, never raised. Its bookkeeping (:meth:`state`) is
-plain JSON: save it in the trainer checkpoint together with the model, :meth:`restore` it after
-a restart, and every batch is delivered to the training step exactly once.
+quarantine prefix with a reason and counted, never raised. Keys it cannot even address (not a
+valid store key: an empty segment, a control character, over 1024 bytes) are skipped and
+reported. One poll reads at most :class:`PollLimits` worth of objects; the rest waits. Its
+bookkeeping (:meth:`RolloutReader.state`) is plain JSON: save it in the trainer checkpoint
+together with the model, :meth:`RolloutReader.restore` it after a restart, and every batch is
+delivered to the training step exactly once.
+
+Workers hold no key, so what they upload is validated, never trusted; what the trainer tells
+them (:class:`Progress`, the finished marker) is signed with the run's key and verified.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import math
 import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
-from stoa.transport.store import KeyNotFound, ObjectStore, validate_key
+from stoa.transport.signing import SignatureError, read_signed, sign_document
+from stoa.transport.store import KeyNotFound, ObjectStore, ObjectTooLarge, StoreError, validate_key
 from stoa.types import DEFAULT_LIMITS, Episode, EpisodeError, Limits, decode_episodes, encode_episodes
 
-__all__ = ["Batch", "RolloutReader", "RolloutWriter", "rollout_key"]
+__all__ = [
+    "Batch",
+    "PollLimits",
+    "PollReport",
+    "Progress",
+    "RolloutReader",
+    "RolloutWriter",
+    "is_finished",
+    "mark_finished",
+    "read_progress",
+    "rollout_key",
+    "write_progress",
+]
+
+log = logging.getLogger(__name__)
 
 _WORKER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _NAME_RE = re.compile(r"s(\d{12})-v(\d{12})\.episodes")
 _MAX_NUM = 10**12 - 1
 _STATE_FORMAT = "stoa.rollout_reader.v1"
+_PROGRESS_FORMAT = "stoa.progress/1"
+_MAX_PROGRESS_WORKERS = 4096
+_MAX_CONTROL_BYTES = 1 << 20
+_MAX_EXAMPLES = 8
 
 
 def _check_worker(worker_id: str) -> str:
@@ -47,6 +79,11 @@ def _check_worker(worker_id: str) -> str:
 
 def _check_run(run: str) -> str:
     return validate_key(run.strip("/"))
+
+
+def _shown(key: str) -> str:
+    """An untrusted key, bounded and escaped for a report."""
+    return repr(key[:120]) + ("..." if len(key) > 120 else "")
 
 
 def rollout_key(run: str, worker_id: str, seq: int, version: int) -> str:
@@ -75,6 +112,43 @@ class Batch:
     seq: int = 0
 
 
+@dataclass(frozen=True)
+class PollLimits:
+    """What one :meth:`RolloutReader.poll` may take; whatever is left waits for the next poll."""
+
+    max_batches: int = 64
+    """Most objects handled (returned or quarantined) per poll."""
+    max_bytes: int = 256 << 20
+    """Most stored bytes read per poll. The first object of a poll may be larger (up to
+    ``Limits.max_bytes``), so one big valid batch never blocks the queue."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_batches", "max_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"PollLimits.{name} must be an int >= 1, got {v!r}")
+
+
+@dataclass
+class PollReport:
+    """What the last :meth:`RolloutReader.poll` did (``reader.last_report``)."""
+
+    returned: int = 0
+    """Batches returned."""
+    quarantined: int = 0
+    """Objects moved to quarantine."""
+    bytes_read: int = 0
+    """Stored bytes read from the store."""
+    deferred: int = 0
+    """New objects left for a later poll because a cap was reached."""
+    skipped: int = 0
+    """Listed keys that are not valid store keys (they cannot be read, moved or deleted)."""
+    skipped_examples: list[str] = field(default_factory=list)
+    """Up to 8 of those keys, escaped and cut to 120 characters."""
+    problems: list[str] = field(default_factory=list)
+    """One line per quarantined object or failed store operation."""
+
+
 class RolloutWriter:
     """Uploads a worker's episode batches as write-once objects.
 
@@ -91,8 +165,10 @@ class RolloutWriter:
     def __init__(self, store: ObjectStore, run: str, worker_id: str):
         self.store, self.run, self.worker_id = store, _check_run(run), _check_worker(worker_id)
         self._prefix = f"{self.run}/rollouts/{self.worker_id}/"
-        seqs = [int(m.group(1)) for where in (self._prefix, f"{self.run}/quarantine/{self.worker_id}/")
-                for k in store.list(where) if (m := _NAME_RE.fullmatch(k.rpartition("/")[2]))]
+        # A reason file counts too: an oversized batch is quarantined as its reason alone.
+        names = [k.rpartition("/")[2].removesuffix(".reason.json")
+                 for where in (self._prefix, f"{self.run}/quarantine/{self.worker_id}/") for k in store.list(where)]
+        seqs = [int(m.group(1)) for n in names if (m := _NAME_RE.fullmatch(n))]
         self.next_seq = max(seqs) + 1 if seqs else 0
 
     def upload(self, episodes: list[Episode], policy_version: int) -> str:
@@ -123,14 +199,14 @@ class RolloutWriter:
                     return key
                 taken = [key]
             self.next_seq = seq + 1
-            if key in taken and self._get_quiet(key) == blob:
+            if key in taken and self._get_quiet(key, len(blob)) == blob:
                 return key  # an earlier attempt of this upload landed
         raise RuntimeError(f"worker {self.worker_id!r}: no free sequence number after 1000 tries")
 
-    def _get_quiet(self, key: str) -> bytes | None:
+    def _get_quiet(self, key: str, size: int) -> bytes | None:
         try:
-            return self.store.get(key)
-        except KeyNotFound:
+            return self.store.get(key, max_bytes=size)
+        except (KeyNotFound, ObjectTooLarge):  # a bigger object is not ours; never download it
             return None
 
 
@@ -141,22 +217,31 @@ class RolloutReader:
         store: the run's object store.
         run: the run's key prefix.
         vocab_size: if given, every token id must lie in ``[0, vocab_size)``.
-        limits: decoding bounds for untrusted bytes (see :class:`stoa.types.Limits`).
+        limits: decoding bounds for untrusted bytes (see :class:`stoa.types.Limits`); an object
+            over ``limits.max_bytes`` is quarantined without being downloaded.
+        poll_limits: per-poll caps (see :class:`PollLimits`).
 
     Bookkeeping: per worker, the highest sequence number ``done`` below which every batch was
     consumed (or quarantined), plus the consumed numbers above it (gaps happen when uploads
-    land out of order). :meth:`state` returns it as JSON-ready data.
+    land out of order). :meth:`state` returns it as JSON-ready data; :meth:`progress` is the
+    part workers may see.
     """
 
-    def __init__(self, store: ObjectStore, run: str, vocab_size: int | None = None, limits: Limits = DEFAULT_LIMITS):
+    def __init__(self, store: ObjectStore, run: str, vocab_size: int | None = None, limits: Limits = DEFAULT_LIMITS,
+                 poll_limits: PollLimits = PollLimits()):
         self.store, self.run = store, _check_run(run)
-        self.vocab_size, self.limits = vocab_size, limits
+        self.vocab_size, self.limits, self.poll_limits = vocab_size, limits, poll_limits
         self._prefix = f"{self.run}/rollouts/"
         self._done: dict[str, int] = {}  # worker -> every seq < done is settled
         self._extra: dict[str, set[int]] = {}  # worker -> settled seqs >= done
         self.consumed = 0
         self.quarantined = 0
-        self.last_problems: list[str] = []
+        self.last_report = PollReport()
+
+    @property
+    def last_problems(self) -> list[str]:
+        """The last poll's problems (``last_report.problems``)."""
+        return self.last_report.problems
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def _settled(self, worker: str, seq: int) -> bool:
@@ -212,43 +297,89 @@ class RolloutReader:
         self._done, self._extra = done, extra
         self.consumed, self.quarantined = int(state.get("consumed", 0)), int(state.get("quarantined", 0))
 
+    def progress(self) -> Progress:
+        """Batches taken (consumed or quarantined) per worker, for :func:`write_progress`."""
+        return Progress({w: self._done.get(w, 0) + len(self._extra.get(w, ()))
+                         for w in sorted(set(self._done) | set(self._extra))}, time.time())
+
     # -- polling --------------------------------------------------------------------------------
-    def poll(self, max_batches: int | None = None) -> list[Batch]:
+    def _parse(self, key: str) -> tuple[str, int, int] | None:
+        """(worker, seq, version) of a well-named batch key, else None."""
+        worker, _, name = key[len(self._prefix):].partition("/")
+        m = _NAME_RE.fullmatch(name)
+        if not m or not _WORKER_RE.fullmatch(worker):
+            return None
+        return worker, int(m.group(1)), int(m.group(2))
+
+    def poll(self, max_batches: int | None = None, max_bytes: int | None = None) -> list[Batch]:
         """Return new valid batches, oldest policy version first (then worker, then sequence).
 
-        Each returned batch counts as consumed at once (see :meth:`state`). With
-        ``max_batches``, at most that many are returned and the rest wait for a later poll.
-        Invalid objects are quarantined (see :attr:`quarantined`, :attr:`last_problems`);
-        this method does not raise on bad data.
+        Each returned batch counts as consumed at once (see :meth:`state`). At most
+        ``max_batches`` objects and ``max_bytes`` stored bytes are handled (defaults from
+        :attr:`poll_limits`); the rest waits for a later poll. Invalid objects are quarantined,
+        keys that are not valid store keys are skipped; both are reported in
+        :attr:`last_report`. This method does not raise on bad data, and a store error on one
+        object leaves it for the next poll (reported) instead of raising.
         """
-        self.last_problems = []
-        pending = []
+        n_cap = self.poll_limits.max_batches if max_batches is None else max_batches
+        b_cap = self.poll_limits.max_bytes if max_bytes is None else max_bytes
+        rep = self.last_report = PollReport()
+        pending, strays = [], []
         for key in self.store.list(self._prefix):
-            rel = key[len(self._prefix):]
-            worker, _, name = rel.partition("/")
-            m = _NAME_RE.fullmatch(name)
-            if not m or not _WORKER_RE.fullmatch(worker):
-                self._quarantine(key, None, None, "object name is not <worker>/s<seq>-v<version>.episodes")
+            try:
+                validate_key(key)
+            except ValueError:
+                rep.skipped += 1
+                if len(rep.skipped_examples) < _MAX_EXAMPLES:
+                    rep.skipped_examples.append(_shown(key))
                 continue
-            seq, version = int(m.group(1)), int(m.group(2))
-            if not self._settled(worker, seq):
-                pending.append((version, worker, seq, key))
-        out = []
-        for version, worker, seq, key in sorted(pending):
-            if max_batches is not None and len(out) >= max_batches:
+            parsed = self._parse(key)
+            if parsed is None:
+                strays.append(key)
+            elif not self._settled(parsed[0], parsed[1]):
+                pending.append((parsed[2], parsed[0], parsed[1], key))
+        if rep.skipped:
+            log.warning("rollouts/: skipped %d key(s) that are not valid store keys, e.g. %s",
+                        rep.skipped, ", ".join(rep.skipped_examples[:3]))
+        work = [(key, (worker, seq, version)) for version, worker, seq, key in sorted(pending)]
+        work += [(key, None) for key in strays]  # honest batches first, then clean-up
+        out: list[Batch] = []
+        handled = 0
+        for i, (key, parsed) in enumerate(work):
+            if handled >= n_cap or (handled and rep.bytes_read >= b_cap):
+                rep.deferred = len(work) - i
                 break
-            batch = self._load(key, worker, seq, version)
+            cap = self.limits.max_bytes if not handled else min(self.limits.max_bytes, b_cap - rep.bytes_read)
+            try:
+                blob = self.store.get(key, max_bytes=cap)
+            except KeyNotFound:
+                continue  # deleted under us (another reader quarantined it); nothing to settle
+            except ObjectTooLarge as e:
+                if e.size <= self.limits.max_bytes:  # valid size, over this poll's budget
+                    rep.deferred = len(work) - i
+                    break
+                handled += 1
+                self._quarantine_safely(key, parsed, f"{e.size} bytes, over the {self.limits.max_bytes}-byte "
+                                                     "limit (deleted unread)", None, rep)
+                continue
+            except StoreError as e:
+                handled += 1
+                rep.problems.append(f"{_shown(key)}: store error, left for the next poll: {e}")
+                continue
+            handled += 1
+            rep.bytes_read += len(blob)
+            if parsed is None:
+                self._quarantine_safely(key, None, "object name is not <worker>/s<seq>-v<version>.episodes", blob, rep)
+                continue
+            batch = self._load(key, *parsed, blob, rep)
             if batch is not None:
-                self._settle(worker, seq)
+                self._settle(parsed[0], parsed[1])
                 self.consumed += 1
                 out.append(batch)
+        rep.returned = len(out)
         return out
 
-    def _load(self, key: str, worker: str, seq: int, version: int) -> Batch | None:
-        try:
-            blob = self.store.get(key)
-        except KeyNotFound:
-            return None  # deleted under us (another reader quarantined it); nothing to settle
+    def _load(self, key: str, worker: str, seq: int, version: int, blob: bytes, rep: PollReport) -> Batch | None:
         try:
             episodes = decode_episodes(blob, vocab_size=self.vocab_size, limits=self.limits)
             if not episodes:
@@ -259,35 +390,48 @@ class RolloutReader:
                 if ep.worker_id != worker:
                     raise EpisodeError(f"episode {i}: worker_id {ep.worker_id!r} != {worker!r} in the object name")
         except Exception as e:  # untrusted bytes: whatever breaks the decoder quarantines, never crashes
-            self._quarantine(key, worker, seq, str(e) if isinstance(e, EpisodeError) else f"{type(e).__name__}: {e}", blob)
+            reason = str(e) if isinstance(e, EpisodeError) else f"{type(e).__name__}: {e}"
+            self._quarantine_safely(key, (worker, seq, version), reason, blob, rep)
             return None
         return Batch(key, worker, version, episodes, seq)
+
+    def _quarantine_safely(self, key: str, parsed: tuple[str, int, int] | None, reason: str,
+                           blob: bytes | None, rep: PollReport) -> None:
+        try:
+            self._quarantine(key, parsed, reason, blob, rep)
+        except StoreError as e:  # the object stays where it is; the next poll tries again
+            rep.problems.append(f"{_shown(key)}: could not quarantine ({reason}): {e}")
 
     def quarantine(self, batch: Batch, reason: str) -> None:
         """Move a batch that :meth:`poll` returned but the caller found invalid (e.g. a policy
         version from the future) to the quarantine prefix, with ``reason``."""
-        self._quarantine(batch.key, batch.worker_id, batch.seq, reason)
+        try:
+            blob = self.store.get(batch.key, max_bytes=self.limits.max_bytes)
+        except KeyNotFound:
+            blob = None
+        if blob is not None:
+            self._quarantine(batch.key, (batch.worker_id, batch.seq, batch.version), reason, blob, self.last_report)
         self.consumed -= 1
 
-    def _quarantine(self, key: str, worker: str | None, seq: int | None, reason: str,
-                    blob: bytes | None = None) -> None:
-        rel = key[len(self._prefix):]
-        # A stray name is flattened under a folder no worker id can have, so it collides with nothing.
-        dest = f"{self.run}/quarantine/" + (rel if worker is not None else "_misnamed/" + rel.replace("/", "%2F"))
-        if blob is None:
-            try:
-                blob = self.store.get(key)
-            except KeyNotFound:
-                return
-        # Copy, explain, then delete: a crash in between re-quarantines the same object.
-        self.store.put(dest, blob)
+    def _quarantine(self, key: str, parsed: tuple[str, int, int] | None, reason: str,
+                    blob: bytes | None, rep: PollReport) -> None:
+        """Copy (when ``blob`` is given), explain, then delete: a crash in between re-quarantines it."""
+        if parsed is not None:  # a validated worker id and fixed-length name
+            dest = f"{self.run}/quarantine/{parsed[0]}/{key.rpartition('/')[2]}"
+        else:  # never build a key from an untrusted name; the reason file keeps the name
+            digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+            dest = f"{self.run}/quarantine/_misnamed/{digest[:32]}"
+        if blob is not None:
+            self.store.put(dest, blob)
         self.store.put(dest + ".reason.json", json.dumps(
-            {"key": key, "reason": reason, "bytes": len(blob), "time": time.time()}, indent=1).encode())
+            {"key": key[:1024], "reason": reason[:4096], "bytes": None if blob is None else len(blob),
+             "copied": blob is not None, "time": time.time()}, indent=1).encode())
         self.store.delete(key)
-        if worker is not None and seq is not None:
-            self._settle(worker, seq)
+        if parsed is not None:
+            self._settle(parsed[0], parsed[1])
         self.quarantined += 1
-        self.last_problems.append(f"{key}: {reason}")
+        rep.quarantined += 1
+        rep.problems.append(f"{_shown(key)}: {reason}")
 
     def prune(self, state: dict | None = None) -> int:
         """Delete consumed batches (those settled in ``state``, default the current state).
@@ -302,13 +446,101 @@ class RolloutReader:
         newest: dict[str, str] = {}
         settled = []
         for key in self.store.list(self._prefix):  # sorted: a worker's newest batch comes last
-            worker, _, name = key[len(self._prefix):].partition("/")
-            m = _NAME_RE.fullmatch(name)
-            if m:
-                newest[worker] = key
-                if ref._settled(worker, int(m.group(1))):
+            try:
+                validate_key(key)
+            except ValueError:
+                continue
+            parsed = self._parse(key)
+            if parsed is not None:
+                newest[parsed[0]] = key
+                if ref._settled(parsed[0], parsed[1]):
                     settled.append(key)
         doomed = [k for k in settled if k not in newest.values()]
         for key in doomed:
             self.store.delete(key)
         return len(doomed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Control files: signed by the trainer, verified by workers
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the trainer has taken from each worker (``<run>/progress.json``, signed).
+
+    Workers throttle on it: a worker with ``outstanding(...)`` at its configured maximum
+    waits instead of sampling more.
+    """
+
+    taken: dict[str, int]
+    """Worker id -> how many of its batches the trainer has settled (trained on, pooled or
+    quarantined). At most 4096 workers; :func:`write_progress` keeps those with the most."""
+    time: float = 0.0
+    """When the trainer made it (the trainer's clock)."""
+
+    def outstanding(self, worker_id: str, uploaded: int) -> int:
+        """How many of a worker's ``uploaded`` batches (its writer's ``next_seq``) are not taken yet."""
+        return max(0, uploaded - self.taken.get(worker_id, 0))
+
+    @classmethod
+    def parse(cls, body: Any, *, run: str, where: str) -> Progress:
+        """Check a verified progress body for ``run``; raises :class:`SignatureError`."""
+        if not isinstance(body, dict) or body.get("format") != _PROGRESS_FORMAT or body.get("run") != run:
+            raise SignatureError(f"{where}: not a {_PROGRESS_FORMAT} document for run {run!r}")
+        taken, t = body.get("taken"), body.get("time")
+        if not isinstance(taken, dict) or len(taken) > _MAX_PROGRESS_WORKERS:
+            raise SignatureError(f"{where}: taken must map at most {_MAX_PROGRESS_WORKERS} workers to counts")
+        for w, n in taken.items():
+            if not _WORKER_RE.fullmatch(w) or isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= _MAX_NUM:
+                raise SignatureError(f"{where}: bad entry {_shown(w)}: {str(n)[:20]}")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+            raise SignatureError(f"{where}: time must be a finite number")
+        return cls(dict(taken), float(t))
+
+    def to_body(self, run: str) -> dict[str, Any]:
+        """The JSON body the trainer signs (the workers with the most batches, if over the cap)."""
+        top = sorted(self.taken.items(), key=lambda kv: (-kv[1], kv[0]))[:_MAX_PROGRESS_WORKERS]
+        return {"format": _PROGRESS_FORMAT, "run": run, "taken": dict(sorted(top)), "time": self.time}
+
+
+def write_progress(store: ObjectStore, run: str, progress: Progress, private_key: Any) -> None:
+    """Sign ``progress`` with the run's key and put it at ``<run>/progress.json``."""
+    run = _check_run(run)
+    store.put(f"{run}/progress.json", sign_document("progress", progress.to_body(run), private_key))
+
+
+def read_progress(store: ObjectStore, run: str, public_key: Any) -> Progress | None:
+    """The verified ``<run>/progress.json``, or None if the trainer has not written one yet.
+
+    Raises:
+        SignatureError: the object does not verify (then do not throttle on it).
+        stoa.transport.store.StoreError: the store failed.
+    """
+    run = _check_run(run)
+    key = f"{run}/progress.json"
+    body = read_signed(store, key, "progress", public_key, expect={"run": run}, max_bytes=_MAX_CONTROL_BYTES)
+    return None if body is None else Progress.parse(body, run=run, where=key)
+
+
+def mark_finished(store: ObjectStore, run: str, private_key: Any, version: int) -> None:
+    """Put the signed "run finished" marker ``<run>/finished.json`` (after the final version)."""
+    run = _check_run(run)
+    store.put(f"{run}/finished.json", sign_document(
+        "run-finished", {"run": run, "version": int(version), "time": time.time()}, private_key))
+
+
+def is_finished(store: ObjectStore, run: str, public_key: Any) -> bool:
+    """Whether ``<run>/finished.json`` exists and verifies (signed by the run's key, for this run).
+
+    A marker that does not verify counts as absent and is logged: a planted file must not stop
+    the fleet. Raises only :class:`stoa.transport.store.StoreError` (the store failed).
+    """
+    run = _check_run(run)
+    try:
+        return read_signed(store, f"{run}/finished.json", "run-finished", public_key, expect={"run": run},
+                           max_bytes=_MAX_CONTROL_BYTES) is not None
+    except SignatureError as e:
+        log.warning("ignoring the finished marker: %s", e)
+        return False

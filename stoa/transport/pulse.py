@@ -39,7 +39,7 @@ import json
 import math
 import struct
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -50,6 +50,7 @@ __all__ = [
     "PulseError",
     "apply_delta",
     "apply_delta_inplace",
+    "apply_deltas_verified",
     "decode_state",
     "encode_delta",
     "encode_state",
@@ -463,6 +464,48 @@ def apply_delta_inplace(state: dict[str, np.ndarray], blob: bytes) -> list[str]:
             raise PulseError(f"{name!r}: in-place apply needs a C-contiguous, writeable array")
     _write(state, decoded)
     return [name for name, _, _ in decoded]
+
+
+def apply_deltas_verified(state: dict[str, np.ndarray], blobs: Sequence[bytes], expect_hash: str) -> list[str]:
+    """Apply ``blobs`` in order by writing into ``state``'s arrays, only if the result's
+    :func:`state_hash` is ``expect_hash``; returns the names that changed, sorted.
+
+    Every blob is decoded and the result's hash computed (one changed tensor copied at a time)
+    before the first write, so on a bad blob or a hash mismatch (:class:`PulseError`) ``state``
+    is untouched. Extra memory: the decoded deltas plus a copy of the largest changed tensor.
+    """
+    decoded = [_decode_delta(state, blob) for blob in blobs]
+    changes: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for entries in decoded:
+        for name, sel, d in entries:
+            changes.setdefault(name, []).append((sel, d))
+    for name in changes:
+        a = state[name]
+        if not (a.flags.c_contiguous and a.flags.writeable):
+            raise PulseError(f"{name!r}: in-place apply needs a C-contiguous, writeable array")
+
+    class _After(Mapping):  # the state the deltas lead to, built one tensor at a time
+        def __getitem__(self, name: str) -> np.ndarray:
+            if name not in changes:
+                return state[name]
+            new = np.array(state[name], copy=True, order="C")
+            for sel, d in changes[name]:
+                _write({name: new}, [(name, sel, d)])
+            return new
+
+        def __iter__(self):
+            return iter(state)
+
+        def __len__(self) -> int:
+            return len(state)
+
+    got = state_hash(_After())
+    if got != expect_hash:
+        raise PulseError(f"the deltas lead to state {got[:12]}..., not the expected {expect_hash[:12]}...; "
+                         "nothing was written")
+    for entries in decoded:
+        _write(state, entries)
+    return sorted(changes)
 
 
 def _write(state: Mapping[str, np.ndarray], decoded: list[tuple[str, np.ndarray, np.ndarray]]) -> None:

@@ -1,0 +1,227 @@
+"""The signed documents of the weight chain and where they live: typed, validated once.
+
+Layout under a run (``<run>`` is any valid key prefix; :class:`Layout` builds and parses these)::
+
+    <run>/current.json                                  signed pointer (:class:`Pointer`)
+    <run>/weights/<version:012d>/manifest.json          signed manifest (:class:`Manifest`)
+    <run>/weights/<version:012d>/anchor.safetensors     full state, if any (:class:`Payload`)
+    <run>/weights/<version:012d>/delta.pulse            delta from the parent, if any
+
+Both documents are :mod:`stoa.transport.signing` envelopes of kind ``"manifest"`` /
+``"pointer"``. Their bodies are parsed exactly once, by :meth:`Manifest.parse` and
+:meth:`Pointer.parse`, which refuse unknown or missing fields, values of the wrong type or range,
+and contradictions (a delta without a parent, a parent not older than the version, an anchor at
+a depth other than 0) with :class:`~stoa.transport.signing.SignatureError`: a validly signed
+body is still checked, since a signature is no excuse for a crash. Code holding a ``Manifest`` or
+``Pointer`` needs no further checks.
+
+The pointer pins the sha256 of the head manifest's object and each manifest pins its parent's,
+so the chain from a verified pointer down is hash-linked (see :mod:`stoa.transport.chain`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from stoa.transport.signing import SignatureError
+from stoa.transport.store import validate_key
+
+__all__ = ["MAX_MANIFEST_BYTES", "MAX_POINTER_BYTES", "MAX_VERSION", "Layout", "Manifest", "Payload", "Pointer",
+           "check_version"]
+
+MANIFEST_FORMAT = "stoa.weights.manifest/2"
+POINTER_FORMAT = "stoa.weights.pointer/1"
+MAX_VERSION = 10**12 - 1
+"""Versions lie in ``[0, MAX_VERSION]`` (twelve decimal digits in keys)."""
+MAX_MANIFEST_BYTES = 1 << 20
+"""Largest manifest object a reader accepts (bigger ones are refused unread)."""
+MAX_POINTER_BYTES = 64 << 10
+"""Largest pointer object a reader accepts."""
+_SHA_RE = re.compile(r"[0-9a-f]{64}")
+_ENTRY_RE = re.compile(r"(\d{12})/(manifest\.json|anchor\.safetensors|delta\.pulse)")
+
+
+def check_version(v: Any, what: str = "version") -> int:
+    """``v`` if it is a valid version number, else ``ValueError`` naming ``what``."""
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_VERSION:
+        raise ValueError(f"{what} must be an int in [0, 10^12), got {v!r}")
+    return v
+
+
+def _int(v: Any, what: str, where: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise SignatureError(f"{where}: {what} must be an int in [{lo}, {hi}], got {str(v)[:40]!r}")
+    return v
+
+
+def _opt_version(v: Any, what: str, where: str) -> int | None:
+    return None if v is None else _int(v, what, where, 0, MAX_VERSION)
+
+
+def _sha_field(v: Any, what: str, where: str) -> str:
+    if not isinstance(v, str) or not _SHA_RE.fullmatch(v):
+        raise SignatureError(f"{where}: {what} must be 64 lowercase hex characters")
+    return v
+
+
+def _time(v: Any, where: str) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        raise SignatureError(f"{where}: created must be a finite number")
+    return float(v)
+
+
+def _exact_keys(body: dict, keys: frozenset[str], where: str) -> None:
+    if set(body) != keys:
+        odd = sorted(set(body) ^ keys)[:5]
+        raise SignatureError(f"{where}: signed body has missing or unknown fields {odd}")
+
+
+@dataclass(frozen=True)
+class Payload:
+    """One payload object of a version, as its manifest signs it."""
+
+    bytes: int
+    """Exact size of the object."""
+    sha256: str
+    """Hex sha256 of the object."""
+
+    @classmethod
+    def parse(cls, v: Any, what: str, where: str) -> Payload | None:
+        """``None`` for a missing payload; raises :class:`SignatureError` if malformed."""
+        if v is None:
+            return None
+        if not isinstance(v, dict) or set(v) != {"bytes", "sha256"}:
+            raise SignatureError(f"{where}: malformed {what} entry")
+        return cls(_int(v["bytes"], f"{what} bytes", where, 1), _sha_field(v["sha256"], f"{what} sha256", where))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The signed description of one version (the body of ``weights/<version>/manifest.json``).
+
+    Built only by :meth:`parse` (from a verified body) or by the publisher; every field is
+    checked once, so code that holds a ``Manifest`` needs no further checks.
+    """
+
+    run: str
+    """The run's key prefix."""
+    version: int
+    """This version, in ``[0, 10^12)``."""
+    parent: int | None
+    """The version published before this one on its chain (older), or None for a chain's root."""
+    parent_manifest_sha256: str | None
+    """sha256 of the parent's manifest object: binds the version to its parent chain."""
+    state_hash: str
+    """:func:`stoa.transport.pulse.state_hash` of this version's state."""
+    depth: int
+    """Deltas since the last anchor (0 for an anchor)."""
+    anchor_version: int
+    """The newest anchor this version descends from (itself for an anchor)."""
+    anchor: Payload | None
+    """The full state, if this version has one."""
+    delta: Payload | None
+    """The delta from ``parent``, if this version has one."""
+    full_state_bytes: int
+    """Bytes of the state's arrays."""
+    tensors: int
+    """Number of tensors in the state."""
+    metadata: dict[str, Any]
+    """The publisher's small JSON metadata (e.g. the optimizer step). Do not mutate."""
+    created: float
+    """Unix time of the publish (the publisher's clock)."""
+
+    _FIELDS = frozenset({"format", "run", "version", "parent", "parent_manifest_sha256", "state_hash", "depth",
+                         "anchor_version", "anchor", "delta", "full_state_bytes", "tensors", "metadata", "created"})
+
+    @classmethod
+    def parse(cls, body: Any, *, run: str, version: int, where: str) -> Manifest:
+        """Check a verified manifest body for ``run`` and ``version``; raises :class:`SignatureError`."""
+        if not isinstance(body, dict) or body.get("format") != MANIFEST_FORMAT:
+            raise SignatureError(f"{where}: not a {MANIFEST_FORMAT} manifest")
+        if body.get("run") != run or body.get("version") != version:
+            raise SignatureError(f"{where}: signed manifest is for run {str(body.get('run'))[:80]!r} version "
+                                 f"{str(body.get('version'))[:20]}, expected {run!r} version {version}")
+        _exact_keys(body, cls._FIELDS, where)
+        m = cls(run, version, _opt_version(body["parent"], "parent", where),
+                None if body["parent_manifest_sha256"] is None else
+                _sha_field(body["parent_manifest_sha256"], "parent_manifest_sha256", where),
+                _sha_field(body["state_hash"], "state_hash", where), _int(body["depth"], "depth", where),
+                _int(body["anchor_version"], "anchor_version", where, 0, version),
+                Payload.parse(body["anchor"], "anchor", where), Payload.parse(body["delta"], "delta", where),
+                _int(body["full_state_bytes"], "full_state_bytes", where), _int(body["tensors"], "tensors", where, 1),
+                body["metadata"], _time(body["created"], where))
+        if not isinstance(m.metadata, dict):
+            raise SignatureError(f"{where}: metadata must be an object")
+        if m.anchor is None and m.delta is None:
+            raise SignatureError(f"{where}: version has neither an anchor nor a delta")
+        if (m.parent is None) != (m.parent_manifest_sha256 is None) or (m.delta is not None and m.parent is None):
+            raise SignatureError(f"{where}: parent and parent_manifest_sha256 go together, and a delta needs both")
+        if m.parent is not None and m.parent >= version:
+            raise SignatureError(f"{where}: parent {m.parent} is not older than the version")
+        if (m.anchor is not None) != (m.depth == 0 and m.anchor_version == version):
+            raise SignatureError(f"{where}: depth {m.depth} / anchor_version {m.anchor_version} contradict the payloads")
+        return m
+
+    def to_body(self) -> dict[str, Any]:
+        """The JSON body the publisher signs."""
+        pay = lambda p: None if p is None else {"bytes": p.bytes, "sha256": p.sha256}  # noqa: E731
+        return {"format": MANIFEST_FORMAT, "run": self.run, "version": self.version, "parent": self.parent,
+                "parent_manifest_sha256": self.parent_manifest_sha256, "state_hash": self.state_hash,
+                "depth": self.depth, "anchor_version": self.anchor_version, "anchor": pay(self.anchor),
+                "delta": pay(self.delta), "full_state_bytes": self.full_state_bytes, "tensors": self.tensors,
+                "metadata": self.metadata, "created": self.created}
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """The signed pointer ``<run>/current.json``: the newest committed version."""
+
+    run: str
+    """The run's key prefix."""
+    version: int
+    """The head version."""
+    manifest_sha256: str
+    """sha256 of the head's manifest object."""
+    created: float
+    """Unix time of the publish."""
+
+    _FIELDS = frozenset({"format", "run", "version", "manifest_sha256", "created"})
+
+    @classmethod
+    def parse(cls, body: Any, *, run: str, where: str) -> Pointer:
+        """Check a verified pointer body for ``run``; raises :class:`SignatureError`."""
+        if not isinstance(body, dict) or body.get("format") != POINTER_FORMAT:
+            raise SignatureError(f"{where}: not a {POINTER_FORMAT} pointer")
+        if body.get("run") != run:
+            raise SignatureError(f"{where}: signed pointer is for run {str(body.get('run'))[:80]!r}, not {run!r}")
+        _exact_keys(body, cls._FIELDS, where)
+        return cls(run, _int(body["version"], "pointer version", where, 0, MAX_VERSION),
+                   _sha_field(body["manifest_sha256"], "manifest_sha256", where), _time(body["created"], where))
+
+    def to_body(self) -> dict[str, Any]:
+        """The JSON body the publisher signs."""
+        return {"format": POINTER_FORMAT, "run": self.run, "version": self.version,
+                "manifest_sha256": self.manifest_sha256, "created": self.created}
+
+
+class Layout:
+    """Where a run's chain objects live (see the module docstring)."""
+
+    def __init__(self, run: str):
+        self.run = validate_key(run.strip("/"))
+        self.pointer = f"{self.run}/current.json"
+        self.weights = f"{self.run}/weights/"
+
+    def manifest(self, v: int) -> str:
+        return f"{self.weights}{v:012d}/manifest.json"
+
+    def payload(self, v: int, kind: str) -> str:
+        return f"{self.weights}{v:012d}/" + ("anchor.safetensors" if kind == "anchor" else "delta.pulse")
+
+    def version_of(self, key: str) -> int | None:
+        """The version of a listed key of this layout, None for anything else (foreign keys)."""
+        m = _ENTRY_RE.fullmatch(key[len(self.weights):]) if key.startswith(self.weights) else None
+        return int(m.group(1)) if m else None
