@@ -17,16 +17,23 @@ Each segment is either
   chat-template glue). ``logprobs`` is ``None``; they are context only (loss mask 0).
 
 Wire format (``encode_episodes`` / ``decode_episodes``): ``b"STEP"``, one byte codec version,
-one byte compression (0 = none, 1 = zstd), then a msgpack map ``{"format", "version",
-"episodes": [...]}`` where arrays travel as raw little-endian bytes (int32 tokens, float32
-log-probs). No pickle anywhere; every field is checked on decode and any violation raises
-:class:`EpisodeError` naming the episode and the field.
+one byte compression (0 = none, 1 = zstd, one frame), then a msgpack map with the keys
+``"format"``, ``"version"``, ``"episodes": [...]`` in that order, where arrays travel as raw
+little-endian bytes (int32 tokens, float32 log-probs). No pickle anywhere; every field is checked
+on decode and any violation raises :class:`EpisodeError` naming the episode and the field.
+
+Decoding cost is bounded by :class:`Limits` before the work is done: the stored size is checked
+first, a zstd frame that declares more than ``max_decompressed_bytes`` is refused from its header,
+and the payload is decompressed as a stream that stops at that cap, parsed one episode at a time
+(a segment count is checked from its array header, before any segment is read). Work and memory
+are linear in the decompressed bytes, and a batch holds at most ``max_batch_segments`` segments.
 """
 
 from __future__ import annotations
 
+import io
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import msgpack
@@ -57,7 +64,7 @@ class EpisodeError(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    """Bounds enforced when decoding untrusted bytes."""
+    """Bounds enforced when decoding untrusted bytes (every one ``>= 1``)."""
 
     max_bytes: int = 64 << 20
     """Largest accepted encoded blob (bytes, as stored)."""
@@ -67,12 +74,20 @@ class Limits:
     """Most episodes in one batch."""
     max_tokens_per_episode: int = 1 << 17
     """Most tokens (prompt + all segments) in one episode."""
-    max_segments: int = 1024
-    """Most segments in one episode."""
+    max_segments: int = 256
+    """Most segments in one episode (a Search-R1 episode of 4 turns has about 8)."""
+    max_batch_segments: int = 1 << 18
+    """Most segments in one batch; bounds decode time (~4 us each on one core) and memory."""
     max_metrics: int = 64
     """Most entries in one episode's ``metrics``."""
     max_string: int = 4096
     """Longest accepted string field (ids, metric strings)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Limits.{f.name}={v!r} must be an int >= 1")
 
 
 DEFAULT_LIMITS = Limits()
@@ -218,6 +233,10 @@ _EPISODE_KEYS = {
     "group_id", "sample_index", "temperature", "top_p",
 }
 _SEGMENT_KEYS = {"kind", "tokens", "logprobs"}
+_TOP_KEYS = ("format", "version", "episodes")
+_READ_SIZE = 1 << 16
+# Largest zstd window accepted: the encoder's level 3 uses 2 MiB; a bigger one only costs memory.
+_MAX_WINDOW = 1 << 23
 
 
 def decode_episodes(
@@ -228,7 +247,7 @@ def decode_episodes(
     Args:
         blob: the stored bytes (untrusted).
         vocab_size: if given, every token id must lie in ``[0, vocab_size)``.
-        limits: size bounds.
+        limits: size bounds, each checked before the work it bounds (see the module docs).
 
     Raises:
         EpisodeError: on any malformation; the message names the episode index and field.
@@ -242,81 +261,147 @@ def decode_episodes(
         raise EpisodeError("not a stoa episode batch (bad magic bytes)")
     if blob[4] != _CODEC_VERSION:
         raise EpisodeError(f"unsupported episode codec version {blob[4]} (this reader: {_CODEC_VERSION})")
+    cap = limits.max_decompressed_bytes
     if blob[5] == _ZSTD:
+        frame = memoryview(blob)[6:]
         try:
-            payload = zstandard.ZstdDecompressor().decompress(
-                blob[6:], max_output_size=limits.max_decompressed_bytes
-            )
+            declared = zstandard.frame_content_size(frame)
         except zstandard.ZstdError as e:
             raise EpisodeError(f"corrupt zstd payload: {e}") from None
-        if len(payload) > limits.max_decompressed_bytes:
-            raise EpisodeError("decompressed payload over the size limit")
+        if declared > cap:
+            raise EpisodeError(f"zstd frame declares {declared} bytes, over the limit of {cap}")
+        dctx = zstandard.ZstdDecompressor(max_window_size=_MAX_WINDOW)
+        raw: Any = dctx.stream_reader(frame, read_size=_READ_SIZE, read_across_frames=True)
     elif blob[5] == _RAW:
-        payload = blob[6:]
+        declared, raw = len(blob) - 6, io.BytesIO(blob)  # shares the bytes, no copy
+        raw.seek(6)
     else:
         raise EpisodeError(f"unknown compression flag {blob[5]}")
+    source = _CappedSource(raw, cap)
     try:
-        body = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_bin_len=limits.max_decompressed_bytes)
+        episodes = _read_batch(source, vocab_size, limits)
+        if source.read(1):
+            raise EpisodeError("trailing bytes after the episode batch")
+    except EpisodeError:
+        raise
+    except zstandard.ZstdError as e:
+        raise EpisodeError(f"corrupt zstd payload: {e}") from None
+    except msgpack.OutOfData:
+        raise EpisodeError("corrupt msgpack payload: truncated") from None
+    except ValueError as e:
+        if "exceeds max_" in str(e):  # msgpack's own length caps, set from the limits in _unpacker
+            raise EpisodeError(f"a field is over the limit ({limits.max_tokens_per_episode} tokens, "
+                               f"{limits.max_string} characters): {e}") from None
+        raise EpisodeError(f"corrupt msgpack payload: ValueError: {e}") from None
     except Exception as e:  # msgpack raises several unrelated types on garbage
         raise EpisodeError(f"corrupt msgpack payload: {type(e).__name__}: {e}") from None
-    if not isinstance(body, dict):
-        raise EpisodeError("payload is not a map")
-    if body.get("format") != FORMAT_NAME:
-        raise EpisodeError(f"format is {body.get('format')!r}, expected {FORMAT_NAME!r}")
-    if body.get("version") != FORMAT_VERSION:
-        raise EpisodeError(f"format version {body.get('version')!r} is not supported (expected {FORMAT_VERSION})")
-    if set(body) != {"format", "version", "episodes"}:
-        raise EpisodeError(f"unexpected top-level keys {sorted(set(body) - {'format', 'version', 'episodes'})}")
-    raw = body["episodes"]
-    if not isinstance(raw, list):
-        raise EpisodeError("'episodes' is not a list")
-    if len(raw) > limits.max_episodes:
-        raise EpisodeError(f"{len(raw)} episodes, over the limit of {limits.max_episodes}")
+    finally:
+        raw.close()
+    if declared >= 0 and source.total != declared:
+        raise EpisodeError(f"payload is {source.total} bytes, the zstd frame declares {declared}")
+    return episodes
+
+
+class _CappedSource:
+    """A file-like view of the payload that refuses to yield more than ``cap`` bytes in total."""
+
+    def __init__(self, raw: Any, cap: int) -> None:
+        self._raw, self._cap, self.total = raw, cap, 0
+
+    def read(self, n: int = -1) -> bytes:
+        want = self._cap + 1 - self.total if n is None or n < 0 else min(n, self._cap + 1 - self.total)
+        data = self._raw.read(max(want, 1))
+        self.total += len(data)
+        if self.total > self._cap:
+            raise EpisodeError(f"decompressed payload over the limit of {self._cap} bytes")
+        return data
+
+
+def _unpacker(source: _CappedSource, limits: Limits) -> msgpack.Unpacker:
+    # One unpack() call holds at most one segment, prompt or metrics map: bound that, not the batch.
+    max_bin = 4 * limits.max_tokens_per_episode
+    max_str = 4 * limits.max_string  # UTF-8 bytes of max_string characters
+    item = 2 * max_bin + limits.max_metrics * 2 * (max_str + 16) + _READ_SIZE
+    return msgpack.Unpacker(
+        source, raw=False, strict_map_key=True, use_list=True, read_size=_READ_SIZE, max_buffer_size=item,
+        max_str_len=max_str, max_bin_len=max_bin, max_ext_len=0,
+        max_array_len=max(limits.max_episodes, limits.max_segments), max_map_len=max(limits.max_metrics, 16),
+    )
+
+
+def _read_batch(source: _CappedSource, vocab_size: int | None, limits: Limits) -> list[Episode]:
+    u = _unpacker(source, limits)
+    try:
+        n = u.read_map_header()
+    except ValueError as e:
+        raise EpisodeError(f"corrupt msgpack payload: the top level is not a map ({e})") from None
+    if n != len(_TOP_KEYS):
+        raise EpisodeError(f"the top-level map has {n} keys, expected {list(_TOP_KEYS)}")
+    for name in _TOP_KEYS[:2]:
+        key = u.unpack()
+        if key != name:
+            raise EpisodeError(f"unexpected top-level key {key!r} (expected {name!r}; keys {list(_TOP_KEYS)} in order)")
+        value = u.unpack()
+        if name == "format" and value != FORMAT_NAME:
+            raise EpisodeError(f"format is {value!r}, expected {FORMAT_NAME!r}")
+        if name == "version" and (value != FORMAT_VERSION or isinstance(value, bool)):
+            raise EpisodeError(f"format version {value!r} is not supported (expected {FORMAT_VERSION})")
+    key = u.unpack()
+    if key != "episodes":
+        raise EpisodeError(f"unexpected top-level key {key!r} (expected 'episodes')")
+    try:
+        count = u.read_array_header()
+    except ValueError:
+        raise EpisodeError("'episodes' is not a list") from None
+    if count > limits.max_episodes:
+        raise EpisodeError(f"{count} episodes, over the limit of {limits.max_episodes}")
+    budget = [limits.max_batch_segments]
     out = []
-    for i, d in enumerate(raw):
-        ep = _from_wire(d, f"episode {i}", limits)
+    for i in range(count):
+        ep = _read_episode(u, f"episode {i}", limits, budget)
         _validate(ep, vocab_size, limits, where=f"episode {i}")
         out.append(ep)
-    return out
+    try:
+        extra = u.unpack()
+    except msgpack.OutOfData:
+        return out
+    raise EpisodeError(f"trailing data after the episode batch ({type(extra).__name__})")
 
 
-def _array(b: Any, dtype: str, where: str) -> np.ndarray:
+def _bin(b: Any, itemsize: int, dtype: str, where: str) -> bytes:
     if not isinstance(b, bytes):
         raise EpisodeError(f"{where}: expected raw bytes, got {type(b).__name__}")
-    itemsize = np.dtype(dtype).itemsize
     if len(b) % itemsize:
         raise EpisodeError(f"{where}: {len(b)} bytes is not a whole number of {dtype} values")
-    return np.frombuffer(b, dtype=dtype).astype(dtype[1:], copy=True)
+    return b
 
 
-def _from_wire(d: Any, where: str, limits: Limits) -> Episode:
-    if not isinstance(d, dict):
-        raise EpisodeError(f"{where}: not a map")
+def _read_episode(u: msgpack.Unpacker, where: str, limits: Limits, budget: list[int]) -> Episode:
+    """One episode, read field by field; segments are counted from their header before reading."""
+    try:
+        n = u.read_map_header()
+    except ValueError:
+        raise EpisodeError(f"{where}: not a map") from None
+    if n > 2 * len(_EPISODE_KEYS):
+        raise EpisodeError(f"{where}: {n} keys, expected {sorted(_EPISODE_KEYS)}")
+    d: dict[str, Any] = {}
+    for _ in range(n):
+        key = u.unpack()
+        if not isinstance(key, str) or key in d:
+            raise EpisodeError(f"{where}: bad or duplicate key {key!r}")
+        d[key] = _read_segments(u, f"{where}.segments", limits, budget) if key == "segments" else u.unpack()
     if set(d) != _EPISODE_KEYS:
         missing, extra = sorted(_EPISODE_KEYS - set(d)), sorted(set(d) - _EPISODE_KEYS)
         raise EpisodeError(f"{where}: wrong keys (missing {missing}, unexpected {extra})")
-    segs_raw = d["segments"]
-    if not isinstance(segs_raw, list):
-        raise EpisodeError(f"{where}.segments: not a list")
-    if len(segs_raw) > limits.max_segments:
-        raise EpisodeError(f"{where}: {len(segs_raw)} segments, over the limit of {limits.max_segments}")
-    segments = []
-    for j, s in enumerate(segs_raw):
-        w = f"{where}.segments[{j}]"
-        if not isinstance(s, dict) or set(s) != _SEGMENT_KEYS:
-            raise EpisodeError(f"{w}: expected a map with keys {sorted(_SEGMENT_KEYS)}")
-        if s["kind"] not in ("model", "env"):
-            raise EpisodeError(f"{w}.kind: {s['kind']!r} is not 'model' or 'env'")
-        lp = None if s["logprobs"] is None else _array(s["logprobs"], "<f4", f"{w}.logprobs")
-        segments.append(Segment(s["kind"], _array(s["tokens"], "<i4", f"{w}.tokens"), lp))
     for key, types in (("reward", (int, float)), ("temperature", (int, float)), ("top_p", (int, float)),
                        ("policy_version", (int,)), ("sample_index", (int,)), ("worker_id", (str,)),
                        ("env_id", (str,)), ("group_id", (str,)), ("metrics", (dict,))):
         if not isinstance(d[key], types) or isinstance(d[key], bool):
             raise EpisodeError(f"{where}.{key}: wrong type {type(d[key]).__name__}")
+    prompt = np.frombuffer(_bin(d["prompt"], 4, "<i4", f"{where}.prompt"), "<i4").astype(np.int32)
     return Episode(
-        prompt_tokens=_array(d["prompt"], "<i4", f"{where}.prompt"),
-        segments=segments,
+        prompt_tokens=prompt,
+        segments=d["segments"],
         reward=float(d["reward"]),
         metrics=d["metrics"],
         policy_version=d["policy_version"],
@@ -329,6 +414,46 @@ def _from_wire(d: Any, where: str, limits: Limits) -> Episode:
     )
 
 
+def _read_segments(u: msgpack.Unpacker, where: str, limits: Limits, budget: list[int]) -> list[Segment]:
+    """All segments of one episode as views into one token array and one log-prob array."""
+    try:
+        n = u.read_array_header()
+    except ValueError:
+        raise EpisodeError(f"{where}: not a list") from None
+    if n > limits.max_segments:
+        raise EpisodeError(f"{where}: {n} segments, over the limit of {limits.max_segments}")
+    budget[0] -= n
+    if budget[0] < 0:
+        raise EpisodeError(f"{where}: the batch has more than {limits.max_batch_segments} segments "
+                           "(max_batch_segments)")
+    kinds, toks, lps = [], [], []
+    for j in range(n):
+        s = u.unpack()
+        w = f"{where}[{j}]"
+        if not isinstance(s, dict) or s.keys() != _SEGMENT_KEYS:
+            raise EpisodeError(f"{w}: expected a map with keys {sorted(_SEGMENT_KEYS)}")
+        kind, lp = s["kind"], s["logprobs"]
+        if kind != "model" and kind != "env":
+            raise EpisodeError(f"{w}.kind: {kind!r} is not 'model' or 'env'")
+        kinds.append(kind)
+        toks.append(_bin(s["tokens"], 4, "<i4", f"{w}.tokens"))
+        lps.append(None if lp is None else _bin(lp, 4, "<f4", f"{w}.logprobs"))
+    # One conversion per episode, then per-segment slices (views): cost linear in bytes.
+    tok_all = np.frombuffer(b"".join(toks), "<i4").astype(np.int32)
+    lp_all = np.frombuffer(b"".join(b for b in lps if b is not None), "<f4").astype(np.float32)
+    out, t0, l0 = [], 0, 0
+    for kind, t, lp in zip(kinds, toks, lps):
+        t1 = t0 + len(t) // 4
+        if lp is None:
+            out.append(Segment(kind, tok_all[t0:t1]))
+        else:
+            l1 = l0 + len(lp) // 4
+            out.append(Segment(kind, tok_all[t0:t1], lp_all[l0:l1]))
+            l0 = l1
+        t0 = t1
+    return out
+
+
 def _validate(ep: Episode, vocab_size: int | None, limits: Limits, where: str) -> None:
     def fail(msg: str) -> None:
         raise EpisodeError(f"{where}: {msg}")
@@ -339,9 +464,7 @@ def _validate(ep: Episode, vocab_size: int | None, limits: Limits, where: str) -
         fail(f"{len(ep.segments)} segments, over the limit of {limits.max_segments}")
     if ep.prompt_tokens.ndim != 1 or len(ep.prompt_tokens) == 0:
         fail("prompt_tokens must be a non-empty 1-D array")
-    total = len(ep.prompt_tokens)
-    arrays = [("prompt", ep.prompt_tokens)]
-    n_model = 0
+    names, arrays, model = ["prompt"], [ep.prompt_tokens], []
     for j, s in enumerate(ep.segments):
         w = f"segments[{j}]"
         if not isinstance(s, Segment):
@@ -350,29 +473,35 @@ def _validate(ep: Episode, vocab_size: int | None, limits: Limits, where: str) -
             fail(f"{w}.kind {s.kind!r} is not 'model' or 'env'")
         if s.tokens.ndim != 1 or len(s.tokens) == 0:
             fail(f"{w}.tokens must be a non-empty 1-D array")
-        total += len(s.tokens)
-        arrays.append((f"{w}.tokens", s.tokens))
+        names.append(f"{w}.tokens")
+        arrays.append(s.tokens)
         if s.kind == "model":
-            n_model += len(s.tokens)
             if s.logprobs is None:
                 fail(f"{w}: a model segment needs logprobs")
             if s.logprobs.shape != s.tokens.shape:
                 fail(f"{w}: {len(s.logprobs)} logprobs for {len(s.tokens)} tokens")
-            if not np.all(np.isfinite(s.logprobs)):
-                fail(f"{w}.logprobs: non-finite value")
-            if np.any(s.logprobs > 0):
-                fail(f"{w}.logprobs: positive log-probability {float(s.logprobs.max())}")
+            model.append((w, s.logprobs))
         elif s.logprobs is not None:
             fail(f"{w}: an env segment carries no logprobs")
+    total = sum(len(a) for a in arrays)
     if total > limits.max_tokens_per_episode:
         fail(f"{total} tokens, over the limit of {limits.max_tokens_per_episode}")
-    if n_model == 0:
+    if not model:
         fail("no model tokens")
-    for name, a in arrays:
-        if a.size and int(a.min()) < 0:
-            fail(f"{name}: negative token id {int(a.min())}")
-        if vocab_size is not None and a.size and int(a.max()) >= vocab_size:
-            fail(f"{name}: token id {int(a.max())} outside the vocabulary (size {vocab_size})")
+    # Whole-episode reductions; a second pass names the segment only when one fails.
+    tokens = np.concatenate(arrays)
+    if int(tokens.min()) < 0:
+        name, a = next((n, a) for n, a in zip(names, arrays) if int(a.min()) < 0)
+        fail(f"{name}: negative token id {int(a.min())}")
+    if vocab_size is not None and int(tokens.max()) >= vocab_size:
+        name, a = next((n, a) for n, a in zip(names, arrays) if int(a.max()) >= vocab_size)
+        fail(f"{name}: token id {int(a.max())} outside the vocabulary (size {vocab_size})")
+    logprobs = np.concatenate([lp for _, lp in model])
+    if not np.isfinite(logprobs).all():
+        fail(f"{next(w for w, lp in model if not np.isfinite(lp).all())}.logprobs: non-finite value")
+    if (logprobs > 0).any():
+        w, lp = next((w, lp) for w, lp in model if (lp > 0).any())
+        fail(f"{w}.logprobs: positive log-probability {float(lp.max())}")
     if not isinstance(ep.reward, (int, float)) or not math.isfinite(ep.reward):
         fail(f"reward {ep.reward!r} is not a finite number")
     if not isinstance(ep.temperature, (int, float)) or not (math.isfinite(ep.temperature) and ep.temperature > 0):

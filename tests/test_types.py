@@ -190,3 +190,145 @@ def test_truncated_blobs_never_crash():
     for cut in range(0, len(blob), 7):
         with pytest.raises(EpisodeError):
             decode_episodes(blob[:cut])
+
+
+# --- bounds checked before the work: zstd bombs, segment floods -----------------------------
+
+
+def _zstd_stream(chunks, size=None) -> bytes:
+    """A real zstd frame fed chunk by chunk; ``size`` is written into its header when given."""
+    c = zstandard.ZstdCompressor(level=1).compressobj(**({} if size is None else {"size": size}))
+    return b"".join([*(c.compress(x) for x in chunks), c.flush()])
+
+
+def _peak_bytes(fn) -> int:
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        fn()
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak
+
+
+def test_bomb_declaring_one_gib_is_refused_from_its_header():
+    zeros = bytes(1 << 20)
+    bomb = _zstd_stream([zeros] * 1024, size=1 << 30)
+    assert len(bomb) < 64 << 10 and zstandard.frame_content_size(bomb) == 1 << 30
+
+    def decode():
+        with pytest.raises(EpisodeError, match=f"declares {1 << 30} bytes, over the limit of {256 << 20}"):
+            decode_episodes(b"STEP\x01\x01" + bomb)
+
+    assert _peak_bytes(decode) < 1 << 20  # nothing was decompressed
+
+
+def test_bomb_without_declared_size_is_stopped_by_the_cap():
+    # A valid, very repetitive batch: each episode is fine, the total is what is too big.
+    ep = encode_episodes([make_episode()], compress=False)[6:]
+    body = msgpack.unpackb(ep, raw=False)
+    one = msgpack.packb(body["episodes"][0], use_bin_type=True)
+    n = 4_000
+    assert n * len(one) > 2 * (1 << 18)
+    head = msgpack.packb({"format": "stoa.episodes", "version": 1}, use_bin_type=True)[1:]
+    payload = b"\x83" + head + msgpack.packb("episodes") + b"\xdd" + n.to_bytes(4, "big")
+    bomb = _zstd_stream([payload, *([one] * n)])
+    assert zstandard.frame_content_size(bomb) == -1 and len(bomb) < 32 << 10
+    limits = Limits(max_decompressed_bytes=1 << 18)
+
+    def decode():
+        with pytest.raises(EpisodeError, match=f"decompressed payload over the limit of {1 << 18} bytes"):
+            decode_episodes(b"STEP\x01\x01" + bomb, limits=limits)
+
+    assert _peak_bytes(decode) < 16 << 20
+    # The same stream under a cap it fits in decodes completely.
+    assert len(decode_episodes(b"STEP\x01\x01" + bomb)) == n
+
+
+def test_zero_bomb_without_declared_size_is_refused_at_the_first_byte():
+    bomb = _zstd_stream([bytes(1 << 20)] * 64)
+
+    def decode():
+        with pytest.raises(EpisodeError, match="not a map"):
+            decode_episodes(b"STEP\x01\x01" + bomb)
+
+    assert _peak_bytes(decode) < 4 << 20
+
+
+def test_nothing_may_follow_the_batch():
+    blob = encode_episodes([make_episode()])
+    with pytest.raises(EpisodeError, match="trailing"):  # a second zstd frame
+        decode_episodes(blob + zstandard.ZstdCompressor().compress(b"\x00"))
+    with pytest.raises(EpisodeError, match="trailing"):
+        decode_episodes(encode_episodes([make_episode()], compress=False) + b"\x00")
+
+
+def _segment_flood(n_segments: int, n_episodes: int) -> bytes:
+    # Built at wire level: the encoder itself refuses more than Limits().max_segments.
+    ep = make_episode(segments=[Segment("model", np.array([1]), np.array([-0.5])), Segment("env", np.array([2]))])
+    wire = msgpack.unpackb(encode_episodes([ep], compress=False)[6:], raw=False)["episodes"][0]
+    wire["segments"] = [wire["segments"][j % 2] for j in range(n_segments)]
+    body = {"format": "stoa.episodes", "version": 1, "episodes": [wire] * n_episodes}
+    return b"STEP\x01\x01" + zstandard.ZstdCompressor().compress(msgpack.packb(body, use_bin_type=True))
+
+
+def test_segments_per_episode_are_bounded():
+    assert Limits().max_segments == 256
+    blob = _segment_flood(257, 1)
+    with pytest.raises(EpisodeError, match="257 segments, over the limit of 256"):
+        decode_episodes(blob)
+    assert len(decode_episodes(_segment_flood(256, 1))[0].segments) == 256
+    with pytest.raises(EpisodeError, match="episode 0.segments: 20 segments, over the limit of 10"):
+        decode_episodes(_segment_flood(20, 1), limits=Limits(max_segments=10))
+    # The count is read from the array header: a header claiming a million is refused before
+    # any segment is read (the body here is truncated right after it).
+    payload = (b"\x83" + msgpack.packb("format") + msgpack.packb("stoa.episodes") + msgpack.packb("version")
+               + b"\x01" + msgpack.packb("episodes") + b"\x91\x81" + msgpack.packb("segments")
+               + b"\xdd" + (1 << 20).to_bytes(4, "big"))
+    with pytest.raises(EpisodeError, match="1048576 segments, over the limit"):
+        decode_episodes(b"STEP\x01\x00" + payload)
+
+
+def test_segments_per_batch_are_bounded():
+    blob = _segment_flood(100, 50)
+    assert len(decode_episodes(blob)) == 50
+    with pytest.raises(EpisodeError, match="more than 4999 segments"):
+        decode_episodes(blob, limits=Limits(max_batch_segments=4999))
+
+
+def _python_calls(fn) -> int:
+    """Python and C-function calls made by ``fn``: a count of the work, independent of timing."""
+    import sys
+
+    count = 0
+
+    def prof(frame, event, arg):
+        nonlocal count
+        if event in ("call", "c_call"):
+            count += 1
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+def test_decode_work_is_linear_in_segments():
+    # A few bytes of zstd expand to many tiny segments; the decoder's work per segment must be
+    # constant (no re-scan of earlier segments, no per-episode work that grows with the batch).
+    small, large = _segment_flood(256, 8), _segment_flood(256, 32)
+    calls_small = _python_calls(lambda: decode_episodes(small))
+    calls_large = _python_calls(lambda: decode_episodes(large))
+    assert calls_large <= 4.2 * calls_small
+    assert calls_large / (256 * 32) < 40  # calls per segment, all in all
+
+
+def test_limits_are_checked_at_construction():
+    with pytest.raises(ValueError, match="max_segments"):
+        Limits(max_segments=0)
+    with pytest.raises(ValueError, match="max_batch_segments"):
+        Limits(max_batch_segments=True)

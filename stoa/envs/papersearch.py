@@ -41,6 +41,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
+
 from stoa.envs import data as _data
 from stoa.envs.base import TextEnv
 from stoa.envs.data import Question
@@ -98,7 +100,8 @@ def cover_exact_match(prediction: str, golds: Sequence[str]) -> bool:
 
 # -- text from outside the protocol ----------------------------------------------------------------
 
-_FORGEABLE = re.compile(r"<(?=\s*/?\s*(?:search|answer|information|think)\s*>|\|)", re.IGNORECASE)
+# "\s*/?\s*" would backtrack quadratically over a long run of spaces after "<"; this form is linear.
+_FORGEABLE = re.compile(r"<(?=\s*(?:/\s*)?(?:search|answer|information|think)\s*>|\|)", re.IGNORECASE)
 
 
 def neutralize(text: str) -> str:
@@ -146,7 +149,8 @@ class Turn:
 
 def parse_turn(text: str) -> Turn:
     """Classify one turn (see the module docstring for the rules)."""
-    tags = [(m.group(1) == "/", m.group(2)) for m in _ACTION_TAG.finditer(text)]
+    found = list(_ACTION_TAG.finditer(text))
+    tags = [(m.group(1) == "/", m.group(2)) for m in found]
     if not tags:
         return Turn("invalid", reason="no <search> or <answer> tag")
     if len(tags) == 1:
@@ -165,9 +169,7 @@ def parse_turn(text: str) -> Turn:
         return Turn("invalid", reason="nested tags" if not c0 and not c1 else "tags out of order")
     if n0 != n1:
         return Turn("invalid", reason=f"<{n0}> closed by </{n1}>")
-    m = re.search(rf"<{n0}>(.*)</{n0}>", text, re.S)
-    assert m is not None
-    content = m.group(1)
+    content = text[found[0].end() : found[1].start()]
     if _ANY_TAG.search(content):
         return Turn("invalid", reason="nested tags")
     content = content.strip()
@@ -225,6 +227,13 @@ class SearchEnv(TextEnv):
     """
 
     stop_strings = ("</search>", "</answer>")
+    metric_types = {"searched": bool, "num_searches": int, "format_ok": bool, "em": bool, "cover_em": bool,
+                    "answer": str, "num_turns": int, "invalid_turns": int}
+    success_metric = "em"
+    headline_metrics = ("searched",)
+    demo_styles = ("oracle", "guess")
+    """``oracle``: search the subject, then answer with the gold answer. ``guess``: answer at once
+    with the first gold answer of another, randomly drawn question (a plausible wrong name)."""
 
     def __init__(self, questions: Sequence[Question], retriever: Retriever, config: SearchConfig = SearchConfig()) -> None:
         if not questions:
@@ -301,6 +310,12 @@ class SearchEnv(TextEnv):
     def oracle_turns(self, index: int) -> list[str]:
         q = self.questions[index]
         return [search_turn(q.subject or q.question), answer_turn(q.golden_answers[0])]
+
+    def demonstration_turns(self, index: int, style: str, rng: np.random.Generator) -> list[str] | None:
+        if style == "guess":
+            other = self.questions[int(rng.integers(len(self.questions)))]
+            return [answer_turn(other.golden_answers[0])]
+        return super().demonstration_turns(index, style, rng)
 
 
 def _check_one_source(corpus: str | None, index: str | None, retriever_url: str | None) -> None:

@@ -379,9 +379,18 @@ def document_from_contents(contents: str, doc_id: str = "") -> Document:
     Accepts the wiki style (``"Title"\\ntext``), PaperSearchRL's ``TITLE: t. ABSTRACT: a`` and
     plain text (empty title).
     """
-    m = re.match(r"TITLE:\s*(.*?)\.?\s+ABSTRACT:\s*(.*)\Z", contents, re.S)
-    if m:
-        return Document(doc_id, m.group(1).strip(), m.group(2).strip())
+    # Same split as re.match(r"TITLE:\s*(.*?)\.?\s+ABSTRACT:\s*(.*)\Z", contents, re.S), found with
+    # str.find in linear time (that regex backtracks cubically over long runs of spaces).
+    if contents.startswith("TITLE:"):
+        k = len(contents) - len(contents[6:].lstrip())  # the title starts after leading spaces
+        j = contents.find("ABSTRACT:", k + 1)
+        while j != -1 and not contents[j - 1].isspace():
+            j = contents.find("ABSTRACT:", j + 1)
+        if j != -1:
+            title = contents[k:j].rstrip()
+            return Document(doc_id, (title[:-1] if title.endswith(".") else title).strip(), contents[j + 9 :].strip())
+        if k > 6 and contents.startswith("ABSTRACT:", k):
+            return Document(doc_id, "", contents[k + 9 :].strip())
     if "\n" in contents:
         title, text = contents.split("\n", 1)
         title = title.strip()
@@ -393,12 +402,19 @@ def document_from_contents(contents: str, doc_id: str = "") -> Document:
 
 class HTTPRetriever:
     """Client of a Search-R1 retriever server: ``POST {url}/retrieve`` with ``queries``, ``topk``,
-    ``return_scores=true``. Every response is validated; failures raise :class:`RetrieverError`."""
+    ``return_scores=true``. Every response is validated; failures raise :class:`RetrieverError`.
+
+    What a server can make it do is bounded: at most ``max_response_bytes`` are read per request
+    (``max_batch`` queries), within ``timeout`` seconds for the whole answer (a server trickling
+    bytes is cut off), and parsing is linear in those bytes.
+    """
 
     def __init__(self, url: str, *, timeout: float = 30.0, retries: int = 2,
-                 max_response_bytes: int = 64 << 20, max_batch: int = 256) -> None:
+                 max_response_bytes: int = 16 << 20, max_batch: int = 256) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"retriever url must start with http:// or https://, got {url!r}")
+        if not (timeout > 0 and max_response_bytes >= 1 and max_batch >= 1 and retries >= 0):
+            raise ValueError("timeout, max_response_bytes and max_batch must be positive, retries >= 0")
         url = url.rstrip("/")
         self.url = url if url.endswith("/retrieve") else url + "/retrieve"
         self.timeout, self.retries = timeout, retries
@@ -421,10 +437,16 @@ class HTTPRetriever:
         for attempt in range(self.retries + 1):
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                    raw = r.read(self.max_response_bytes + 1)
+                    if (r.length or 0) > self.max_response_bytes:  # declared too big: do not read it
+                        raise RetrieverError(f"retriever response of {r.length} bytes is over "
+                                             f"{self.max_response_bytes}")
+                    raw = _read_bounded(r, self.max_response_bytes + 1, time.monotonic() + self.timeout)
                 break
-            except urllib.error.HTTPError as e:  # the server answered: retrying will not help
+            except urllib.error.HTTPError as e:  # the server answered: only "busy" is worth a retry
                 detail = e.read(2000).decode("utf-8", "replace")
+                if e.code == 503 and attempt < self.retries:
+                    time.sleep(0.2 * 2**attempt)
+                    continue
                 raise RetrieverError(f"retriever {self.url} answered HTTP {e.code}: {detail}") from None
             except (urllib.error.URLError, OSError) as e:
                 if attempt == self.retries:
@@ -435,12 +457,35 @@ class HTTPRetriever:
         return _parse_response(raw, len(queries), k, self.url)
 
 
+def _read_bounded(r: Any, limit: int, deadline: float) -> bytes:
+    """At most ``limit`` bytes of a response body, all before ``deadline`` (monotonic seconds)."""
+    chunks, got = [], 0
+    while got < limit:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the response took longer than the timeout")
+        chunk = r.read1(min(1 << 16, limit - got)) if hasattr(r, "read1") else r.read(min(1 << 16, limit - got))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _finite(x: int | float) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int beyond float range
+        return False
+
+
 def _parse_response(raw: bytes, n: int, k: int, where: str) -> list[list[Hit]]:
     def bad(msg: str) -> RetrieverError:
         return RetrieverError(f"malformed response from {where}: {msg}")
 
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise bad("nested too deeply") from None
     except ValueError:
         raise bad("not JSON") from None
     result = body.get("result") if isinstance(body, dict) else None
@@ -460,7 +505,7 @@ def _parse_response(raw: bytes, n: int, k: int, where: str) -> list[list[Hit]]:
                 raise bad(f"{where_j}.document is not an object")
             if score is None:
                 score = 0.0
-            if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+            if isinstance(score, bool) or not isinstance(score, (int, float)) or not _finite(score):
                 raise bad(f"{where_j}.score must be a finite number")
             did = doc.get("id", "")
             if not isinstance(did, (str, int)) or isinstance(did, bool):

@@ -56,7 +56,9 @@ class Worker:
         worker_id: unique id of this worker (``[A-Za-z0-9._-]``, 1-64 characters).
         cache_dir: local folder for the run's model files.
         max_batches: stop after this many uploads (None: until the run finishes).
-        wait_seconds: how long to wait for the run to appear before giving up.
+        wait_seconds: how long to wait for the run's signed config to appear before giving up. Once
+            it exists the trainer is alive (perhaps warm-starting for a long while): the worker then
+            waits for the first weights until they come, the run finishes, or a signal arrives.
     """
 
     def __init__(self, store: ObjectStore, run: str, public_key: Any, worker_id: str, cache_dir: Path,
@@ -85,8 +87,8 @@ class Worker:
             self.worker_id, max(e.version, 0) if e else 0, status, self.episodes, self.batches, self.episodes_per_s,
             self.tokens_per_s, e.mode if e else "", self.host, time.time(), self.sync_bytes))
 
-    def _wait_for(self, what: str, ready) -> Any:
-        deadline = time.time() + self.wait_seconds
+    def _wait_for(self, what: str, ready, deadline: bool = True) -> Any:
+        t0 = last_log = time.time()
         while not self._stop:
             try:
                 value = ready()
@@ -94,8 +96,13 @@ class Worker:
                     return value
             except KeyNotFound:
                 pass
-            if time.time() > deadline:
+            if deadline and time.time() - t0 > self.wait_seconds:
                 raise TimeoutError(f"waited {self.wait_seconds:.0f}s for {what} of run {self.run_name!r}")
+            if not deadline and self._finished():
+                return None
+            if time.time() - last_log > 60:
+                log.info("still waiting for %s (%.0fs)", what, time.time() - t0)
+                last_log = time.time()
             time.sleep(0.5)
         return None
 
@@ -153,7 +160,7 @@ class Worker:
             cfg, model_dir = got
             import_env_module(cfg.env)
             self.sub = WeightSubscriber(self.store, self.run_name, self.public_key)
-            if self._wait_for("the first weights", self.sub.head) is None:
+            if self._wait_for("the first weights", self.sub.head, deadline=False) is None:
                 return 0
             res = self.sub.sync(None)
             self.sync_bytes += res.bytes_read

@@ -1,0 +1,351 @@
+"""Hostile input to the search environments (issue 12, item 8).
+
+The retriever server is started for real on 127.0.0.1 port 0 and spoken to over sockets: slow and
+trickling clients, a full connection table, oversized bodies, huge ``topk``, answers that would be
+tens of MB, deeply nested JSON. The env's parsers (retriever documents, tag forgery, model turns)
+get 200 KB adversarial inputs that made the old regexes backtrack for minutes; each test checks
+the exact result, and the pytest timeout is only a safety net. Differential tests pin the linear
+parsers to the old regexes on short inputs, where those are fast.
+"""
+
+import json
+import re
+import select
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stoa.envs.data import Question
+from stoa.envs.papersearch import SearchConfig, SearchEnv, format_information, neutralize, parse_turn
+from stoa.envs.retrieval import BM25SRetriever, Document, Hit, HTTPRetriever, RetrieverError, document_from_contents
+from stoa.envs.server import ServerLimits, make_server
+
+DOCS = [Document(f"d{i}", f"Protein{i}", f"Protein{i} inhibits the kinase Kin{i} in hepatocytes.") for i in range(50)]
+
+
+@pytest.fixture(scope="module")
+def bm25():
+    return BM25SRetriever.build(DOCS)
+
+
+class _Serving:
+    """A real server on a free loopback port, shut down on exit."""
+
+    def __init__(self, retriever, limits: ServerLimits) -> None:
+        self.srv = make_server(retriever, "127.0.0.1", 0, limits)
+        self.port = self.srv.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.srv.shutdown()
+        self.srv.server_close()
+        return False
+
+
+def _post(url, data: bytes, timeout=30):
+    req = urllib.request.Request(url + "/retrieve", data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _connect(port) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=30)
+
+
+def _read_to_close(s: socket.socket) -> bytes:
+    reply = b""
+    while chunk := s.recv(65536):
+        reply += chunk
+    return reply
+
+
+def _closed_by_peer(s: socket.socket, wait: float) -> bool:
+    """Whether the server closes ``s`` within ``wait`` seconds (a safety bound, not a measurement)."""
+    s.settimeout(wait)
+    try:
+        while True:
+            data = s.recv(65536)
+            if not data:
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+# -- the server: slow clients, connection cap ------------------------------------------------------
+
+
+def test_slow_clients_do_not_stop_others_and_are_disconnected(bm25):
+    limits = ServerLimits(max_connections=8, request_timeout=1.0)
+    with _Serving(bm25, limits) as srv:
+        silent = _connect(srv.port)  # connects, sends nothing
+        half_line = _connect(srv.port)
+        half_line.sendall(b"POST /retrieve HT")
+        short_body = _connect(srv.port)  # promises 100 bytes, sends 10
+        short_body.sendall(b"POST /retrieve HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"queries\"")
+        client = HTTPRetriever(srv.url, retries=0, timeout=10)
+        for i in range(5):  # answered while the three hold their sockets
+            [[hit, *_]] = client.search([f"Protein{i}"], 3)
+            assert hit.id == f"d{i}"
+        for s in (silent, half_line, short_body):
+            assert _closed_by_peer(s, wait=30), "the server kept a stalled connection open"
+            s.close()
+
+
+def test_trickling_client_is_cut_off_at_the_request_deadline(bm25):
+    limits = ServerLimits(request_timeout=1.0)
+    with _Serving(bm25, limits) as srv:
+        s = _connect(srv.port)
+        s.sendall(b"POST /retrieve HTTP/1.1\r\n")
+        closed = False
+        for _ in range(300):  # up to 30 s of one header byte per 0.1 s, far past the 1 s deadline
+            try:
+                s.sendall(b"X")
+            except OSError:
+                closed = True
+                break
+            if select.select([s], [], [], 0.1)[0]:
+                try:
+                    closed = s.recv(65536) == b""
+                except ConnectionResetError:
+                    closed = True
+                if closed:
+                    break
+        s.close()
+        assert closed, "a client trickling bytes held its connection past request_timeout"
+        [[hit, *_]] = HTTPRetriever(srv.url, retries=0).search(["Protein3"], 3)
+        assert hit.id == "d3"
+
+
+def test_connection_cap_answers_busy_then_recovers(bm25):
+    # A long deadline: the holders keep their slots until they hang up themselves.
+    limits = ServerLimits(max_connections=3, request_timeout=120.0)
+    with _Serving(bm25, limits) as srv:
+        holders = [_connect(srv.port) for _ in range(3)]
+        for h in holders:
+            h.sendall(b"GET /hea")
+        extra = _connect(srv.port)  # accepted after the holders: no slot left
+        reply = _read_to_close(extra)
+        extra.close()
+        assert reply.startswith(b"HTTP/1.1 503") and b"too many open connections" in reply
+        assert srv.srv.refused == 1
+        for h in holders:
+            h.close()
+        # The client retries a 503, so once the holders are gone it gets its answer.
+        [[hit, *_]] = HTTPRetriever(srv.url, retries=6).search(["Protein4"], 3)
+        assert hit.id == "d4"
+
+
+# -- the server: request and answer bounds ---------------------------------------------------------
+
+
+def test_oversized_and_unframed_bodies_are_refused(bm25):
+    with _Serving(bm25, ServerLimits(max_body_bytes=4096, request_timeout=5.0)) as srv:
+        # Headers only: the server must answer from them, without waiting for (or reading) a body.
+        s = _connect(srv.port)
+        s.sendall(b"POST /retrieve HTTP/1.1\r\nContent-Length: 2000000\r\n\r\n")
+        reply = _read_to_close(s)  # the server answers and hangs up
+        assert reply.startswith(b"HTTP/1.1 413") and b"body over 4096 bytes" in reply
+        s.close()
+        s = _connect(srv.port)
+        s.sendall(b"POST /retrieve HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n")
+        assert _read_to_close(s).startswith(b"HTTP/1.1 411")
+        s.close()
+
+
+def test_deeply_nested_json_is_answered_400(bm25):
+    with _Serving(bm25, ServerLimits()) as srv:
+        for body in (b"[" * 200_000, b'{"queries": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                     b'{"queries": ["x"], "topk": ' + b"9" * 5000 + b"}"):
+            code, answer = _post(srv.url, body)
+            assert code == 400 and answer["error"]
+        code, answer = _post(srv.url, json.dumps({"queries": ["Protein7"], "topk": 1}).encode())
+        assert code == 200 and answer["result"][0][0]["id"] == "d7"
+
+
+def test_topk_and_result_count_are_capped(bm25):
+    with _Serving(bm25, ServerLimits(max_topk=100, max_results=400)) as srv:
+        code, answer = _post(srv.url, json.dumps({"queries": ["Protein1"], "topk": 10**9}).encode())
+        assert code == 400 and "'topk' must be an int in [1, 100]" in answer["error"]
+        code, answer = _post(srv.url, json.dumps({"queries": ["Protein1"] * 5, "topk": 100}).encode())
+        assert code == 400 and "over 400 documents per request" in answer["error"]
+        code, answer = _post(srv.url, json.dumps({"queries": ["Protein1"] * 4, "topk": 100}).encode())
+        assert code == 200 and len(answer["result"]) == 4
+
+
+class _HugeDocs:
+    """A retriever whose every document is 200 KB: what a corpus of full papers can return."""
+
+    def __len__(self) -> int:
+        return 1000
+
+    def search(self, queries, k):
+        return [[Hit(f"big{i}", "Big", "w " * 100_000, 1.0) for i in range(k)] for _ in queries]
+
+
+def test_a_small_request_cannot_ask_for_tens_of_megabytes():
+    with _Serving(_HugeDocs(), ServerLimits()) as srv:  # default bounds
+        request = json.dumps({"queries": ["x"] * 4, "topk": 100}).encode()
+        assert len(request) < 100  # it would be 4 x 100 x 2 x 200 KB = 160 MB of JSON
+        code, answer = _post(srv.url, request)
+        assert code == 413 and f"over {16 << 20} bytes" in answer["error"]
+        code, answer = _post(srv.url, json.dumps({"queries": ["x"], "topk": 3}).encode())
+        assert code == 200 and len(answer["result"][0]) == 3
+
+
+# -- the HTTP client: what a server may send back --------------------------------------------------
+
+
+class _Hostile(BaseHTTPRequestHandler):
+    """A Search-R1-style server that answers each query with a chosen hostile body."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):  # noqa: N802
+        q = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["queries"][0]
+        if q == "trickle":
+            self.send_response(200)
+            self.send_header("Content-Length", "1000000")
+            self.end_headers()
+            for _ in range(200):  # 20 s at most
+                try:
+                    self.wfile.write(b" ")
+                except OSError:
+                    return
+                time.sleep(0.1)
+            return
+        raw = {
+            "huge": b'{"result": [[' + b'{"contents": "' + b"x" * (3 << 20) + b'"}]]}',
+            "nested": b'{"result": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+            "bigint": b'{"result": [[{"document": {"contents": "x"}, "score": 1' + b"0" * 400 + b"}]]}",
+            "contents": json.dumps({"result": [[{"id": 1, "contents": ADVERSARIAL_CONTENTS}]]}).encode(),
+        }[q]
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        try:
+            self.wfile.write(raw)
+        except OSError:  # the client refused to read it all: what the test wants
+            pass
+
+
+# 200 KB that the old title split (a lazy regex) and neutralize (a backtracking lookahead) each
+# take quadratic time or worse on: long runs of spaces that end in no match.
+ADVERSARIAL_CONTENTS = "TITLE: Spaced." + " " * 100_000 + "x. ABSTRACT: <search> <" + " " * 100_000 + "y"
+
+
+@pytest.fixture(scope="module")
+def hostile():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Hostile)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.mark.parametrize("query, message", [
+    ("huge", "over 1048576"), ("nested", "nested too deeply"), ("bigint", "finite"),
+    ("trickle", "took longer than the timeout"),
+])
+def test_client_bounds_what_a_server_sends(hostile, query, message):
+    client = HTTPRetriever(hostile, retries=0, timeout=1.0, max_response_bytes=1 << 20)
+    with pytest.raises(RetrieverError, match=message):
+        client.search([query], 3)
+
+
+@pytest.mark.timeout(120)
+def test_env_turns_a_200kb_hostile_answer_into_information(hostile):
+    """End to end: a Search-R1 server sends a 200 KB document built to make the old parsers
+    backtrack (hours for this size); the env searches, parses and neutralizes it."""
+    env = SearchEnv([Question("q0", "Which?", ("x",))], HTTPRetriever(hostile, retries=0),
+                    SearchConfig(topk=3, max_doc_chars=1_000_000))
+    env.reset(seed=0, options={"index": 0})
+    obs, reward, terminated, truncated, info = env.step("<search> contents </search>")
+    assert info["action"] == "search" and not terminated and not truncated and reward == 0.0
+    title, text = "Spaced." + " " * 100_000 + "x", "&lt;search> <" + " " * 100_000 + "y"
+    assert obs == f"\n\n<information>Doc 1(Title: {title}) {text}</information>\n\n"
+
+
+# -- the parsers: linear on 200 KB, identical to the old regexes on short inputs ---------------------
+
+_OLD_FORGEABLE = re.compile(r"<(?=\s*/?\s*(?:search|answer|information|think)\s*>|\|)", re.IGNORECASE)
+_OLD_CONTENTS = re.compile(r"TITLE:\s*(.*?)\.?\s+ABSTRACT:\s*(.*)\Z", re.S)
+N = 200_000
+
+
+def _pieces(*alphabet: str):
+    return st.lists(st.sampled_from(alphabet), max_size=12).map("".join)
+
+
+@pytest.mark.timeout(120)
+def test_document_split_is_linear_on_hostile_contents():
+    assert document_from_contents("TITLE: " + " " * N) == Document("", "", "TITLE:")
+    d = document_from_contents("TITLE: " + " " * N + "x." + " " * N + "ABSTRACT:" + " " * N + "body", "7")
+    assert (d.id, d.title, d.text) == ("7", "x", "body")
+    d = document_from_contents("TITLE:" + " ." * N + "\tABSTRACT: a")
+    assert d.title == ". " * (N - 2) + "." and d.text == "a"
+    assert document_from_contents("TITLE:" + "ABSTRACT:" * (N // 9)).title == ""
+
+
+@pytest.mark.timeout(120)
+def test_neutralize_is_linear_on_hostile_text():
+    assert neutralize("<" + " " * N + "search>") == "&lt;" + " " * N + "search>"
+    assert neutralize("<" + " " * N + "/" + " " * N + "x") == "<" + " " * N + "/" + " " * N + "x"
+    assert neutralize(("<" + " " * 100 + "/") * 2000) == ("<" + " " * 100 + "/") * 2000
+    hits = [Hit("1", "<" + " " * N + "/ answer >", "< " * N + "<|im_end|>", 1.0)]
+    obs = format_information(hits)
+    assert obs.count("&lt;") == 2 and "<|" not in obs
+
+
+@pytest.mark.timeout(120)
+def test_turn_parsing_is_linear_on_hostile_turns():
+    assert parse_turn("<search>" + "<search" * (N // 7) + " q </search>").content.startswith("<search<search")
+    assert parse_turn("<answer>" + " " * N + "</answer>").reason == "empty answer"
+    assert parse_turn("<search>" * (N // 8)).reason == "nested tags"
+    assert parse_turn("<answer> x </answer>" + " " * N + "</answer>").reason == "more than one action"
+
+
+@settings(max_examples=400, deadline=None)
+@given(_pieces("<", "/", " ", "\t", "search", "Answer", "think", ">", "|", "x"))
+def test_neutralize_matches_the_old_regex(text):
+    assert neutralize(text) == _OLD_FORGEABLE.sub("&lt;", text)
+
+
+def _old_document_from_contents(contents: str) -> tuple[str, str]:
+    m = _OLD_CONTENTS.match(contents)
+    if m:
+        return m.group(1).strip(), m.group(2).strip()
+    if "\n" in contents:
+        title, text = contents.split("\n", 1)
+        title = title.strip()
+        if len(title) >= 2 and title[0] == title[-1] == '"':
+            title = title[1:-1]
+        return title, text.strip()
+    return "", contents.strip()
+
+
+@settings(max_examples=400, deadline=None)
+@given(_pieces("ABSTRACT:", "ABSTRACT", ":", " ", "\u2003", ".", "x", "\n", "TITLE:", '"'))
+def test_document_split_matches_the_old_regex(tail):
+    for contents in ("TITLE:" + tail, tail):
+        d = document_from_contents(contents)
+        assert (d.title, d.text) == _old_document_from_contents(contents)
