@@ -16,7 +16,15 @@ Model FLOPs per episode of ``n`` tokens: ``6 * N * n + 6 * L * d_attn * n * (n +
 backward; ``N`` = parameters in matmuls, LM head included; causal attention). ``--dry-run`` runs
 every phase on CPU at toy sizes (with the CPU shims the tests use) to check the script itself.
 
+``--multirank`` (run under ``torchrun``, one process per GPU) checks the multi-rank trainer's
+learner path instead: rank 0 drives the mirrored learner of :mod:`stoa.fleet.distributed` (what
+``torchrun ... stoa trainer`` runs), the other ranks follow. For each layout (TP=2 and DP=2 on
+two GPUs, TP=1 on one): 3 float32 DPPO steps on the small model, whose exported weights are
+compared with the torch learner's after the same steps on rank 0 (``fp32_weights_max_abs_diff``),
+then bf16 DPPO steps on the 0.5B-shaped model: tokens/s and MFU over all the job's GPUs.
+
     python benchmarks/gpu_check.py [--quick] [--dry-run] [--json out.json] [--budget-s 480]
+    torchrun --standalone --nproc-per-node 2 benchmarks/gpu_check.py --multirank [--json out.json]
 """
 
 from __future__ import annotations
@@ -166,13 +174,107 @@ def rel(a, b) -> float:
     return float(max((np.abs(x[1:] - y[1:]) / np.maximum(np.abs(y[1:]), 1e-6)).max() for x, y in zip(a, b)))
 
 
+def multirank(args) -> None:
+    """The ``--multirank`` check (see the module docstring); run by every rank of a torchrun job."""
+    import torch
+
+    from stoa.backends.learner import LearnerConfig, make_learner
+    from stoa.fleet.distributed import Ranks, follow
+
+    if args.dry_run:
+        _dry_run_shims()
+        torch.set_num_threads(1)
+    cuda = torch.cuda.is_available() and not args.dry_run
+    dev = "cuda" if cuda else "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    ranks = Ranks(300.0, cuda)
+    if ranks.rank != 0:
+        follow(ranks)
+        return ranks.close()
+    world = ranks.world
+    out: dict = {"world": world, "dry_run": args.dry_run, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+                 "layouts": {}}
+    save = lambda: args.json and Path(args.json).write_text(json.dumps(out, indent=1, default=str))  # noqa: E731
+    work = Path(tempfile.mkdtemp(prefix="stoa-gpu-multirank-"))  # every rank reads it: one node, one filesystem
+    small, big = (TOY, TOY) if args.dry_run else (SMALL, QWEN25_05B)
+    small_dir = write_qwen2(work / "small", small, torch.float32, dev)
+    big_dir = write_qwen2(work / "big", big, torch.bfloat16, dev)
+    layouts = {"tp2": world, "dp2": 1} if world >= 2 else {"tp1": 1}
+    t_start = time.monotonic()
+    for name, tp in layouts.items():
+        rec: dict = {"tensor_parallel": tp, "data_parallel": world // tp}
+        out["layouts"][name] = rec
+        t = time.monotonic()
+        try:
+            # float32: the mirrored learner on every rank vs the torch learner on rank 0, same 3 steps.
+            eps = make_episodes(16, small["vocab_size"], seed=1, scale=0.1 if args.dry_run else 0.5)
+            advs = [np.random.default_rng(k).standard_normal(len(eps)) for k in range(3)]
+            cfg = LearnerConfig(lr=1e-4, device=dev, dtype="float32", micro_batch_tokens=2048)
+            m = ranks.make_learner("megatron", small_dir, cfg, tensor_parallel=tp, timeout_s=300.0)
+            rec["fp32_losses"] = [m.train_step(eps, a)["loss"] for a in advs]
+            wm = m.export_weights()
+            m.close()
+            ref = make_learner("torch", small_dir, cfg)
+            rec["fp32_losses_torch"] = [ref.train_step(eps, a)["loss"] for a in advs]
+            wt = ref.export_weights()
+            del ref
+            _free()
+            rec["fp32_weights_max_abs_diff"] = max(float(np.abs(wm[k] - wt[k]).max()) for k in wt)
+            rec["fp32_weights_max_move"] = max(float(np.abs(wt[k] - v).max()) for k, v in _load(small_dir).items())
+            # bf16 throughput of the learner step on the 0.5B shape, over all the job's GPUs.
+            n_eps = 8 if args.dry_run else (32 if args.quick else 64)
+            eps = make_episodes(n_eps, big["vocab_size"], seed=3, scale=0.05 if args.dry_run else 1.0)
+            adv = np.random.default_rng(1).standard_normal(len(eps))
+            lengths = [len(e) for e in eps]
+            flops = model_flops(big, lengths)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            m = ranks.make_learner("megatron", big_dir, LearnerConfig(lr=1e-6, device=dev, micro_batch_tokens=16384),
+                                   tensor_parallel=tp, timeout_s=300.0)
+            m.train_step(eps, adv)  # warm-up
+            steps = 1 if args.dry_run else 2
+            s = float(np.median([m.train_step(eps, adv)["seconds"] for _ in range(steps)]))
+            m.close()
+            rec |= {"tokens_per_step": int(sum(lengths)), "step_s": s, "tokens_per_s": sum(lengths) / s,
+                    "achieved_tflops": flops / s / 1e12, "mfu": flops / s / (H200_PEAK_BF16 * world)}
+            if cuda:
+                rec["rank0_peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            rec["status"] = "ok"
+        except Exception as e:  # noqa: BLE001 - recorded; the other ranks may be stuck: end the job
+            rec |= {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+            save()
+            raise
+        rec["seconds"] = round(time.monotonic() - t, 1)
+        print(f"[gpu_check multirank] {name}: {json.dumps({k: v for k, v in rec.items() if k != 'traceback'})}",
+              flush=True)
+        save()
+    out["seconds"] = round(time.monotonic() - t_start, 1)
+    save()
+    ranks.send("stop")
+    ranks.close()
+    print(f"\nmulti-rank ({world} rank(s)): layout  fp32 max|dw| vs torch   tokens/s   step s   MFU")
+    for name, rec in out["layouts"].items():
+        print(f"{'':27s}{name:6s}  {rec['fp32_weights_max_abs_diff']:.2e} (moved {rec['fp32_weights_max_move']:.1e})"
+              f"  {rec['tokens_per_s']:9.0f} {rec['step_s']:8.3f} {rec['mfu']:6.1%}", flush=True)
+
+
+def _load(folder: Path) -> dict:
+    from safetensors.numpy import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--quick", action="store_true", help="smaller batches and fewer steps")
     ap.add_argument("--dry-run", action="store_true", help="CPU, toy sizes: check the script itself")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip phases that would overrun this")
+    ap.add_argument("--multirank", action="store_true", help="the multi-rank check (run under torchrun)")
     args = ap.parse_args()
+    if args.multirank:
+        return multirank(args)
     import torch
 
     from stoa.backends.learner import LearnerConfig, make_learner

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One prepared GPU check for a lent H200 (under ten minutes): Megatron-vs-torch logits on a
-# Qwen2.5-0.5B-shaped model built locally, and training tokens/s + MFU for both learners.
+# One prepared GPU check for a lent H200 (under twelve minutes): Megatron-vs-torch logits on a
+# Qwen2.5-0.5B-shaped model built locally, training tokens/s + MFU for both learners, and the
+# multi-rank trainer's learner path under torchrun (TP=2 and DP=2 on two GPUs, else TP=1).
 #
 #   bash benchmarks/gpu_check.sh                  # full check; results in $OUT (or bench-results/)
 #   bash benchmarks/gpu_check.sh --quick          # smaller batches, fewer steps
@@ -52,12 +53,22 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export PYTHONWARNINGS=ignore  # megatron-core warns at import about apex / Transformer Engine
 
-if [ "${1:-}" != "--dry-run" ]; then
+dry=0
+for a in "$@"; do [ "$a" = "--dry-run" ] && dry=1; done
+if [ "$dry" = 0 ]; then
   # The GPU tests CI skips (tiny models; about a minute): ours and the torch learner's.
   timeout 150 "$PY" -m pytest -q -p no:cacheprovider -k "cuda or gpu" tests/test_megatron_cuda.py \
     tests/test_torch_learner.py 2>&1 | tee "$RESULTS/gpu_pytest.log" | tail -15 | tee -a "$LOG"
 fi
-timeout 440 "$PY" benchmarks/gpu_check.py --json "$RESULTS/gpu_check.json" --budget-s 380 "$@" 2>&1 | tee -a "$LOG"
+# Multi-rank: one process per GPU (at most 2), rank 0 driving the others as `torchrun ... stoa trainer` does.
+ngpu=$( { nvidia-smi -L 2>/dev/null || true; } | grep -c '^GPU' || true)
+nproc=$(( dry == 1 ? 2 : (ngpu >= 2 ? 2 : 1) ))
+echo "[gpu_check] multirank: $nproc rank(s) ($ngpu GPU(s) seen)" | tee -a "$LOG"
+timeout 200 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$nproc" benchmarks/gpu_check.py \
+  --multirank --json "$RESULTS/gpu_multirank.json" "$@" 2>&1 | tee -a "$LOG" | grep -v "Deprecat\|warn"
+mrc=${PIPESTATUS[0]}
+timeout 400 "$PY" benchmarks/gpu_check.py --json "$RESULTS/gpu_check.json" --budget-s 340 "$@" 2>&1 | tee -a "$LOG"
 rc=${PIPESTATUS[0]}
-echo "[gpu_check] exit $rc; results in $RESULTS/gpu_check.json" | tee -a "$LOG"
+echo "[gpu_check] exit $rc (multirank $mrc); results in $RESULTS/gpu_check.json, $RESULTS/gpu_multirank.json" | tee -a "$LOG"
+[ "$rc" = 0 ] && rc=$mrc
 exit "$rc"

@@ -123,19 +123,68 @@ def retriever_serve(
 @app.command("keygen")
 def keygen(
     out_dir: Annotated[Path, typer.Argument(help="Folder to write <name>.key and <name>.pub into.")],
-    name: Annotated[str, typer.Option(help="File name stem, e.g. the run's name.")] = "run",
+    name: Annotated[Optional[str], typer.Option(help="File name stem (default: run, or worker with --worker).")] = None,
+    worker_key: Annotated[bool, typer.Option("--worker", help="A worker's key (it signs the worker's uploads).")] = False,
 ) -> None:
-    """Write a new ed25519 keypair for signing a run's weights (the trainer keeps .key, workers get .pub)."""
+    """Write a new ed25519 keypair: a run's (the trainer keeps .key, workers get .pub) or, with
+    --worker, a worker's (the worker keeps .key; the run's operator enrolls .pub with `stoa enroll`)."""
     from stoa.transport.signing import generate_private_key, key_id, save_keypair
 
     key = generate_private_key()
     try:
-        priv, pub = save_keypair(key, out_dir, name)
+        priv, pub = save_keypair(key, out_dir, name or ("worker" if worker_key else "run"))
     except FileExistsError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
-    typer.echo(f"wrote {priv} (private, keep it on the trainer) and {pub} (give it to workers)")
+    if worker_key:
+        typer.echo(f"wrote {priv} (private, keep it on the worker: stoa worker --key) and {pub} (for stoa enroll)")
+    else:
+        typer.echo(f"wrote {priv} (private, keep it on the trainer) and {pub} (give it to workers)")
     typer.echo(f"key id {key_id(key.public_key())}, public key {key.public_key().public_bytes_raw().hex()}")
+
+
+@app.command("enroll")
+def enroll(
+    worker_public_key: Annotated[str, typer.Argument(help="The worker's public key: hex, or its .pub file.")],
+    store: Annotated[str, typer.Option(help="Object store: a path, file://..., or s3://bucket/prefix.")],
+    run: Annotated[str, typer.Option(help="Run name.")],
+    key: Annotated[Path, typer.Option(help="The run's private key (the roster is signed with it).")],
+    worker_id: Annotated[str, typer.Option("--worker-id", help="The worker id this key uploads as.")],
+    note: Annotated[str, typer.Option(help="A note kept in the roster (who, which machine).")] = "",
+) -> None:
+    """Enroll a worker key in the run's signed roster (<run>/workers.json); takes effect while the run is live."""
+    from stoa.transport.identity import enroll_worker
+    from stoa.transport.signing import load_private_key
+    from stoa.transport.store import open_store
+
+    try:
+        roster = enroll_worker(open_store(store), run, load_private_key(key), worker_public_key, worker_id, note)
+    except (ValueError, OSError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"enrolled {worker_id} (roster revision {roster.revision}: {len(roster.enrolled)} enrolled, "
+               f"{len(roster.banned)} banned)")
+
+
+@app.command("ban")
+def ban(
+    who: Annotated[str, typer.Argument(help="A worker id enrolled in the run, or a key id (16 hex).")],
+    store: Annotated[str, typer.Option(help="Object store: a path, file://..., or s3://bucket/prefix.")],
+    run: Annotated[str, typer.Option(help="Run name.")],
+    key: Annotated[Path, typer.Option(help="The run's private key (the roster is signed with it).")],
+    reason: Annotated[str, typer.Option(help="Why (kept in the roster and shown by stoa status).")] = "banned by hand",
+) -> None:
+    """Ban a worker key: the trainer drops its queued batches and refuses the rest; the worker stops."""
+    from stoa.transport.identity import ban_worker
+    from stoa.transport.signing import load_private_key
+    from stoa.transport.store import open_store
+
+    try:
+        roster = ban_worker(open_store(store), run, load_private_key(key), who, reason)
+    except (KeyError, ValueError, OSError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"banned {who} (roster revision {roster.revision}: {len(roster.banned)} banned)")
 
 
 def _parse_sets(sets: list[str] | None) -> dict:
@@ -169,8 +218,10 @@ def train(
     resume: Annotated[bool, typer.Option("--resume", help="Continue runs/<name> from its newest checkpoint.")] = False,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a config key: --set trainer.steps=50.")] = None,
     check: Annotated[bool, typer.Option("--check", help="Validate the config, print it resolved (JSON), and exit.")] = False,
+    store: Annotated[Optional[str], typer.Option(help="Object store instead of runs/<name>/store: a path or s3://bucket/prefix?endpoint=URL.")] = None,
+    adversary: Annotated[Optional[list[str]], typer.Option(help="Add a dishonest worker of this kind to the fleet (see stoa.testing.adversaries), e.g. flip-rewards.")] = None,
 ) -> None:
-    """Run a whole fleet locally: the trainer plus N int8 workers meeting in runs/<name>/store."""
+    """Run a whole fleet locally: the trainer plus N int8 workers meeting in runs/<name>/store (or --store)."""
     from stoa.fleet.config import ConfigError, load_config
     from stoa.fleet.local import train_local
 
@@ -178,10 +229,43 @@ def train(
         if check:
             typer.echo(load_config(config, _parse_sets(set_)).to_json())
             return
-        train_local(config, _parse_sets(set_), runs_root=runs, resume=resume, workers=workers)
+        train_local(config, _parse_sets(set_), runs_root=runs, resume=resume, workers=workers, store=store,
+                    adversaries=adversary or [])
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+
+
+@app.command("sweep")
+def sweep(
+    sweep_file: Annotated[Path, typer.Argument(help="Sweep file (TOML): a run config and objectives x lags x seeds.")],
+    runs: Annotated[Path, typer.Option(help="Folder that holds runs/<sweep name>/.")] = Path("runs"),
+    parallel: Annotated[Optional[int], typer.Option(help="Cells running at a time (default: the file's).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Resolve every cell's config, list the cells, exit.")] = False,
+    report: Annotated[bool, typer.Option("--report", help="Only rewrite the report from finished cells.")] = False,
+) -> None:
+    """Run a grid of fleet runs (each a `stoa train`), resumably; write results.json, results.md, plots."""
+    from stoa.fleet.sweep import SweepError, collect, load_sweep, run_sweep, validate, write_report
+
+    try:
+        spec = load_sweep(sweep_file, **({} if parallel is None else {"parallel": parallel}))
+        cells = validate(spec)
+        if dry_run:
+            for c in cells:
+                typer.echo(f"{c.id}: " + " ".join(f"{k}={v}" for k, v in c.overrides.items() if k != "name"))
+            return
+        if report:
+            write_report(collect(spec, runs), runs / spec.name)
+            typer.echo(f"wrote {runs / spec.name / 'results.md'}")
+            return
+        out = run_sweep(spec, runs, say=typer.echo)
+    except SweepError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    done = sum(c["status"] == "done" for c in out["cells"])
+    typer.echo(f"{done}/{len(out['cells'])} cells finished; report in {runs / spec.name / 'results.md'}")
+    if done < len(out["cells"]):
+        raise typer.Exit(1)
 
 
 @app.command("trainer")
@@ -194,7 +278,9 @@ def trainer(
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a config key: --set trainer.steps=50.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
-    """Train: consume episodes from the store, take optimizer steps, publish int8 weights through PULSE."""
+    """Train: consume episodes from the store, take optimizer steps, publish int8 weights through PULSE.
+
+    Several GPUs: `torchrun --nproc-per-node N -m stoa trainer ...` with learner.kind = "megatron"."""
     from stoa.fleet.config import ConfigError, load_config
     from stoa.fleet.trainer import Trainer
     from stoa.transport.signing import load_private_key
@@ -206,7 +292,18 @@ def trainer(
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    Trainer(cfg, open_store(store), run_dir or Path("runs") / cfg.name, load_private_key(key), resume=resume).run()
+    run_dir = run_dir or Path("runs") / cfg.name
+    from stoa.fleet import distributed
+
+    if distributed.world_size() > 1:  # under torchrun: rank 0 runs the loop, the other ranks follow it
+        try:
+            distributed.run_ranks(cfg, lambda ranks: Trainer(cfg, open_store(store), run_dir, load_private_key(key),
+                                                             resume=resume, ranks=ranks).run())
+        except distributed.RankFailed as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(1) from None
+        return
+    Trainer(cfg, open_store(store), run_dir, load_private_key(key), resume=resume).run()
 
 
 @app.command("worker")
@@ -217,6 +314,9 @@ def worker(
     id: Annotated[Optional[str], typer.Option("--id", help="Worker id (default: hostname-pid).")] = None,
     cache: Annotated[Optional[Path], typer.Option(help="Local folder for the run's model files.")] = None,
     max_batches: Annotated[Optional[int], typer.Option(help="Exit after this many uploads.")] = None,
+    follow_only: Annotated[bool, typer.Option("--follow-only", help="Only follow the weight chain (apply and verify every version); generate nothing.")] = False,
+    key: Annotated[Optional[Path], typer.Option(help="This worker's private key (stoa keygen --worker); default <cache>/worker.key, made on first start.")] = None,
+    adversary: Annotated[Optional[str], typer.Option(help="Run as a dishonest worker of this kind, to test a trainer's checks (stoa.testing.adversaries).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
     """Generate rollouts with the int8 MLX engine from the newest signed weights; upload them."""
@@ -227,9 +327,25 @@ def worker(
     from stoa.transport.store import open_store
 
     _setup_logging(verbose)
+    if follow_only:
+        import logging
+
+        from stoa.fleet.follower import Follower
+
+        f = Follower(open_store(store), run, public_key, name=id or "follower")
+        f.run(on_record=lambda r: logging.getLogger("stoa.follow").info(
+            "%s to version %d in %.2f s (%d bytes, %d deltas%s)", r.kind, r.to_version, r.seconds, r.bytes_read,
+            r.deltas, ", anchor" if r.anchor else ""))
+        return
     wid = id or re.sub(r"[^A-Za-z0-9._-]", "-", f"{socket.gethostname()}-{os.getpid()}")[:64]
     cache_dir = cache or Path.home() / ".cache" / "stoa" / run / wid
-    raise typer.Exit(Worker(open_store(store), run, public_key, wid, cache_dir, max_batches=max_batches).run())
+    args = (open_store(store), run, public_key, wid, cache_dir)
+    kwargs = {"max_batches": max_batches, "private_key": key}
+    if adversary:
+        from stoa.testing.adversaries import make_adversary
+
+        raise typer.Exit(make_adversary(adversary, *args, **kwargs).run())
+    raise typer.Exit(Worker(*args, **kwargs).run())
 
 
 @app.command("status")

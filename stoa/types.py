@@ -135,6 +135,9 @@ class Episode:
         temperature: sampling temperature (``> 0``); behaviour log-probs are under it.
         top_p: nucleus mass (``1.0`` = off); see the rollout engine for how log-probs are
             recorded when it is on.
+        item_index: the dataset item the episode was played on (``env.reset(options={"index":
+            item_index})``), so the trainer can replay it; ``None`` when unknown. Travels on the
+            wire only when set (key ``"item"``, a non-negative int).
     """
 
     prompt_tokens: np.ndarray
@@ -148,6 +151,7 @@ class Episode:
     sample_index: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
+    item_index: int | None = None
 
     def __post_init__(self) -> None:
         self.prompt_tokens = np.ascontiguousarray(self.prompt_tokens, dtype=np.int32)
@@ -221,6 +225,7 @@ def _to_wire(i: int, ep: Episode) -> dict[str, Any]:
         "sample_index": int(ep.sample_index),
         "temperature": float(ep.temperature),
         "top_p": float(ep.top_p),
+        **({} if ep.item_index is None else {"item": int(ep.item_index)}),
     }
 
 
@@ -390,6 +395,9 @@ def _read_episode(u: msgpack.Unpacker, where: str, limits: Limits, budget: list[
         if not isinstance(key, str) or key in d:
             raise EpisodeError(f"{where}: bad or duplicate key {key!r}")
         d[key] = _read_segments(u, f"{where}.segments", limits, budget) if key == "segments" else u.unpack()
+    item = d.pop("item", None)
+    if item is not None and (not isinstance(item, int) or isinstance(item, bool)):
+        raise EpisodeError(f"{where}.item: wrong type {type(item).__name__}")
     if set(d) != _EPISODE_KEYS:
         missing, extra = sorted(_EPISODE_KEYS - set(d)), sorted(set(d) - _EPISODE_KEYS)
         raise EpisodeError(f"{where}: wrong keys (missing {missing}, unexpected {extra})")
@@ -411,6 +419,7 @@ def _read_episode(u: msgpack.Unpacker, where: str, limits: Limits, budget: list[
         sample_index=d["sample_index"],
         temperature=float(d["temperature"]),
         top_p=float(d["top_p"]),
+        item_index=item,
     )
 
 
@@ -508,6 +517,9 @@ def _validate(ep: Episode, vocab_size: int | None, limits: Limits, where: str) -
         fail(f"temperature {ep.temperature!r} must be finite and > 0")
     if not isinstance(ep.top_p, (int, float)) or not (0 < ep.top_p <= 1):
         fail(f"top_p {ep.top_p!r} must lie in (0, 1]")
+    if ep.item_index is not None and (not isinstance(ep.item_index, int) or isinstance(ep.item_index, bool)
+                                      or ep.item_index < 0):
+        fail(f"item_index {ep.item_index!r} must be None or a non-negative int")
     for key in ("policy_version", "sample_index"):
         v = getattr(ep, key)
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:

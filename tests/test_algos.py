@@ -74,7 +74,7 @@ def test_low_precision_inputs_compute_in_float32():
 
 
 def test_registry_lists_the_builtins_and_resolves_them():
-    assert list(OBJECTIVES) == ["dppo", "ppo", "tis", "icepop", "reinforce"]
+    assert list(OBJECTIVES) == ["dppo", "ppo", "tis", "icepop", "reinforce", "gepo"]
     assert algos.DEFAULT_OBJECTIVE == "dppo"
     for name, target in OBJECTIVES.items():
         module = getattr(algos, name)

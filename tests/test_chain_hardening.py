@@ -318,3 +318,30 @@ def test_sync_reads_each_object_at_most_twice_and_never_past_its_signed_size(tmp
         assert r.bytes_read == sum(n for _, n in store.gets)
         if damage == "none":  # the happy path reads exactly its route's payloads, once
             assert payload == route and max(counts.values()) == 1
+
+
+def test_sync_to_an_older_version_of_the_chain_for_forced_staleness(tmp_path):
+    """``sync(version=v)`` stops at version v of the head's chain (a study's rollout.lag), by the
+    same verified route, and moves forward from there later."""
+    from stoa.transport.chain import WeightPublisher, WeightSubscriber
+    from stoa.transport.pulse import state_hash
+    from stoa.transport.signing import generate_private_key
+    from stoa.transport.store import LocalStore
+
+    rng = np.random.default_rng(0)
+    store, key = LocalStore(tmp_path), generate_private_key()
+    pub = WeightPublisher(store, "run", key, anchor_every=4)
+    state = {"w": rng.integers(0, 256, size=(64, 64)).astype(np.uint8), "b": np.zeros(8, np.float32)}
+    hashes = {}
+    for v in range(7):
+        state = {k: a.copy() for k, a in state.items()}
+        state["w"][v, :3] += 1
+        pub.publish(v, state)
+        hashes[v] = state_hash(state)
+    sub = WeightSubscriber(store, "run", key.public_key())
+    res = sub.sync(None, version=3)
+    assert res.version == 3 and state_hash(res.state) == hashes[3]
+    res = sub.sync((res.version, res.state), apply_inplace=True, version=5)
+    assert res.version == 5 and state_hash(res.state) == hashes[5] and res.inplace
+    res = sub.sync((res.version, res.state), apply_inplace=True, version=99)  # not older than the head: head
+    assert res.version == 6 and state_hash(res.state) == hashes[6]

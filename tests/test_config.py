@@ -37,6 +37,11 @@ DEMO = ROOT / "examples" / "papersearch_tiny.toml"
     ({"eval.every": 0}, "eval.every"),
     ({"pulse.dtype": "int4"}, "pulse.dtype"),
     ({"fleet.workers": -1}, "fleet.workers"),
+    ({"trust.mode": "closed"}, "trust.mode"),
+    ({"trust.max_worker_shar": 0.5}, "trust.max_worker_shar"),
+    ({"trust.max_worker_share": 0.0}, "max_worker_share"),
+    ({"trust.replay": "yes"}, "trust.replay"),
+    ({"trust.audit_fraction": 2.0}, "audit_fraction"),
     ({"bogus": 1}, "bogus"),
 ])
 def test_a_bad_key_or_value_fails_at_load_naming_it(override, needle):

@@ -251,3 +251,27 @@ def test_quarantine_a_polled_batch_with_a_reason(tmp_path):
     fresh = RolloutReader(store, RUN)
     fresh.restore(reader.state())
     assert fresh.poll() == []
+
+
+def test_planted_objects_cannot_stop_or_steal_a_sealing_writers_numbers(store):
+    """Someone else's object at a huge sequence number under a worker's name (or one already
+    quarantined at its next number) neither stops its uploads nor swallows one of them."""
+    from stoa.transport.identity import seal_batch
+    from stoa.transport.signing import generate_private_key
+
+    me, mallory = generate_private_key(), generate_private_key()
+    w = RolloutWriter(store, RUN, "w", private_key=me)
+    w.upload(episodes("w", 1), 1)
+    planted = seal_batch(encode_episodes(episodes("w", 1, tag=9)), run=RUN, worker_id="w", seq=10**12 - 1, version=1,
+                         private_key=mallory)
+    store.put(rollout_key(RUN, "w", 10**12 - 1, 1), planted)
+    store.put(f"{RUN}/quarantine/w/s000000000002-v000000000001.episodes", planted)
+    restarted = RolloutWriter(store, RUN, "w", private_key=me)
+    assert restarted.next_seq == 1  # its own newest sealed object, not the planted number
+    keys = [restarted.upload(episodes("w", 2, tag=t), 2) for t in (1, 2)]
+    assert [k.rsplit("/", 1)[1][:13] for k in keys] == ["s000000000001", "s000000000003"]  # 2 was taken
+    reader = RolloutReader(store, RUN, admit=lambda seal: None if seal.key_id == restarted.key_id else "not w's key")
+    got = reader.poll()
+    assert [b.seq for b in got] == [0, 1, 3] and {b.key_id for b in got} == {restarted.key_id}
+    (rej,) = reader.last_report.rejected
+    assert rej.category == "refused" and "not w's key" in rej.reason

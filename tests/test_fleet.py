@@ -170,15 +170,28 @@ def fleet(tmp_path):
 
 
 def trained_groups(ledger: list[dict]) -> list[str]:
-    return [g for e in ledger for g in e.get("trained", [])]
+    return [g.rsplit("/", 1)[-1] for e in ledger for g in e.get("trained", [])]  # ledger ids are <key id>/<group>
+
+
+MALLORY = generate_private_key()
+
+
+def put_sealed(st: LocalStore, run: str, seq: int, version: int, blob: bytes) -> None:
+    """Plant a batch as a worker would upload it: sealed with its (unenrolled, open-run) key."""
+    from stoa.transport.identity import seal_batch
+
+    st.put(rollout_key(run, "mallory", seq, version),
+           seal_batch(blob, run=run, worker_id="mallory", seq=seq, version=version, private_key=MALLORY))
 
 
 def uploaded_groups(store: LocalStore, run: str) -> set[str]:
     from stoa.types import decode_episodes
 
     out = set()
+    from stoa.transport.identity import open_sealed
+
     for key in store.list(f"{run}/rollouts/"):
-        out |= {e.group_id for e in decode_episodes(store.get(key))}
+        out |= {e.group_id for e in decode_episodes(open_sealed(store.get(key))[1])}
     return out
 
 
@@ -255,7 +268,7 @@ def test_kill_trainer_mid_step_and_resume(fleet):
     trained = trained_groups(ledger)
     assert len(trained) == len(set(trained)), "a group was trained on twice"
     assert max(e["rl_step"] for e in ledger) == 6 and len([e for e in ledger if "trained" in e]) == 6
-    dropped = {g for e in ledger for gs in e.get("dropped", {}).values() for g in gs}
+    dropped = {g.rsplit("/", 1)[-1] for e in ledger for gs in e.get("dropped", {}).values() for g in gs}
     # Every uploaded group was trained, dropped with a reason, or is still waiting; none vanished.
     from stoa.transport.exchange import RolloutReader
 
@@ -309,6 +322,7 @@ def _raw_batch(episodes: list[Episode], mutate) -> bytes:
 
 def test_bad_episodes_are_quarantined_with_a_reason(fleet):
     """Wrong version, out-of-vocabulary tokens, non-finite log-probs, oversize: quarantined, counted, no crash."""
+    fleet.config.write_text(fleet.config.read_text() + "\n[trust]\nban_after = 0\n")  # every reason, not a ban
     trainer = fleet.trainer()
     fleet.wait_for(lambda: fleet.store.exists(f"{fleet.cfg.name}/current.json"), what="version 0")
     run = fleet.cfg.name
@@ -321,15 +335,15 @@ def test_bad_episodes_are_quarantined_with_a_reason(fleet):
         return Episode(**base)
 
     good = [ep(sample_index=i) for i in range(2)]
-    st.put(rollout_key(run, "mallory", 0, 0), encode_episodes([ep(worker_id="mallory", policy_version=0, segments=[
+    put_sealed(st, run, 0, 0, encode_episodes([ep(worker_id="mallory", policy_version=0, segments=[
         Segment("model", np.array([4, 10**6]), np.array([-0.5, -1.0]))])]))  # token id far outside the vocabulary
-    st.put(rollout_key(run, "mallory", 1, 0), _raw_batch(good, lambda d: d.update(
+    put_sealed(st, run, 1, 0, _raw_batch(good, lambda d: d.update(
         segments=[{"kind": "model", "tokens": np.array([4], "<i4").tobytes(),
                    "logprobs": np.array([np.nan], "<f4").tobytes()}])))
-    st.put(rollout_key(run, "mallory", 2, 999), encode_episodes([ep(policy_version=999, group_id="future")]))
-    st.put(rollout_key(run, "mallory", 3, 0), _raw_batch(good, lambda d: d.update(  # over the token limit
+    put_sealed(st, run, 2, 999, encode_episodes([ep(policy_version=999, group_id="future")]))
+    put_sealed(st, run, 3, 0, _raw_batch(good, lambda d: d.update(  # over the token limit
         prompt=(np.arange(400_000) % 50).astype("<i4").tobytes())))
-    st.put(rollout_key(run, "mallory", 4, 0), b"\x00garbage, not an episode batch")
+    put_sealed(st, run, 4, 0, b"\x00garbage, not an episode batch")
     workers = [fleet.worker("w0"), fleet.worker("w1")]
     assert fleet.wait(trainer) == 0, fleet.log("trainer.log")[-3000:]
     for w in workers:
@@ -368,6 +382,7 @@ def test_poisoned_batches_are_quarantined_and_a_killed_trainer_trains_on(fleet):
     temperature the run never asked for, metrics of the wrong type, another task's episodes) are
     quarantined with reasons instead of crashing the step; a planted unsigned finish marker stops
     no worker; the trainer killed after seeing them resumes and finishes (no crash loop)."""
+    fleet.config.write_text(fleet.config.read_text() + "\n[trust]\nban_after = 0\n")  # every reason, not a ban
     trainer = fleet.trainer()
     fleet.wait_for(lambda: fleet.store.exists(f"{fleet.cfg.name}/current.json"), what="version 0")
     run, st = fleet.cfg.name, fleet.store
@@ -391,7 +406,7 @@ def test_poisoned_batches_are_quarantined_and_a_killed_trainer_trains_on(fleet):
         "task": group("p-task", env_id="someone/Else-v0"),
     }
     for seq, eps in enumerate(poisons.values()):
-        st.put(rollout_key(run, "mallory", seq, 0), encode_episodes(eps))
+        put_sealed(st, run, seq, 0, encode_episodes(eps))
     st.put(f"{run}/finished.json", b'{"body": "{}", "sig": "00"}')  # unsigned: must stop nobody
     fleet.wait_for(lambda: sum(k.endswith(".reason.json") for k in st.list(f"{run}/quarantine/")) >= 5,
                    what="the poisoned batches to be quarantined")
@@ -478,3 +493,26 @@ def test_a_researchers_own_env_trains_end_to_end(tmp_path):
         assert {"rollout/correct", "rollout/used_calc", "rollout/num_calls"} <= set(x)
     assert {"eval/pass@1", "eval/used_calc"} <= set(evals[-1])
     assert "used_calc" in r.stdout
+
+
+def test_forced_lag_trains_on_stale_rollouts_and_splits_the_mismatch(tmp_path):
+    """rollout.lag = 2: workers generate with the version two behind the head (once there is one),
+    every trained episode is that stale, and the mismatch is split into int8 and staleness parts."""
+    f = Fleet(tmp_path, write_config(tmp_path, "lagged", steps=5, max_lag=3))
+    try:
+        trainer = f.trainer("--set", "rollout.lag=2", "--set", "trainer.mismatch_every=1")
+        workers = [f.worker("w0"), f.worker("w1")]
+        assert f.wait(trainer) == 0, f.log("trainer.log")[-3000:]
+        for w in workers:
+            f.wait(w, 60)
+        train = f.rows("train")
+        assert len(train) == 5
+        for r in train:
+            lags = {int(k[len("staleness/lag"):]) for k in r if k.startswith("staleness/lag")}
+            # version v is trained on rollouts of version max(0, v - 1 - 2) or older (gate: <= 3 behind)
+            assert min(lags) >= min(2, r["version"] - 1), (r["version"], lags)
+            assert {"mismatch/kl_total", "mismatch/kl_stale", "mismatch/kl_int8"} <= set(r)
+        late = [r for r in train if r["version"] >= 4]
+        assert any(r["mismatch/abs_stale"] > 0 for r in late)
+    finally:
+        f.close()

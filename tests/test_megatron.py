@@ -298,6 +298,16 @@ def test_data_parallel_dealing_and_a_rank_with_no_work(qwen2_dir, megatron_cpu):
     assert all(p.grad is not None and not p.grad.any() for p in m.model.parameters())
 
 
+def test_sharded_parameters_are_tagged_for_the_gradient_norm(qwen2_dir, megatron_cpu):
+    """Weights loaded from HF (``perform_initialization=False``) get megatron's TP tags anyway, so a
+    gradient norm under TP (ours on CPU, Megatron's optimizer's on CUDA) counts every shard."""
+    m = megatron(qwen2_dir)
+    params = dict(m.model.named_parameters())
+    tagged = {n for n, p in params.items() if getattr(p, "tensor_model_parallel", False)}
+    assert tagged == {n for n in params if "layernorm" not in n}  # every matrix and the qkv bias; norms replicated
+    assert {params[n].partition_dim for n in tagged if "linear_proj" in n or "linear_fc2" in n} == {1}
+
+
 # -- weights and checkpoints -------------------------------------------------------------------
 
 

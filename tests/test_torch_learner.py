@@ -234,6 +234,7 @@ ACTIVE = {
     "tis": {"cap": 1.0, "aggregation": "seq_mean_token_sum_norm", "max_tokens_norm": 8.0},
     "icepop": {"ratio_low": 0.9, "ratio_high": 1.1},
     "reinforce": {"aggregation": "seq_mean_token_mean"},
+    "gepo": {"clip_low": 0.05, "clip_high": 0.05, "aggregation": "seq_mean_token_mean"},
 }
 
 
@@ -252,7 +253,9 @@ def test_train_step_runs_each_builtin_objective_with_its_config(name, qwen2_dir)
         lp[i, : len(e)] = torch.from_numpy(x)
         blp[i, : len(e)] = torch.from_numpy(e.behavior_logprobs())
         advs[i] = float(adv[i]) * mask[i]
-    inputs = ObjectiveInputs(lp, blp, advs, mask)
+    groups: dict[str, int] = {}  # the learner numbers Episode.group_id in order of appearance
+    index = torch.tensor([groups.setdefault(e.group_id, len(groups)) for e in eps])
+    inputs = ObjectiveInputs(lp, blp, advs, mask, group_index=index)
     ref_loss, ref = objective.loss(inputs)
     default_loss, _ = resolve_objective(name).loss(inputs)
     got = ln.train_step(eps, adv, objective)

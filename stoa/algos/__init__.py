@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stoa.algos import advantages, dppo, icepop, ppo, reinforce, tis
+from stoa.algos import advantages, dppo, gepo, icepop, ppo, reinforce, tis
 from stoa.algos.advantages import group_advantages
 from stoa.algos.checks import AGGREGATIONS, Aggregation
 from stoa.algos.registry import DEFAULT_OBJECTIVE, OBJECTIVES, LossFn, Objective, resolve_objective
@@ -53,6 +53,7 @@ __all__ = [
     "advantages",
     "batch_normalizer",
     "dppo",
+    "gepo",
     "group_advantages",
     "icepop",
     "ppo",

@@ -33,6 +33,21 @@ share of the full-batch loss, so summing micro-batch losses (and their gradients
 the full-batch loss and gradient. Without ``normalizer`` the micro-batch's own count is used.
 Under data parallelism whose all-reduce *averages* gradients over ``W`` ranks, pass the global
 count divided by ``W``.
+
+Groups
+------
+``ObjectiveInputs.group_index`` says which rows are samples of one prompt (``Episode.group_id``).
+An objective whose per-row terms use statistics over a whole group (GEPO's group expectation of
+the behaviour probability) reads them from ``group_context``, the detached behaviour side of every
+row of the optimizer batch, so a micro-batch that holds only part of a group still gets the
+whole group's statistic; without a context, the rows given are taken to be the whole batch.
+
+Mismatch metrics
+----------------
+:func:`mismatch_metrics` measures how far the behaviour policy mu is from pi on counted tokens,
+the same way for every objective (:func:`common_metrics` includes it): the k3 estimate of
+KL(mu || pi), the mean ``|log pi - log mu|``, the fraction of tokens whose plain ratio ``pi/mu``
+exceeds 2 and 10, and the fraction DPPO's default binary-TV gate would mask, by advantage sign.
 """
 
 from __future__ import annotations
@@ -45,11 +60,56 @@ import torch
 
 from stoa.algos.checks import AGGREGATIONS, Aggregation, check_choice
 
-__all__ = ["AGGREGATIONS", "Aggregation", "ObjectiveInputs", "Prepared", "aggregate", "batch_normalizer",
-           "common_metrics", "k3", "masked_mean", "prepare", "to_floats"]
+__all__ = ["AGGREGATIONS", "Aggregation", "GroupContext", "ObjectiveInputs", "Prepared", "aggregate",
+           "batch_normalizer", "common_metrics", "k3", "masked_mean", "mismatch_metrics", "prepare", "to_floats"]
 
 # Log-ratios are clamped here before exp() so metrics and PPO ratios never overflow float32.
 LOG_RATIO_CLAMP = 20.0
+# The counterfactual gate of mismatch_metrics: DPPO's default binary-TV threshold.
+TV_GATE_DELTA = 0.2
+
+
+@dataclass(frozen=True)
+class GroupContext:
+    """The detached behaviour side of *every* row of an optimizer batch, ``N`` rows.
+
+    A learner that splits the batch into micro-batches passes the same context to each, so
+    statistics over a whole group (which depend only on mu and the mask, both known before any
+    forward pass) come out the same whatever the split.
+
+    Attributes:
+        behavior_logprobs: ``log mu`` of every row, float ``[N, T]``.
+        mask: the loss mask of every row, float ``[N, T]`` of 0 and 1 (a bool tensor is converted).
+        group_index: int64 ``[N]``, the group of each row, numbered as in
+            :attr:`ObjectiveInputs.group_index`.
+    """
+
+    behavior_logprobs: torch.Tensor
+    mask: torch.Tensor
+    group_index: torch.Tensor
+
+    def __post_init__(self) -> None:
+        for name in ("behavior_logprobs", "mask", "group_index"):
+            if not isinstance(getattr(self, name), torch.Tensor):
+                raise TypeError(f"GroupContext.{name} must be a torch.Tensor")
+        if self.mask.dtype == torch.bool:
+            object.__setattr__(self, "mask", self.mask.to(self.behavior_logprobs.dtype))
+        b, m, g = self.behavior_logprobs, self.mask, self.group_index
+        if b.ndim != 2 or m.shape != b.shape or not b.is_floating_point() or not m.is_floating_point():
+            raise ValueError(f"GroupContext: behavior_logprobs and mask must be float [N, T] of one shape, "
+                             f"got {tuple(b.shape)} and {tuple(m.shape)}")
+        _check_group_index("GroupContext.group_index", g, b.shape[0], b.device)
+        if m.device != b.device:
+            raise ValueError(f"GroupContext.mask is on {m.device}, behavior_logprobs on {b.device}")
+
+
+def _check_group_index(name: str, g: torch.Tensor, rows: int, device: torch.device) -> None:
+    if g.dtype not in (torch.int32, torch.int64) or g.shape != (rows,):
+        raise ValueError(f"{name} must be an int64 [batch] tensor of {rows} rows, got {g.dtype} {tuple(g.shape)}")
+    if g.device != device:
+        raise ValueError(f"{name} is on {g.device}, expected {device}")
+    if rows and int(g.min()) < 0:
+        raise ValueError(f"{name} must hold group numbers >= 0")
 
 
 @dataclass(frozen=True)
@@ -67,6 +127,12 @@ class ObjectiveInputs:
             tool/environment output and padding. A bool tensor is accepted and converted.
         normalizer: optional denominator of the whole optimizer batch when this is one
             micro-batch of it (see the module docstring); ``None`` uses this batch's own count.
+        group_index: optional int64 ``[batch]``: rows with the same number are samples of one
+            prompt (the learners number ``Episode.group_id`` in order of appearance, the same
+            numbering in every micro-batch of a batch). ``None``: every row is its own group.
+            Objectives that do not use groups ignore it.
+        group_context: optional :class:`GroupContext` of the whole optimizer batch (needs
+            ``group_index``); ``None``: group statistics are taken over the rows given.
     """
 
     logprobs: torch.Tensor
@@ -74,6 +140,8 @@ class ObjectiveInputs:
     advantages: torch.Tensor
     mask: torch.Tensor
     normalizer: float | None = None
+    group_index: torch.Tensor | None = None
+    group_context: GroupContext | None = None
 
     def __post_init__(self) -> None:
         names = ("logprobs", "behavior_logprobs", "advantages", "mask")
@@ -103,6 +171,15 @@ class ObjectiveInputs:
             if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n < 0:
                 raise ValueError(f"ObjectiveInputs.normalizer must be a finite number >= 0, got {n!r}")
             object.__setattr__(self, "normalizer", float(n))
+        if self.group_index is not None:
+            if not isinstance(self.group_index, torch.Tensor):
+                raise TypeError("ObjectiveInputs.group_index must be a torch.Tensor or None")
+            _check_group_index("ObjectiveInputs.group_index", self.group_index, shape[0], device)
+        if self.group_context is not None:
+            if not isinstance(self.group_context, GroupContext):
+                raise TypeError("ObjectiveInputs.group_context must be a GroupContext or None")
+            if self.group_index is None:
+                raise ValueError("ObjectiveInputs.group_context needs group_index")
 
 
 class Prepared(NamedTuple):
@@ -193,8 +270,38 @@ def k3(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.expm1(log_ratio) - log_ratio
 
 
+def mismatch_metrics(p: Prepared | ObjectiveInputs) -> dict[str, torch.Tensor]:
+    """How far mu is from pi on counted tokens, the same for every objective (``r = pi/mu``).
+
+    ``mismatch/kl_all``: mean k3 estimate of KL(mu || pi); ``mismatch/abs_log_ratio``: mean
+    ``|log pi - log mu|``; ``mismatch/ratio_gt2_frac``, ``mismatch/ratio_gt10_frac``: fraction of
+    tokens with ``r > 2``, ``r > 10``; ``mismatch/tv_gate_frac``: fraction DPPO's default binary-TV
+    gate (``delta = 0.2``) masks, or would mask under another objective, split by advantage sign
+    into ``mismatch/tv_gate_pos_frac`` (``A > 0``, ``pi - mu > 0.2``) and
+    ``mismatch/tv_gate_neg_frac`` (``A < 0``, ``pi - mu < -0.2``). Fractions are over counted
+    tokens; empty sets give 0. Log-ratios are clamped to +-20.
+    """
+    if isinstance(p, ObjectiveInputs):
+        p = prepare(p)
+    c, lr = p.counted, p.log_ratio
+    dt = lr.dtype
+    diff = p.lp.detach().exp() - p.blp.exp()
+    pos = c & (p.adv > 0) & (diff > TV_GATE_DELTA)
+    neg = c & (p.adv < 0) & (diff < -TV_GATE_DELTA)
+    return {
+        "mismatch/kl_all": masked_mean(k3(lr), c),
+        "mismatch/abs_log_ratio": masked_mean(lr.abs(), c),
+        "mismatch/ratio_gt2_frac": masked_mean((lr > math.log(2.0)).to(dt), c),
+        "mismatch/ratio_gt10_frac": masked_mean((lr > math.log(10.0)).to(dt), c),
+        "mismatch/tv_gate_frac": masked_mean((pos | neg).to(dt), c),
+        "mismatch/tv_gate_pos_frac": masked_mean(pos.to(dt), c),
+        "mismatch/tv_gate_neg_frac": masked_mean(neg.to(dt), c),
+    }
+
+
 def common_metrics(p: Prepared) -> dict[str, torch.Tensor]:
-    """Metrics every objective reports: token count, mismatch KL, ratio range, entropy proxy."""
+    """Metrics every objective reports: token count, mismatch (:func:`mismatch_metrics`), ratio
+    range, entropy proxy."""
     c = p.counted
     ratio = p.log_ratio.exp()
     big = torch.finfo(ratio.dtype).max
@@ -203,7 +310,7 @@ def common_metrics(p: Prepared) -> dict[str, torch.Tensor]:
     return {
         "loss/tokens": c.sum().to(ratio.dtype),
         "loss/sequences": c.any(dim=-1).sum().to(ratio.dtype),
-        "mismatch/kl_all": masked_mean(k3(p.log_ratio), c),
+        **mismatch_metrics(p),
         "ratio/min": torch.where(any_c, torch.where(c, ratio, big).min(), zero),
         "ratio/mean": masked_mean(ratio, c),
         "ratio/max": torch.where(any_c, torch.where(c, ratio, -big).max(), zero),

@@ -37,6 +37,7 @@ OBJECTIVES: dict[str, str] = {
     "tis": "stoa.algos.tis:loss",
     "icepop": "stoa.algos.icepop:loss",
     "reinforce": "stoa.algos.reinforce:loss",
+    "gepo": "stoa.algos.gepo:loss",
 }
 """Built-in objectives by name: ``name -> "module:function"``; the first, ``"dppo"``, is the default."""
 

@@ -329,7 +329,8 @@ class RolloutEngine(Protocol):
             ``sum(r.num_samples for r in requests)`` valid episodes
             (``Episode.validate(vocab_size)`` passes), each with ``policy_version``,
             ``worker_id``, ``env_id`` (the environment's registered id, or ``""``),
-            ``group_id``, ``sample_index``, ``temperature`` and ``top_p`` filled in.
+            ``group_id``, ``sample_index``, ``item_index`` (the request's ``index``), ``temperature``
+            and ``top_p`` filled in.
 
         Raises:
             EngineError: bad requests, or a prompt longer than ``max_episode_tokens - 1``.

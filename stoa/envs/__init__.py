@@ -6,6 +6,8 @@ Built-in ids (registered when ``stoa.envs`` is imported):
   (:class:`stoa.envs.papersearch.PaperSearchQAEnv`).
 - ``stoa/SyntheticSearch-v0``: the same protocol over a seeded synthetic corpus
   (:class:`stoa.envs.synthetic.SyntheticSearchEnv`).
+- ``stoa/SyntheticSearchHard-v0``: a harder synthetic corpus: paraphrased questions, distractors about
+  similarly named entities, two-hop questions (:class:`stoa.envs.synthetic_hard.SyntheticSearchHardEnv`).
 
 A new task is a :class:`TextEnv` subclass registered with one call, from any package::
 
@@ -30,6 +32,7 @@ __all__ = ["TextEnv", "TextSpace", "make", "register", "check_env", "EnvCheckErr
 BUILTIN_IDS = {
     "stoa/PaperSearchQA-v0": "stoa.envs.papersearch:PaperSearchQAEnv",
     "stoa/SyntheticSearch-v0": "stoa.envs.synthetic:SyntheticSearchEnv",
+    "stoa/SyntheticSearchHard-v0": "stoa.envs.synthetic_hard:SyntheticSearchHardEnv",
 }
 
 

@@ -41,6 +41,15 @@ Ending an episode:
 Determinism: with the same ``reset(seed=..., options=...)`` and the same turns, an environment
 returns the same observations, rewards and infos (retrieval included, for a fixed index).
 
+Replay (:attr:`TextEnv.replayable`): when the observations, rewards and metrics depend only on
+the item (``options["index"]``) and the turns, not on the reset seed, the clock or anything
+outside the process, the trainer checks every episode a worker uploads by replaying its model
+turns through its own copy of the environment (``stoa.fleet.verify``): a forged reward, metric
+or observation is caught exactly. ``check_env`` plays episodes twice with different seeds to
+hold an env that says it is replayable to it. Declare ``replayable = False`` for a task that
+samples with ``np_random`` after ``reset`` or calls a service whose answers change; its
+episodes are then checked only statistically (``docs/trust.md``).
+
 Optional hooks (what the runtime may ask of a task; each has a safe default here)
 ---------------------------------------------------------------------------------
 The trainer and workers know no task: whatever task knowledge they use comes through these.
@@ -153,6 +162,9 @@ class TextEnv(gymnasium.Env[str, str]):
     """The bool metric that means "solved" (pass@1 / pass@k); ``None``: ``reward > 0``."""
     headline_metrics: ClassVar[tuple[str, ...]] = ()
     """Metrics shown next to pass@1 in the live view, the plots and the run summary."""
+    replayable: ClassVar[bool] = True
+    """Whether an episode is a function of its item index and its turns alone (see "Replay" in
+    the module docstring); the trainer replays uploaded episodes of a replayable task."""
     demo_styles: ClassVar[tuple[str, ...]] = ("oracle",)
     """Styles :meth:`demonstration_turns` knows; ``"oracle"`` is :meth:`oracle_turns`."""
     observation_space = TextSpace()

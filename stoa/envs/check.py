@@ -109,6 +109,11 @@ def _play(env: gymnasium.Env, turns: list[str], n: int, where: str, **reset_kw: 
     return transcript
 
 
+def _outcome(transcript: list[Any]) -> list[Any]:
+    """What replay compares: the prompt, then each step's observation, reward, end flags and metrics."""
+    return [transcript[0][0]] + [(o, r, te, tr, i.get("metrics")) for o, r, te, tr, i in transcript[1:]]
+
+
 def _raises(fn: Any, exc: type[BaseException] | tuple[type[BaseException], ...]) -> bool:
     try:
         fn()
@@ -128,8 +133,10 @@ def check_env(env_or_id: gymnasium.Env | str, *, seed: int = 0, gymnasium_checks
     ``ValueError``; seeding determinism of whole episodes; every turn in :data:`MALFORMED_TURNS`
     returns a well-typed step without raising; episodes end within a bounded number of turns with
     ``""`` and flat ``info["metrics"]``; stepping after the end raises ``RuntimeError``; a
-    non-str action raises ``TypeError``; and, if the env provides ``oracle_turns``, that they end
-    the episode with a positive reward.
+    non-str action raises ``TypeError``; if the env provides ``oracle_turns``, that they end
+    the episode with a positive reward; and, if it says it is ``replayable``, that replaying an
+    episode's turns on the same item with another seed (what the trainer does to verify a
+    worker's episode) gives the same observations, rewards and metrics.
 
     Raises:
         EnvCheckError: the first violation found.
@@ -191,6 +198,12 @@ def check_env(env_or_id: gymnasium.Env | str, *, seed: int = 0, gymnasium_checks
         t2 = _play(env, turns, n, f"{name} episode {i} replay", seed=seed, options={"index": i})
         if t1 != t2:
             _fail(f"{name}: the same seed, item and turns gave different episodes")
+        if getattr(u, "replayable", True):
+            t3 = _play(env, turns, n, f"{name} episode {i} replayed with another seed", seed=seed + 7919,
+                       options={"index": i})
+            if _outcome(t1) != _outcome(t3):
+                _fail(f"{name}: replaying item {i}'s turns with another seed gave other observations, rewards or "
+                      "metrics; declare replayable = False if the task depends on the seed")
         if oracle and oracle(i) is not None:
             _, reward, term, _, _ = t1[-1]
             if not term or sum(s[1] for s in t1[1:]) <= 0:
@@ -210,6 +223,8 @@ def _check_hooks(env: Any, u: Any, name: str, n: int, seed: int) -> None:
         kinds = t if isinstance(t, tuple) else (t,)
         if not all(k2 in (bool, int, float, str, type(None)) for k2 in kinds):
             _fail(f"{name}: metric_types[{k!r}] must be bool/int/float/str/NoneType or a tuple of them")
+    if not isinstance(getattr(u, "replayable", True), bool):
+        _fail(f"{name}: replayable must be a bool")
     success = getattr(u, "success_metric", None)
     if success is not None and types.get(success) is not bool:
         _fail(f"{name}: success_metric {success!r} must be declared as bool in metric_types")

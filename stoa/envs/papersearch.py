@@ -233,7 +233,8 @@ class SearchEnv(TextEnv):
     headline_metrics = ("searched",)
     demo_styles = ("oracle", "guess")
     """``oracle``: search the subject, then answer with the gold answer. ``guess``: answer at once
-    with the first gold answer of another, randomly drawn question (a plausible wrong name)."""
+    with a name drawn uniformly from the questions' answers (plausible, almost always wrong)."""
+    _guesses: list[str] | None = None
 
     def __init__(self, questions: Sequence[Question], retriever: Retriever, config: SearchConfig = SearchConfig()) -> None:
         if not questions:
@@ -313,8 +314,9 @@ class SearchEnv(TextEnv):
 
     def demonstration_turns(self, index: int, style: str, rng: np.random.Generator) -> list[str] | None:
         if style == "guess":
-            other = self.questions[int(rng.integers(len(self.questions)))]
-            return [answer_turn(other.golden_answers[0])]
+            if self._guesses is None:
+                self._guesses = sorted({q.golden_answers[0] for q in self.questions})
+            return [answer_turn(self._guesses[int(rng.integers(len(self._guesses)))])]
         return super().demonstration_turns(index, style, rng)
 
 

@@ -6,9 +6,9 @@ batch to the run's own config and the task's declared metric types; the trainer 
 batch it rejects (with the reason) instead of letting it reach advantages or the learner, where
 an extreme value would crash the step (and, still pending after a restart, crash it again).
 
-What is *not* checked here, and so still taken at the worker's word: that the reward and the
-metrics are the ones the environment would give for these tokens, that the behaviour log-probs
-are the ones the claimed policy version gives, and who the worker is (see ``docs/trust.md``).
+What is *not* checked here: that the reward and the metrics are the ones the environment would
+give for these tokens, that the behaviour log-probs are the ones the claimed policy version
+gives, and who the worker is. :mod:`stoa.fleet.trust` checks those next (``docs/trust.md``).
 """
 
 from __future__ import annotations

@@ -10,11 +10,13 @@ A run config has a top-level ``name`` and ``seed`` and one table per component::
     [rollout]    # how workers sample (engine, group size, cohort size, temperature, caps)
     [trainer]    # batch, staleness gate, advantages, checkpoints, trust bounds
     [learner]    # backend and optimizer (stoa.backends.learner.LearnerConfig fields)
+    [learner.megatron]  # kind = "megatron": parallel sizes, attention, collective timeout
     [objective]  # kind = a stoa.algos objective, plus that objective's Config fields
     [warmstart]  # optional supervised steps on scripted demonstrations before RL
     [pulse]      # weight channel (anchors, dtype)
     [eval]       # held-out evaluation
     [fleet]      # the local launcher (`stoa train`): how many workers
+    [trust]      # which worker keys may upload, and how their episodes are verified
 
 Every section is typed and checked when the file is read: an unknown key, a value of the wrong
 type or out of range is a :class:`ConfigError` naming the key's path (a typo must not surface
@@ -40,11 +42,12 @@ from typing import Any, Literal
 
 from stoa.algos import Objective
 from stoa.backends.learner import LearnerConfig
+from stoa.backends.megatron.options import MegatronOptions
 from stoa.models.tiny import TinyConfig
 
 __all__ = [
     "ConfigError", "EnvConfig", "EvalConfig", "FleetConfig", "LearnerSection", "ModelConfig", "PulseConfig",
-    "RolloutConfig", "RunConfig", "TrainerConfig", "UnresolvedObjective", "WarmstartConfig", "import_env_module",
+    "RolloutConfig", "RunConfig", "TrainerConfig", "TrustConfig", "UnresolvedObjective", "WarmstartConfig", "import_env_module",
     "load_config",
 ]
 
@@ -115,6 +118,9 @@ class RolloutConfig:
     """Engine compute mode (for MLX, see ``stoa.backends.mlx``)."""
     poll_seconds: float = 0.5
     """How often an idle worker checks the version pointer."""
+    lag: int = 0
+    """Forced staleness for studies: workers generate with the version ``lag`` behind the head
+    (reached through the same verified chain); 0 = the newest version, as a fleet normally runs."""
 
     def __post_init__(self) -> None:
         _check(self.group_size >= 2, "rollout.group_size must be >= 2 (group advantages need a group)")
@@ -124,6 +130,7 @@ class RolloutConfig:
         _check(self.temperature > 0 and 0 < self.top_p <= 1, "rollout.temperature > 0 and 0 < top_p <= 1")
         _check(0 < self.max_turn_tokens <= self.max_episode_tokens, "0 < rollout.max_turn_tokens <= max_episode_tokens")
         _check(self.max_batch >= 1 and self.poll_seconds > 0, "rollout.max_batch >= 1 and poll_seconds > 0")
+        _check(self.lag >= 0, "rollout.lag must be >= 0")
         from stoa.backends.engine import BACKENDS
 
         _check(self.engine in BACKENDS, f"rollout.engine {self.engine!r} is not one of {sorted(BACKENDS)}")
@@ -151,9 +158,13 @@ class TrainerConfig:
     """torch CPU threads (0: leave torch's default)."""
     poll_seconds: float = 0.2
     """How often the trainer lists new rollouts while waiting."""
+    mismatch_every: int = 0
+    """Every this many steps, split the behaviour/trainer mismatch into its int8 and staleness parts
+    (``stoa.fleet.mismatch``: one extra int8 prefill and one float scoring pass); 0 = never."""
 
     def __post_init__(self) -> None:
         _check(self.steps >= 0 and self.groups_per_step >= 1, "trainer.steps >= 0 and groups_per_step >= 1")
+        _check(self.mismatch_every >= 0, "trainer.mismatch_every must be >= 0")
         _check(self.max_lag >= 0, "trainer.max_lag must be >= 0")
         _check(self.checkpoint_every >= 1 and self.threads >= 0, "trainer.checkpoint_every >= 1, threads >= 0")
         lo, hi = self.reward_range
@@ -169,6 +180,13 @@ class LearnerSection:
     """Learner backend (``stoa.backends.learner.BACKENDS``)."""
     config: LearnerConfig = LearnerConfig()
     """Every other key of ``[learner]``: ``stoa.backends.learner.LearnerConfig`` fields."""
+    megatron: MegatronOptions = MegatronOptions()
+    """``[learner.megatron]``: the Megatron learner's parallel layout and timeout
+    (``stoa.backends.megatron.options.MegatronOptions``); only with ``kind = "megatron"``."""
+
+    def __post_init__(self) -> None:
+        _check(self.kind == "megatron" or self.megatron == MegatronOptions(),
+               f"[learner.megatron] is set but learner.kind is {self.kind!r}; set learner.kind = \"megatron\"")
 
 
 @dataclass(frozen=True)
@@ -271,6 +289,55 @@ class FleetConfig:
 
 
 @dataclass(frozen=True)
+class TrustConfig:
+    """Who may upload rollouts and how the trainer checks what they upload (``docs/trust.md``)."""
+
+    mode: Literal["open", "enrolled"] = "open"
+    """``open``: any worker key, bound to its worker id on first use; ``enrolled``: only keys
+    enrolled in the run's signed roster (``stoa enroll``)."""
+    replay: bool = True
+    """Replay every episode through the trainer's own environment before training on it (tasks
+    that declare ``replayable``); a mismatch rejects the batch."""
+    audit: bool = True
+    """Score a sample of every batch with the learner, keep per-worker log-prob statistics, and
+    spot-check suspicious workers with the int8 engine; a confirmed mismatch bans the worker."""
+    audit_fraction: float = 0.25
+    """Fraction of each batch's episodes the audit scores (at least one)."""
+    spot_check_episodes: int = 4
+    """Episodes of a suspicious batch re-scored by the int8 engine."""
+    random_spot_check: float = 0.02
+    """Probability that an unsuspicious batch is spot-checked anyway."""
+    episode_factor: float = 8.0
+    """An episode is suspicious above this many times its staleness bucket's honest mean |log pi - log mu|."""
+    worker_mads: float = 6.0
+    """A worker is suspicious this many MADs (floored at the int8 calibration) above the fleet median."""
+    min_tokens: int = 200
+    """Audited tokens a worker needs in a staleness bucket before its running mean counts."""
+    spot_check_tolerance: float = 0.1
+    """A token mismatches when the int8 re-score and the claimed log mu differ by more (nats)."""
+    spot_check_max_frac: float = 0.05
+    """An episode fails the spot-check when more than this fraction of its model tokens mismatch."""
+    ban_after: int = 2
+    """Rejected batches from one key (replay, duplicate, invalid, ...) before it is banned; 0 = never."""
+    max_worker_share: float = 1.0
+    """Most of one optimizer step's groups that may come from one worker key (1.0 = no cap)."""
+    max_hashes: int = 16384
+    """Accepted batch and group hashes remembered to refuse copies (bounded memory, checkpointed;
+    a copy older than ``trainer.max_lag`` versions is dropped as stale anyway)."""
+
+    def __post_init__(self) -> None:
+        _check(0 < self.audit_fraction <= 1 and 0 <= self.random_spot_check <= 1,
+               "trust.audit_fraction must lie in (0, 1] and trust.random_spot_check in [0, 1]")
+        _check(self.spot_check_episodes >= 1 and self.min_tokens >= 1 and self.ban_after >= 0,
+               "trust.spot_check_episodes >= 1, min_tokens >= 1, ban_after >= 0")
+        _check(self.episode_factor > 1 and self.worker_mads > 0 and self.spot_check_tolerance > 0
+               and 0 <= self.spot_check_max_frac < 1,
+               "trust.episode_factor > 1, worker_mads > 0, spot_check_tolerance > 0, 0 <= spot_check_max_frac < 1")
+        _check(0 < self.max_worker_share <= 1, "trust.max_worker_share must lie in (0, 1]")
+        _check(self.max_hashes >= 1, "trust.max_hashes must be >= 1")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """A whole run."""
 
@@ -290,12 +357,16 @@ class RunConfig:
     pulse: PulseConfig = PulseConfig()
     eval: EvalConfig = EvalConfig()
     fleet: FleetConfig = FleetConfig()
+    trust: TrustConfig = TrustConfig()
 
     def __post_init__(self) -> None:
         _check(bool(self.name) and all(c.isalnum() or c in "-_." for c in self.name) and self.name[0] != ".",
                f"name {self.name!r} must be non-empty and use only letters, digits, '-', '_', '.'")
         if self.objective is None:
             object.__setattr__(self, "objective", _resolve_objective({"kind": "dppo"}))
+        _check(self.trainer.max_lag >= self.rollout.lag,
+               f"trainer.max_lag ({self.trainer.max_lag}) must be >= rollout.lag ({self.rollout.lag}), "
+               "or the staleness gate drops every forced-stale episode")
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(self)
@@ -342,7 +413,7 @@ def _to_plain(value: Any) -> Any:
     if isinstance(value, (Objective, UnresolvedObjective)):
         return value.to_dict()
     if isinstance(value, LearnerSection):
-        return {"kind": value.kind, **_to_plain(value.config)}
+        return {"kind": value.kind, **_to_plain(value.config), "megatron": _to_plain(value.megatron)}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, (list, tuple)):
@@ -395,8 +466,10 @@ def _build(cls: type, data: Any, where: str) -> Any:
     if cls is LearnerSection:
         data = dict(data)
         kind = data.pop("kind", "torch")
+        megatron = data.pop("megatron", {})
         return LearnerSection(kind=_build_value(LearnerSection, "kind", kind, where),
-                              config=_build(LearnerConfig, data, where))
+                              config=_build(LearnerConfig, data, where),
+                              megatron=_build(MegatronOptions, megatron, f"[{where.strip('[]')}.megatron]"))
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:

@@ -33,9 +33,30 @@ def _spawn(args: list[str], log_path: Path, threads: int | None) -> subprocess.P
                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
+def _enrolled_key(store: Any, run: str, run_key: Path, keys: Path, wid: str, enroll: bool) -> Path:
+    """``keys/<wid>.key``, made if absent and (unless ``enroll`` is False) enrolled in the run's roster."""
+    from stoa.transport.identity import enroll_worker, load_or_create_worker_key, read_roster
+    from stoa.transport.signing import key_id, load_private_key
+
+    path = keys / f"{wid}.key"
+    worker_key = load_or_create_worker_key(path)
+    run_private = load_private_key(run_key)
+    if enroll and key_id(worker_key.public_key()) not in read_roster(store, run, run_private.public_key()).enrolled:
+        enroll_worker(store, run, run_private, worker_key, wid, note="stoa train (local fleet)")
+    return path
+
+
 def train_local(config_path: str | Path, overrides: dict[str, Any] | None = None, runs_root: str | Path = "runs",
-                resume: bool = False, workers: int | None = None, console: Any = None) -> dict[str, Any]:
-    """Run the trainer and ``fleet.workers`` workers locally until the run finishes; returns the summary."""
+                resume: bool = False, workers: int | None = None, console: Any = None,
+                store: str | None = None, adversaries: list[str] = ()) -> dict[str, Any]:
+    """Run the trainer and ``fleet.workers`` workers locally until the run finishes; returns the summary.
+
+    ``store`` (a path, ``file://`` or ``s3://bucket/prefix?endpoint=...`` URL) replaces the run
+    folder's ``store/``; the run's objects go under ``<store>/<name>/``. ``adversaries`` adds one
+    dishonest worker per kind listed (``stoa.testing.adversaries``), named ``adversary-<j>-<kind>``.
+    With ``[trust] mode = "enrolled"`` every worker's key is made under ``keys/`` and enrolled
+    (an ``unenrolled`` adversary's is not).
+    """
     from rich.console import Console
 
     from stoa.transport.signing import generate_private_key, load_private_key, save_keypair
@@ -53,7 +74,12 @@ def train_local(config_path: str | Path, overrides: dict[str, Any] | None = None
     if not key_file.exists():
         save_keypair(generate_private_key(), run_dir / "keys", "run")
     public_hex = load_private_key(key_file).public_key().public_bytes_raw().hex()
-    store_dir = run_dir / "store"
+    from stoa.transport.store import open_store
+
+    store_dir = store or str(run_dir / "store")
+    the_store = open_store(store_dir)
+    if store is not None and not resume and the_store.list(f"{cfg.name}/"):
+        raise SystemExit(f"{the_store} already holds run {cfg.name!r}: pass --resume, or use another prefix")
 
     console.print(f"[bold]stoa train[/bold] {cfg.name}: trainer + {n_workers} int8 worker(s), store {store_dir}")
     trainer_args = ["trainer", str(config_path), "--store", str(store_dir), "--run-dir", str(run_dir),
@@ -63,14 +89,19 @@ def train_local(config_path: str | Path, overrides: dict[str, Any] | None = None
     if resume:
         trainer_args.append("--resume")
     procs = {"trainer": _spawn(trainer_args, run_dir / "trainer.log", 1)}
-    for i in range(n_workers):
-        wid = f"worker-{i}"
-        procs[wid] = _spawn(["worker", "--store", str(store_dir), "--run", cfg.name, "--public-key", public_hex,
-                             "--id", wid, "--cache", str(run_dir / "cache" / wid)],
-                            run_dir / f"{wid}.log", cfg.fleet.worker_threads)
+    fleet = [(f"worker-{i}", None) for i in range(n_workers)]
+    fleet += [(f"adversary-{j}-{kind}", kind) for j, kind in enumerate(adversaries)]
+    for wid, kind in fleet:
+        args = ["worker", "--store", str(store_dir), "--run", cfg.name, "--public-key", public_hex, "--id", wid,
+                "--cache", str(run_dir / "cache" / wid)]
+        if cfg.trust.mode == "enrolled":
+            args += ["--key", str(_enrolled_key(the_store, cfg.name, key_file, run_dir / "keys", wid,
+                                                enroll=kind != "unenrolled"))]
+        procs[wid] = _spawn(args + (["--adversary", kind] if kind else []), run_dir / f"{wid}.log",
+                            cfg.fleet.worker_threads)
     t0 = time.time()
     try:
-        _watch(cfg, run_dir, LocalStore(store_dir), procs, console, t0)
+        _watch(cfg, run_dir, the_store, procs, console, t0)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping the fleet (resume with --resume)[/yellow]")
         raise
@@ -283,4 +314,8 @@ def _view(cfg: RunConfig, rows: list[dict[str, Any]], store: LocalStore, procs: 
     alive = [b for b in beats if now - b.time < 30 and b.status != "stopped"]
     table.add_row("workers alive", f"{len(alive)} of {len(procs) - 1}: " + ", ".join(
         f"{b.worker_id} v{b.version} {b.status} {b.episodes_per_s:.0f} ep/s" for b in sorted(beats, key=lambda b: b.worker_id)))
+    from stoa.fleet.status import trust_lines
+
+    for name, line in trust_lines(store, cfg.name):
+        table.add_row(name, line)
     return table

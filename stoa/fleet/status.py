@@ -10,7 +10,7 @@ from stoa.fleet.run import read_heartbeats
 from stoa.transport.exchange import is_finished
 from stoa.transport.store import KeyNotFound, ObjectStore
 
-__all__ = ["fleet_status", "show_status"]
+__all__ = ["fleet_status", "show_status", "trust_lines"]
 
 
 def fleet_status(store: ObjectStore, run: str, public_key: Any = None) -> dict[str, Any]:
@@ -42,13 +42,36 @@ def fleet_status(store: ObjectStore, run: str, public_key: Any = None) -> dict[s
             evals.append({"version": body["version"], **body["metrics"]})
         except Exception:
             continue
+    from stoa.fleet.trust import read_trust_report
+    from stoa.transport.signing import SignatureError
+
+    try:
+        trust = read_trust_report(store, run, public_key)
+    except SignatureError:
+        trust = None
     return {
-        "run": run, "head": head, "verified": verified, "workers": workers, "bad_heartbeats": bad,
+        "run": run, "head": head, "verified": verified, "workers": workers, "bad_heartbeats": bad, "trust": trust,
         "rollouts_waiting": len(store.list(f"{run}/rollouts/")),
         "quarantined": len([k for k in store.list(f"{run}/quarantine/") if k.endswith(".reason.json")]),
         "finished": is_finished(store, run, public_key) if public_key is not None else store.exists(f"{run}/finished.json"),
         "evals": evals,
     }
+
+
+def trust_lines(store: ObjectStore, run: str) -> list[tuple[str, str]]:
+    """One line per worker key of the trainer's trust report (for the live view); empty without one."""
+    from stoa.fleet.trust import read_trust_report
+
+    tr = read_trust_report(store, run)
+    if not tr:
+        return []
+    out = []
+    for kid, w in sorted(tr.get("workers", {}).items(), key=lambda kv: kv[1]["worker_id"]):
+        rej = ", ".join(f"{c} {n}" for c, n in sorted(w["rejected"].items()))
+        state = f"[red]banned[/red]: {w['banned'][:50]}" if w["banned"] else "ok"
+        out.append((f"trust {w['worker_id']}", f"{state}; accepted {w['accepted_batches']}, trained "
+                                               f"{w['trained_episodes']} ep." + (f"; rejected {rej}" if rej else "")))
+    return out
 
 
 def show_status(store: ObjectStore, run: str, public_key: Any = None) -> None:
@@ -69,6 +92,18 @@ def show_status(store: ObjectStore, run: str, public_key: Any = None) -> None:
     con.print(t)
     for key in s["bad_heartbeats"]:
         con.print(f"[yellow]unreadable heartbeat {key}[/yellow]")
+    if s["trust"]:
+        tr = s["trust"]
+        t = Table("worker", "key", "accepted", "trained ep.", "rejected (by reason)", "audit |log pi - log mu|",
+                  "spot-checks", "banned", title=f"trust (mode {tr.get('mode')}, as of version {tr.get('version')})")
+        for kid, w in sorted(tr["workers"].items(), key=lambda kv: kv[1]["worker_id"]):
+            audit = " ".join(f"s{k[5:]}:{v:.3f}" for k, v in w.get("audit", {}).items() if k.startswith("abs_s"))
+            t.add_row(w["worker_id"], kid, str(w["accepted_batches"]), str(w["trained_episodes"]),
+                      ", ".join(f"{c} {n}" for c, n in sorted(w["rejected"].items())) or "-", audit or "-",
+                      f"{w['spot_checks']} ({w['spot_check_failures']} failed)", (w["banned"][:60] or "-"))
+        con.print(t)
+        for wid, cats in sorted(tr.get("anonymous", {}).items()):
+            con.print(f"[yellow]{wid}: refused unsigned or unverifiable batches: {cats}[/yellow]")
     if s["evals"]:
         # Whatever the task reports (eval/<metric> means), up to six columns beside pass@1.
         keys = [k for k in s["evals"][-1] if k.startswith("eval/") and k not in ("eval/pass@1", "eval/seconds",

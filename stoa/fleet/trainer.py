@@ -20,6 +20,9 @@ its checkpoint had not trained on (``RolloutReader.state(pending=...)``): no epi
 counted twice. ``<run_dir>/ledger.jsonl`` records the fate of every group (trained at which step,
 or dropped and why) and a marker per checkpoint; on resume it is cut back to the checkpoint's
 marker, so it always describes exactly the training the current weights contain.
+
+Under ``torchrun`` (several ranks, Megatron learner) this loop runs on rank 0 alone and its
+learner calls are mirrored to the other ranks (:mod:`stoa.fleet.distributed`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from stoa.fleet.admission import batch_problem, episode_metric_means
 from stoa.fleet.config import RunConfig, import_env_module
 from stoa.fleet.metrics import MetricsSink
 from stoa.fleet.run import publish_run, read_heartbeats
+from stoa.fleet.trust import TrustGate, scoped
 from stoa.transport.chain import WeightPublisher
 from stoa.transport.exchange import Batch, RolloutReader, mark_finished, write_progress
 from stoa.transport.signing import SignatureError, read_signed, sign_document
@@ -120,11 +124,14 @@ class Trainer:
         private_key: the run's ed25519 signing key.
         resume: continue from the newest checkpoint in ``run_dir`` (if any).
         on_row: called with every metrics row (for a live view).
+        ranks: under torchrun, rank 0's :class:`stoa.fleet.distributed.Ranks` (the learner's
+            calls are mirrored to the other ranks); None in a single process.
     """
 
     def __init__(self, cfg: RunConfig, store: ObjectStore, run_dir: Path, private_key: Any, resume: bool = False,
-                 on_row: Callable[[dict], None] | None = None):
+                 on_row: Callable[[dict], None] | None = None, ranks: Any = None):
         self.cfg, self.store, self.run_dir = cfg, store, Path(run_dir)
+        self.ranks = ranks
         self.run_name = cfg.name
         self.key = private_key
         self.resume = resume
@@ -135,11 +142,14 @@ class Trainer:
         self.ledger_path = self.run_dir / "ledger.jsonl"
         self.counters = _Counters()
         self.pool: list[tuple[Batch, dict[str, list[Episode]]]] = []
+        self.held: list[Batch] = []  # batches the trust gate will review again (contested groups)
         self.used_groups: set[str] = set()
         self.version = 0
         self.rl_step = 0
         self.state: dict[str, np.ndarray] | None = None
+        self._recent: dict[int, dict[str, np.ndarray]] = {}  # int8 states a spot-check may need
         self._eval_engine = None
+        self.trust: TrustGate | None = None
         self._t0 = time.time()
 
     # -- helpers ------------------------------------------------------------------------------
@@ -170,9 +180,9 @@ class Trainer:
         from stoa.backends.learner import make_learner
 
         cfg = self.cfg
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise RuntimeError("stoa trainer runs one process: the trainer loop does not yet broadcast batches "
-                               "to other ranks (the Megatron learner itself supports TP/PP/DP under torchrun)")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and self.ranks is None:
+            raise RuntimeError("under torchrun the trainer runs through stoa.fleet.distributed.run_ranks "
+                               "(as `stoa trainer` does), which makes every rank follow rank 0")
         import_env_module(cfg.env)
         task = self._make_env(cfg.env.train_split).unwrapped
         self.metric_types = dict(task.metric_types)
@@ -180,8 +190,13 @@ class Trainer:
         self._log("event", event="started", headline=list(task.headline_metrics), success_metric=self.success_metric)
         self.model_dir = prepare_model(cfg, self.run_dir)
         publish_run(self.store, self.run_name, cfg, self.model_dir, self.key)
-        self.learner = make_learner(cfg.learner.kind, self.model_dir, self._learner_config())
-        self.reader = RolloutReader(self.store, self.run_name, vocab_size=self.learner.vocab_size)
+        options = dataclasses.asdict(cfg.learner.megatron) if cfg.learner.kind == "megatron" else {}
+        build = self.ranks.make_learner if self.ranks else make_learner  # all ranks build theirs with rank 0
+        self.learner = build(cfg.learner.kind, self.model_dir, self._learner_config(), **options)
+        self.trust = TrustGate(cfg.trust, self.store, self.run_name, self.key, ledger=self._ledger, seed=cfg.seed)
+        self.trust.refresh(force=True)
+        self.reader = RolloutReader(self.store, self.run_name, vocab_size=self.learner.vocab_size,
+                                    admit=self.trust.admit, require_seal=True, max_hashes=cfg.trust.max_hashes)
         self.publisher = WeightPublisher(self.store, self.run_name, self.key, anchor_every=cfg.pulse.anchor_every)
         resumed = self._maybe_resume()
         if not resumed:
@@ -192,8 +207,11 @@ class Trainer:
             self.version = 0 if head is None else head + 1
             self._publish()
             self.evaluate()
+        self._attach_trust()
         while self.rl_step < cfg.trainer.steps:
             if not self.step():
+                if self.ranks:
+                    self.ranks.idle()  # a heartbeat keeps the other ranks' wait under the collective timeout
                 time.sleep(cfg.trainer.poll_seconds)
         if not self._evaluated(self.version):
             self.evaluate()
@@ -217,7 +235,7 @@ class Trainer:
                 raise ValueError(f"warmstart: {env_cfg.id} has no demonstration style {style!r}; it has {demos.styles}")
         held = Demonstrations(lambda: self._make_env(env_cfg.eval_split), tok, env_cfg.id)
         rng = np.random.default_rng([self.cfg.seed, 17])
-        check = [held.sample(ws.practice_style, rng) for _ in range(64)]
+        check = [e for e in (held.episode(int(i), ws.practice_style, rng) for i in rng.permutation(len(held))[:64]) if e]
         self.learner.reset_optimizer(self._learner_config(lr=ws.lr, schedule="constant", warmup_steps=20,
                                                           threads=ws.threads or self.cfg.trainer.threads))
         worlds: list[Demonstrations] = []
@@ -258,7 +276,43 @@ class Trainer:
 
         weights = self.learner.export_weights(self.cfg.pulse.dtype)
         self.state = quantize_state(weights, previous=self.state)
+        self._keep_state()
         return self.publisher.publish(self.version, self.state, {"rl_step": self.rl_step})
+
+    def _keep_state(self) -> None:
+        """Keep the int8 states a worker may still claim (staleness gate), for spot-checks."""
+        self._recent[self.version] = self.state
+        for v in [v for v in self._recent if v < self.version - self.cfg.trainer.max_lag]:
+            del self._recent[v]
+
+    def _engine(self):
+        """The trainer's int8 engine (evaluation, replay's tokenizer, spot-checks), built once."""
+        from stoa.backends.engine import EngineConfig, make_engine
+
+        if self._eval_engine is None:
+            rc = self.cfg.rollout
+            self._eval_engine = make_engine(self.model_dir, rc.engine, state=self.state, version=self.version,
+                                            mode=rc.engine_mode, config=EngineConfig(max_batch=rc.max_batch),
+                                            worker_id="eval")
+        return self._eval_engine
+
+    def _score_int8(self, version: int, episodes: list[Episode]) -> list[np.ndarray] | None:
+        state = self._recent.get(version)
+        if state is None:
+            return None
+        engine = self._engine()
+        engine.load_state(version, state)
+        return engine.score(episodes)
+
+    def _attach_trust(self) -> None:
+        from stoa.fleet.verify import ReplayCodec, Replayer
+
+        rc = self.cfg.rollout
+        replayer = Replayer(lambda: self._make_env(self.cfg.env.train_split), ReplayCodec.from_engine(self._engine()),
+                            max_turn_tokens=rc.max_turn_tokens, max_episode_tokens=rc.max_episode_tokens)
+        assert self.trust is not None
+        self.trust.attach(replayer=replayer, score_float=lambda eps: self.learner.logprobs(eps, temperature=None),
+                          score_int8=self._score_int8)
 
     def _evaluated(self, version: int) -> bool:
         """Whether ``version``'s evaluation is in the store *and* verifies under the run's key."""
@@ -273,17 +327,12 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Held-out pass@1 / pass@k / task metrics of the current int8 state (what workers run)."""
-        from stoa.backends.engine import EngineConfig, RolloutRequest, SamplingConfig, make_engine
+        from stoa.backends.engine import RolloutRequest, SamplingConfig
 
         cfg, ev = self.cfg, self.cfg.eval
         assert self.state is not None
         t0 = time.time()
-        if self._eval_engine is None:
-            self._eval_engine = make_engine(self.model_dir, cfg.rollout.engine, state=self.state, version=self.version,
-                                            mode=cfg.rollout.engine_mode,
-                                            config=EngineConfig(max_batch=cfg.rollout.max_batch), worker_id="eval")
-        else:
-            self._eval_engine.load_state(self.version, self.state)
+        self._engine().load_state(self.version, self.state)
         make_env = lambda: self._make_env(cfg.env.eval_split)
         n = min(ev.num_questions, len(make_env().unwrapped))
         requests = [RolloutRequest(i, f"eval-{i}", ev.samples) for i in range(n)]
@@ -293,6 +342,9 @@ class Trainer:
         episodes = self._eval_engine.rollout(make_env, requests, sampling)
         m = eval_metrics(episodes, ev.samples, self.success_metric, self.metric_types)
         m["eval/seconds"] = time.time() - t0
+        if self.trust is not None and cfg.trust.audit and self.trust.audit.floor is None:
+            # The audit's floor: these int8 episodes scored by the float weights they were quantized from.
+            m["trust/audit_floor"] = self.trust.calibrate(episodes, self.learner.logprobs(episodes, temperature=None))
         self.store.put(f"{self.run_name}/eval/v{self.version:012d}.json", sign_document("eval", {
             "run": self.run_name, "version": self.version, "metrics": m}, self.key))
         self._log("eval", **m)
@@ -301,18 +353,24 @@ class Trainer:
         return m
 
     # -- RL -----------------------------------------------------------------------------------
-    def _reject(self, batch: Batch, reason: str) -> None:
+    def _reject(self, batch: Batch, reason: str, category: str = "invalid") -> None:
         """Quarantine a batch (recorded in the reader's state, so a restart never retries it)."""
         self.reader.quarantine(batch, reason)
         self.counters.rejected_batches += 1
+        if self.trust is not None:
+            self.trust.reject(batch.key_id, batch.worker_id, category, reason, len(batch.episodes))
         self._ledger(rejected=batch.key, reason=reason[:500])
         log.warning("quarantined %s: %s", batch.key, reason)
 
     def _poll(self) -> None:
         cfg = self.cfg
+        assert self.trust is not None
+        self.trust.refresh()
         batches = self.reader.poll()
+        self.trust.record_rejections(self.reader.last_report.rejected)
         if batches:  # what was taken, per worker (signed): workers throttle on it (rollout.max_outstanding)
             write_progress(self.store, self.run_name, self.reader.progress(), self.key)
+        admitted: list[Batch] = []
         for batch in batches:
             if batch.version > self.version:
                 self._reject(batch, f"policy version {batch.version} is newer than the trainer's "
@@ -328,25 +386,42 @@ class Trainer:
             if why:
                 self._reject(batch, why)
                 continue
+            admitted.append(batch)
+        # Identity, replay, copies and the log-prob audit (stoa.fleet.trust), then the pool.
+        admitted, self.held = self.held + admitted, []
+        for batch, verdict in zip(admitted, self.trust.review(admitted, self.version)):
+            if verdict is not None and verdict[0] == "hold":  # a contested group: judged again next poll
+                self.held.append(batch)
+                continue
+            if verdict is not None:
+                self._reject(batch, verdict[1], verdict[0])
+                continue
             groups: dict[str, list[Episode]] = {}
             for ep in batch.episodes:
                 groups.setdefault(ep.group_id, []).append(ep)
             self.pool.append((batch, groups))
+        for kid in self.trust.take_new_bans():  # a banned key's queued batches are never trained on
+            for batch, _ in [(b, g) for b, g in self.pool if b.key_id == kid]:
+                self.pool = [(b, g) for b, g in self.pool if b.key != batch.key]
+                self._reject(batch, f"worker key {kid} was banned: {self.trust.records[kid].banned[:300]}", "banned")
 
     def _take_groups(self) -> list[tuple[Batch, list[Episode]]] | None:
         """``groups_per_step`` eligible groups (with their batch), oldest first, or None if not enough yet."""
         tc, G = self.cfg.trainer, self.cfg.rollout.group_size
         chosen: list[tuple[int, str]] = []
         dropped: dict[str, list[str]] = {"reused": [], "stale": [], "malformed": []}
+        cap, per_key = self.trust.max_groups(tc.groups_per_step) if self.trust else tc.groups_per_step, Counter()
         for b_i, (batch, groups) in enumerate(self.pool):
             for gid, eps in list(groups.items()):
-                why = ("reused" if gid in self.used_groups else "stale" if self.version - batch.version > tc.max_lag
+                sgid = scoped(batch.key_id, gid)  # group ids live in their sender's namespace
+                why = ("reused" if sgid in self.used_groups else "stale" if self.version - batch.version > tc.max_lag
                        else "malformed" if len(eps) != G or len({e.sample_index for e in eps}) != G else None)
                 if why:
-                    dropped[why].append(gid)
+                    dropped[why].append(sgid)
                     del groups[gid]
-                elif len(chosen) < tc.groups_per_step:
+                elif len(chosen) < tc.groups_per_step and per_key[batch.key_id] < cap:
                     chosen.append((b_i, gid))
+                    per_key[batch.key_id] += 1
         self.counters.dropped_reused_groups += len(dropped["reused"])
         self.counters.dropped_stale_groups += len(dropped["stale"])
         self.counters.dropped_malformed_groups += len(dropped["malformed"])
@@ -366,7 +441,7 @@ class Trainer:
         from stoa.algos.advantages import group_advantages
 
         tc = self.cfg.trainer
-        groups = [g for _, g in taken]
+        groups = [[dataclasses.replace(e, group_id=scoped(b.key_id, e.group_id)) for e in g] for b, g in taken]
         episodes = [e for g in groups for e in g]
         rewards = np.array([e.reward for e in episodes], np.float32)
         adv, stats = group_advantages(rewards, [e.group_id for e in episodes], kind=tc.advantage)
@@ -385,11 +460,23 @@ class Trainer:
         }
         for lag, n in Counter(lags).items():
             rollout[f"staleness/lag{lag}"] = n
+        if tc.mismatch_every and (self.rl_step + 1) % tc.mismatch_every == 0:
+            rollout.update(self._mismatch(episodes))
         learn: dict[str, Any] = {"learner/skipped_no_signal": not keep.any()}
         if keep.any():
             sel = [e for e, k in zip(episodes, keep) if k]
             learn = self.learner.train_step(sel, adv[keep], objective=self.cfg.objective)
         return groups, rollout, learn
+
+    def _mismatch(self, episodes: list[Episode]) -> dict[str, float]:
+        """The int8 and staleness parts of the behaviour/trainer gap (``stoa.fleet.mismatch``):
+        score the step's episodes with the float learner and with the int8 policy of this version."""
+        from stoa.fleet.mismatch import decompose
+
+        assert self.state is not None
+        engine = self._engine()
+        engine.load_state(self.version, self.state)
+        return decompose(episodes, self.learner.logprobs(episodes, temperature=None), engine.score(episodes))
 
     def _blame(self, taken: list[tuple[Batch, list[Episode]]], error: Exception) -> None:
         """A learner step failed: quarantine the batches whose episodes the learner cannot take, put
@@ -440,6 +527,8 @@ class Trainer:
         episodes = [e for g in groups for e in g]
         for g in groups:
             self.used_groups.add(g[0].group_id)
+        for batch, g in taken:
+            self.trust.trained(batch, len(g))
         for k, n in rollout.items():
             if k.startswith("staleness/lag"):
                 lag = k[len("staleness/lag"):]
@@ -463,7 +552,8 @@ class Trainer:
                      "dropped/stale_groups": self.counters.dropped_stale_groups,
                      "dropped/reused_groups": self.counters.dropped_reused_groups,
                      "dropped/quarantined_batches": self.reader.quarantined,
-                     "dropped/rejected_batches": self.counters.rejected_batches})
+                     "dropped/rejected_batches": self.counters.rejected_batches}, **self.trust.metrics())
+        self.trust.write_report(self.version)
         if self.version % self.cfg.eval.every == 0 and self.rl_step < tc.steps:
             self.evaluate()
         if self.rl_step % tc.checkpoint_every == 0 and self.rl_step < tc.steps:
@@ -478,13 +568,14 @@ class Trainer:
         path = ckdir / f"v{self.version:012d}"
         if path.exists():
             return path
-        pending = [b for b, g in self.pool if g]
-        pending_groups = {gid for b, g in self.pool for gid in g}
-        pending_used = sorted(gid for b, _ in self.pool for gid in {e.group_id for e in b.episodes}
+        pending = [b for b, g in self.pool if g] + self.held
+        pending_groups = {scoped(b.key_id, gid) for b, g in self.pool for gid in g}
+        pending_used = sorted(gid for b, _ in self.pool for gid in {scoped(b.key_id, e.group_id) for e in b.episodes}
                               if gid in self.used_groups and gid not in pending_groups)
         reader_state = self.reader.state(pending=pending)
         extra = {"version": self.version, "rl_step": self.rl_step, "reader": reader_state,
-                 "used_groups": pending_used, "counters": asdict(self.counters)}
+                 "used_groups": pending_used, "counters": asdict(self.counters),
+                 "trust": self.trust.state() if self.trust else {}}
         self.learner.save_checkpoint(path, extra)
         self._ledger(checkpoint=path.name)
         for old in sorted(ckdir.glob("v*"))[:-2]:
@@ -521,6 +612,8 @@ class Trainer:
         self._cut_ledger(cks[-1].name)
         self.reader.restore(extra["reader"])
         self.used_groups = set(extra["used_groups"])
+        if self.trust is not None and extra.get("trust"):
+            self.trust.restore(extra["trust"])
         self.rl_step = extra["rl_step"]
         self.counters = _Counters(**extra["counters"])
         head = self.publisher.head()
@@ -529,6 +622,7 @@ class Trainer:
         from stoa.transport.quant import quantize_state
 
         self.state = quantize_state(self.learner.export_weights(self.cfg.pulse.dtype))
+        self._keep_state()
         self.publisher.publish(self.version, self.state, {"rl_step": self.rl_step, "resumed_from": extra["version"]})
         self._log("event", event="resumed", checkpoint=cks[-1].name, rl_step=self.rl_step)
         log.info("resumed from %s at RL step %d; publishing as version %d", cks[-1].name, self.rl_step, self.version)

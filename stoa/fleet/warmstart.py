@@ -82,10 +82,16 @@ class Demonstrations:
         raise ValueError(f"{type(self.env.unwrapped).__name__} scripted no {style!r} demonstration in {tries} draws")
 
     def batch(self, size: int, mix: Mapping[str, float], rng: np.random.Generator) -> list[Episode]:
-        """``size`` demonstrations whose styles are drawn with the weights of ``mix``."""
+        """``size`` demonstrations of random items whose styles are drawn with the weights of ``mix``
+        (an item without a demonstration in its style is replaced by a fresh draw)."""
         names = list(mix)
-        p = np.asarray([mix[n] for n in names], float)
-        return [self.sample(names[int(k)], rng) for k in rng.choice(len(names), size=size, p=p / p.sum())]
+        cum = np.cumsum([mix[n] for n in names], dtype=float)
+        idx, u = rng.integers(len(self), size=size), rng.random(size) * cum[-1]
+        out = []
+        for i, x in zip(idx, u):
+            style = names[min(int(np.searchsorted(cum, x, side="right")), len(names) - 1)]
+            out.append(self.episode(int(i), style, rng) or self.sample(style, rng))
+        return out
 
 
 def answer_only(episode: Episode) -> Episode:

@@ -11,6 +11,9 @@ Loop (``stoa worker --store URL --run NAME --public-key KEY``)::
         heartbeat
 
 A cohort never spans a weight swap, so every episode of a batch carries one policy version.
+Every batch is sealed with the worker's own key (``--key``; by default ``<cache>/worker.key``,
+made on first start), which the trainer checks against the run's roster
+(:mod:`stoa.transport.identity`); a worker whose key the roster bans stops.
 SIGTERM / SIGINT finish the current cohort's upload (objects appear whole or not at all) and exit.
 """
 
@@ -32,11 +35,13 @@ from stoa.fleet.config import import_env_module
 from stoa.fleet.run import Heartbeat, fetch_run, write_heartbeat
 from stoa.transport.chain import SYNC_ERRORS, WeightSubscriber
 from stoa.transport.exchange import RolloutWriter, is_finished, read_progress
+from stoa.transport.identity import load_or_create_worker_key, read_roster
 from stoa.transport.signing import SignatureError
 from stoa.transport.store import KeyNotFound, ObjectStore
 
 if TYPE_CHECKING:
     from stoa.backends.engine import RolloutEngine
+    from stoa.types import Episode
 
 __all__ = ["Worker"]
 
@@ -44,6 +49,9 @@ log = logging.getLogger("stoa.worker")
 
 _SYNC_ATTEMPTS = 8
 """Tries of one catch-up (backoff 0.5 s doubling to 30 s, jittered) before the worker gives up."""
+_ROSTER_EVERY_S = 10.0
+BANNED_EXIT = 3
+"""Exit status of a worker whose key the run's roster bans."""
 
 
 class Worker:
@@ -59,12 +67,16 @@ class Worker:
         wait_seconds: how long to wait for the run's signed config to appear before giving up. Once
             it exists the trainer is alive (perhaps warm-starting for a long while): the worker then
             waits for the first weights until they come, the run finishes, or a signal arrives.
+        private_key: this worker's ed25519 key (a key object or a file); None: ``cache_dir/worker.key``,
+            made on first use.
     """
 
     def __init__(self, store: ObjectStore, run: str, public_key: Any, worker_id: str, cache_dir: Path,
-                 max_batches: int | None = None, wait_seconds: float = 600.0):
+                 max_batches: int | None = None, wait_seconds: float = 600.0, private_key: Any = None):
         self.store, self.run_name, self.public_key = store, run, public_key
         self.worker_id, self.cache_dir = worker_id, Path(cache_dir)
+        self.private_key = load_or_create_worker_key(self.cache_dir / "worker.key") if private_key is None else private_key
+        self.key_id = ""
         self.max_batches, self.wait_seconds = max_batches, wait_seconds
         self._stop = False
         self.episodes = self.batches = self.sync_bytes = 0
@@ -115,19 +127,43 @@ class Worker:
             return 0
         return 0 if progress is None else progress.outstanding(self.worker_id, writer.next_seq)
 
+    def _banned(self) -> bool:
+        """Whether the run's roster bans this worker's key (a roster that does not verify is ignored)."""
+        try:
+            ban = read_roster(self.store, self.run_name, self.public_key).banned.get(self.key_id)
+        except SignatureError as e:
+            log.warning("workers.json does not verify (%s); ignoring it", e)
+            return False
+        if ban is not None:
+            log.error("this worker's key %s is banned from run %s: %s", self.key_id, self.run_name, ban.reason)
+        return ban is not None
+
+    def make_engine(self, model_dir: Path, state: dict, version: int, rc: Any) -> RolloutEngine:
+        """The worker's int8 engine for the run's weights."""
+        from stoa.backends.engine import EngineConfig, make_engine
+
+        return make_engine(model_dir, rc.engine, state=state, version=version, mode=rc.engine_mode,
+                           config=EngineConfig(max_batch=rc.max_batch), worker_id=self.worker_id)
+
+    def finish_cohort(self, episodes: list[Episode]) -> list[Episode]:
+        """What the worker uploads of a cohort: exactly what the engine returned. (A subclass may
+        change it; ``stoa.testing.adversaries`` does, to test the trainer's checks.)"""
+        return episodes
+
     def _finished(self) -> bool:
         """Whether the trainer marked the run finished: only a marker that verifies under the run's
         key counts (anyone with write access to the store could plant one)."""
         return is_finished(self.store, self.run_name, self.public_key)
 
-    def _sync(self) -> None:
-        """Catch up to the head between cohorts, writing verified deltas (or a newer anchor) into the
-        live weights. A failed sync is retried with backoff; the engine keeps the weights it had."""
+    def _sync(self, version: int | None = None) -> None:
+        """Catch up to the head (or to ``version``, for a forced lag) between cohorts, writing verified
+        deltas (or a newer anchor) into the live weights. A failed sync is retried with backoff; the
+        engine keeps the weights it had."""
         assert self.engine is not None and self.sub is not None
         problems: list[str] = []
 
         def write(state: dict) -> tuple[int, list[str]]:
-            res = self.sub.sync((self.engine.version, state), apply_inplace=True)
+            res = self.sub.sync((self.engine.version, state), apply_inplace=True, version=version)
             self.sync_bytes += res.bytes_read
             problems.extend(res.problems)
             if not res.inplace:
@@ -148,7 +184,7 @@ class Worker:
             log.warning("weight sync: %s", p)
 
     def run(self) -> int:
-        from stoa.backends.engine import EngineConfig, RolloutRequest, SamplingConfig, make_engine
+        from stoa.backends.engine import RolloutRequest, SamplingConfig
         import stoa.envs
 
         old = {s: signal.signal(s, self.request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -162,11 +198,11 @@ class Worker:
             self.sub = WeightSubscriber(self.store, self.run_name, self.public_key)
             if self._wait_for("the first weights", self.sub.head, deadline=False) is None:
                 return 0
-            res = self.sub.sync(None)
-            self.sync_bytes += res.bytes_read
             rc = cfg.rollout
-            self.engine = make_engine(model_dir, rc.engine, state=res.state, version=res.version, mode=rc.engine_mode,
-                                      config=EngineConfig(max_batch=rc.max_batch), worker_id=self.worker_id)
+            head = self.sub.head() or 0
+            res = self.sub.sync(None, version=max(0, head - rc.lag) if rc.lag else None)
+            self.sync_bytes += res.bytes_read
+            self.engine = self.make_engine(model_dir, res.state, res.version, rc)
             log.info("worker %s joined run %s at version %d (%s mode, %d bytes)", self.worker_id, self.run_name,
                      res.version, self.engine.mode, res.bytes_read)
             make_env = lambda: stoa.envs.make(cfg.env.id, split=cfg.env.train_split, **cfg.env.kwargs)
@@ -174,16 +210,21 @@ class Worker:
             # Each worker draws its own prompt stream: seeded by the run seed and its id.
             wid = int.from_bytes(hashlib.sha256(self.worker_id.encode()).digest()[:8], "little")
             rng = np.random.default_rng([cfg.seed, wid])
-            writer = RolloutWriter(self.store, self.run_name, self.worker_id)
+            writer = RolloutWriter(self.store, self.run_name, self.worker_id, private_key=self.private_key)
+            self.key_id, roster_read = writer.key_id, 0.0
             cohorts_at: dict[int, int] = {}
             session = secrets.token_hex(4)  # group ids stay unique across restarts of this worker id
             self._beat("generating")
             while not self._stop and (self.max_batches is None or self.batches < self.max_batches):
                 if self._finished():
                     break
+                if time.time() - roster_read > _ROSTER_EVERY_S:
+                    roster_read = time.time()
+                    if self._banned():
+                        return BANNED_EXIT
                 head = self.sub.head()
-                if head is not None and head > self.engine.version:
-                    self._sync()
+                if head is not None and head - rc.lag > self.engine.version:
+                    self._sync(head - rc.lag if rc.lag else None)
                 if ((rc.cohorts_per_version and cohorts_at.get(self.engine.version, 0) >= rc.cohorts_per_version)
                         or (rc.max_outstanding and self._outstanding(writer) >= rc.max_outstanding)):
                     self._beat("waiting")
@@ -196,8 +237,10 @@ class Worker:
                                           max_episode_tokens=rc.max_episode_tokens,
                                           seed=int(rng.integers(2**62)))
                 t0 = time.time()
-                episodes = self.engine.rollout(make_env, requests, sampling)
+                episodes = self.finish_cohort(self.engine.rollout(make_env, requests, sampling))
                 dt = max(time.time() - t0, 1e-9)
+                if not episodes:
+                    continue
                 writer.upload(episodes, self.engine.version)
                 cohorts_at[self.engine.version] = cohorts_at.get(self.engine.version, 0) + 1
                 self.batches += 1

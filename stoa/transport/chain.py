@@ -46,6 +46,7 @@ reported, never deleted and never an error.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -587,8 +588,13 @@ class WeightSubscriber:
         return self._fetch(check_version(version))[0]
 
     # -- sync -------------------------------------------------------------------------------------
-    def sync(self, have: tuple[int, State] | None = None, apply_inplace: bool = False) -> SyncResult:
+    def sync(self, have: tuple[int, State] | None = None, apply_inplace: bool = False,
+             version: int | None = None) -> SyncResult:
         """Bring ``have`` (``(version, state)``, or None for a new worker) to the newest version.
+
+        ``version``: stop at this older version of the head's chain instead (a study's forced
+        staleness, ``rollout.lag``); it is reached by the same verified route, and ignored when it
+        is not older than the head.
 
         Takes whichever route moves fewer bytes: the deltas after ``have``, or a newer anchor
         plus the deltas after it. Every object is verified (signature, size, sha256) before
@@ -632,6 +638,11 @@ class WeightSubscriber:
                 tried.add(ptr.manifest_sha256)
                 problems.append(f"version {head}'s manifest is missing or not intact; reading the pointer again")
                 continue
+            if version is not None and check_version(version) < head:
+                ptr, target = self._ancestor(ptr, target, version, problems)
+                head = ptr.version
+                if have is not None and have[0] == head and held_sha == ptr.manifest_sha256:
+                    return SyncResult(head, have[1], self._read, [], [], True, problems, target, held_sha)
             if have is not None and have[0] == head and (head, "have") not in banned:
                 if held_sha is None and pulse.state_hash(have[1]) == target.state_hash:
                     self._held = (head, ptr.manifest_sha256)
@@ -649,6 +660,22 @@ class WeightSubscriber:
             except KeyNotFound as e:
                 problems.append(f"{e} (deleted by retention while syncing); planning again")
         raise IntegrityError(f"could not sync run {self.run!r}: {_summary(problems) or 'no intact route'}")
+
+    def _ancestor(self, ptr: Pointer, target: Manifest, version: int, problems: list[str]) -> tuple[Pointer, Manifest]:
+        """The manifest of ``version`` on the chain that ends at ``target`` (parent hashes walked
+        down), with a pointer-like record naming it."""
+        m, sha = target, ptr.manifest_sha256
+        while m.version > version:
+            if m.parent is None or m.parent_manifest_sha256 is None:
+                raise IntegrityError(f"version {version} is not on the chain of version {ptr.version}")
+            sha = m.parent_manifest_sha256
+            nxt = self._pinned(m.parent, sha, problems)
+            if nxt is None:
+                raise IntegrityError(f"version {m.parent} (on the way down to {version}) is gone or not intact")
+            m = nxt
+        if m.version != version:
+            raise IntegrityError(f"version {version} is not on the chain of version {ptr.version}")
+        return dataclasses.replace(ptr, version=m.version, manifest_sha256=sha), m
 
     def _plan(self, target: Manifest, target_sha: str, have: tuple[int, State] | None, held_sha: str | None,
               banned: set, problems: list[str]) -> tuple[int | None, list[int], dict[int, Manifest]]:

@@ -13,20 +13,29 @@ Layout under a run (``<run>`` is any valid key prefix)::
 A worker's :class:`RolloutWriter` numbers its uploads with a per-worker sequence number and
 creates each object with ``put_if_absent`` (never overwriting, so two processes sharing a
 worker id cannot clobber each other). Objects appear whole or not at all (atomic rename in a
-LocalStore; S3 puts are atomic per object).
+LocalStore; S3 puts are atomic per object). A writer given the worker's key *seals* each batch
+(:mod:`stoa.transport.identity`: the worker's signature over the batch's sha256, its worker id,
+the run, the sequence number and the version) and continues its numbering after its own newest
+sealed object, so objects planted under its name (a huge sequence number) cannot stop it.
 
 The trainer's :class:`RolloutReader` lists new objects, validates them with
 :func:`stoa.types.decode_episodes` plus the naming checks (each episode's ``policy_version`` and
 ``worker_id`` must match the key) and returns them in order; an invalid object is moved to the
 quarantine prefix with a reason and counted, never raised. Keys it cannot even address (not a
 valid store key: an empty segment, a control character, over 1024 bytes) are skipped and
-reported. One poll reads at most :class:`PollLimits` worth of objects; the rest waits. Its
-bookkeeping (:meth:`RolloutReader.state`) is plain JSON: save it in the trainer checkpoint
-together with the model, :meth:`RolloutReader.restore` it after a restart, and every batch is
-delivered to the training step exactly once.
+reported. A sealed batch must verify and match its name, and an ``admit`` callback (the
+trainer's roster) decides whether its key may upload as that worker; a reader built with
+``require_seal=True`` quarantines unsealed batches. A payload whose sha256 the reader has
+accepted before (a replayed, copied or re-numbered batch) is quarantined too; the hashes of the
+last ``max_hashes`` accepted batches are part of the reader's state. One poll reads at most
+:class:`PollLimits` worth of objects; the rest waits. Its bookkeeping
+(:meth:`RolloutReader.state`) is plain JSON: save it in the trainer checkpoint together with the
+model, :meth:`RolloutReader.restore` it after a restart, and every batch is delivered to the
+training step exactly once.
 
-Workers hold no key, so what they upload is validated, never trusted; what the trainer tells
-them (:class:`Progress`, the finished marker) is signed with the run's key and verified.
+What workers upload is validated, never trusted (a worker's signature says who sent it, not
+that it is right); what the trainer tells them (:class:`Progress`, the finished marker) is
+signed with the run's key and verified.
 """
 
 from __future__ import annotations
@@ -37,11 +46,12 @@ import logging
 import math
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from stoa.transport.signing import SignatureError, read_signed, sign_document
+from stoa.transport.identity import BatchSeal, SealError, is_sealed, open_sealed, seal_batch
+from stoa.transport.signing import SignatureError, key_id, load_private_key, read_signed, sign_document
 from stoa.transport.store import KeyNotFound, ObjectStore, ObjectTooLarge, StoreError, validate_key
 from stoa.types import DEFAULT_LIMITS, Episode, EpisodeError, Limits, decode_episodes, encode_episodes
 
@@ -50,6 +60,7 @@ __all__ = [
     "PollLimits",
     "PollReport",
     "Progress",
+    "Rejection",
     "RolloutReader",
     "RolloutWriter",
     "is_finished",
@@ -69,6 +80,8 @@ _PROGRESS_FORMAT = "stoa.progress/1"
 _MAX_PROGRESS_WORKERS = 4096
 _MAX_CONTROL_BYTES = 1 << 20
 _MAX_EXAMPLES = 8
+_HASH_RE = re.compile(r"[0-9a-f]{32}")
+_MAX_PROBES = 64  # own-newest search of a sealing writer: objects read at most
 
 
 def _check_worker(worker_id: str) -> str:
@@ -103,6 +116,8 @@ class Batch:
         version: the policy version that sampled every episode in it.
         episodes: the decoded, validated episodes.
         seq: the worker's sequence number of this upload.
+        key_id: the key id of the worker key that sealed it ("" for an unsealed batch).
+        sha256: hex sha256 of the episode batch bytes (the payload).
     """
 
     key: str
@@ -110,6 +125,24 @@ class Batch:
     version: int
     episodes: list[Episode] = field(repr=False)
     seq: int = 0
+    key_id: str = ""
+    sha256: str = ""
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """One object a poll quarantined, for per-worker accounting (``PollReport.rejected``)."""
+
+    key: str
+    worker_id: str | None
+    """The worker id in the object's name (None for a misnamed object)."""
+    key_id: str | None
+    """The key that sealed it, when the seal verified (the sender is then known)."""
+    category: str
+    """``"unsigned"``, ``"signature"`` (the seal does not verify or match the name), ``"refused"``
+    (``admit`` refused the key), ``"duplicate"``, ``"invalid"`` (the codec), ``"size"``,
+    ``"misnamed"``."""
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -147,6 +180,8 @@ class PollReport:
     """Up to 8 of those keys, escaped and cut to 120 characters."""
     problems: list[str] = field(default_factory=list)
     """One line per quarantined object or failed store operation."""
+    rejected: list[Rejection] = field(default_factory=list)
+    """The quarantined objects, with what is known of their sender."""
 
 
 class RolloutWriter:
@@ -156,20 +191,45 @@ class RolloutWriter:
         store: the run's object store.
         run: the run's key prefix.
         worker_id: this worker's id (1-64 of ``[A-Za-z0-9._-]``).
+        private_key: the worker's ed25519 key; given, every batch is sealed with it
+            (:func:`stoa.transport.identity.seal_batch`).
 
     The next sequence number continues after the worker's newest object in the store (in
     ``rollouts/`` or ``quarantine/``; :meth:`RolloutReader.prune` always leaves a worker's newest
-    batch), so a restarted worker never reuses one.
+    batch), so a restarted worker never reuses one. A sealing writer counts only
+    objects sealed with its own key (it reads at most 64 of the newest names to find one), so
+    objects planted under its name cannot push its numbering out of range; an unsealing writer
+    trusts every name. Sequence numbers taken by someone else's object, in ``rollouts/`` or
+    ``quarantine/``, are skipped.
     """
 
-    def __init__(self, store: ObjectStore, run: str, worker_id: str):
+    def __init__(self, store: ObjectStore, run: str, worker_id: str, private_key: Any = None):
         self.store, self.run, self.worker_id = store, _check_run(run), _check_worker(worker_id)
+        self._key = None if private_key is None else load_private_key(private_key)
+        self.key_id = "" if self._key is None else key_id(self._key.public_key())
         self._prefix = f"{self.run}/rollouts/{self.worker_id}/"
+        self._qprefix = f"{self.run}/quarantine/{self.worker_id}/"
         # A reason file counts too: an oversized batch is quarantined as its reason alone.
-        names = [k.rpartition("/")[2].removesuffix(".reason.json")
-                 for where in (self._prefix, f"{self.run}/quarantine/{self.worker_id}/") for k in store.list(where)]
-        seqs = [int(m.group(1)) for n in names if (m := _NAME_RE.fullmatch(n))]
-        self.next_seq = max(seqs) + 1 if seqs else 0
+        found = sorted(((int(m.group(1)), k) for where in (self._prefix, self._qprefix) for k in store.list(where)
+                        if (m := _NAME_RE.fullmatch(k.rpartition("/")[2].removesuffix(".reason.json")))), reverse=True)
+        self.next_seq = self._own_newest(found) + 1
+
+    def _own_newest(self, found: list[tuple[int, str]]) -> int:
+        """The newest sequence number of our own objects among ``found`` (newest first), or -1."""
+        if self._key is None:
+            return found[0][0] if found else -1
+        for seq, key in found[:_MAX_PROBES]:
+            if key.endswith(".reason.json"):
+                continue  # an unread oversized object; we never upload one
+            try:
+                seal, _ = open_sealed(self.store.get(key, max_bytes=DEFAULT_LIMITS.max_bytes), key)
+            except (SealError, StoreError):
+                continue
+            if seal.key_id == self.key_id and seal.worker_id == self.worker_id:
+                return seq
+        # None of ours among the newest names: start at the oldest of them (its number is taken,
+        # so the upload loop steps past it), never below an object of ours further down.
+        return found[min(len(found), _MAX_PROBES) - 1][0] - 1 if len(found) > _MAX_PROBES else -1
 
     def upload(self, episodes: list[Episode], policy_version: int) -> str:
         """Encode and upload one batch; return its key.
@@ -187,21 +247,35 @@ class RolloutWriter:
                 raise ValueError(f"episode {i} has policy_version {ep.policy_version}, batch is for {policy_version}")
             if ep.worker_id != self.worker_id:
                 raise ValueError(f"episode {i} has worker_id {ep.worker_id!r}, this writer is {self.worker_id!r}")
-        blob = encode_episodes(episodes)
+        payload = encode_episodes(episodes)
         for _ in range(1000):
             seq = self.next_seq
             key = rollout_key(self.run, self.worker_id, seq, policy_version)
-            # The name carries the version, so look for the sequence number under any version.
-            taken = self.store.list(f"{self._prefix}s{seq:012d}-")
+            blob = payload if self._key is None else seal_batch(
+                payload, run=self.run, worker_id=self.worker_id, seq=seq, version=policy_version, private_key=self._key)
+            # The name carries the version, so look for the sequence number under any version; a
+            # number whose object was quarantined is settled in the reader, so it is taken too.
+            taken = self.store.list(f"{self._prefix}s{seq:012d}-") or self.store.list(f"{self._qprefix}s{seq:012d}-")
             if not taken:
                 if self.store.put_if_absent(key, blob):  # on an exception, next_seq stays for the retry
                     self.next_seq = seq + 1
                     return key
                 taken = [key]
             self.next_seq = seq + 1
-            if key in taken and self._get_quiet(key, len(blob)) == blob:
+            if key in taken and self._is_ours(key, payload, len(blob)):
                 return key  # an earlier attempt of this upload landed
         raise RuntimeError(f"worker {self.worker_id!r}: no free sequence number after 1000 tries")
+
+    def _is_ours(self, key: str, payload: bytes, size: int) -> bool:
+        """Whether ``key`` holds this very batch (an earlier attempt of this upload)."""
+        blob = self._get_quiet(key, size)
+        if blob is None or self._key is None:
+            return blob == payload
+        try:
+            seal, got = open_sealed(blob, key)
+        except SealError:
+            return False
+        return seal.key_id == self.key_id and got == payload
 
     def _get_quiet(self, key: str, size: int) -> bytes | None:
         try:
@@ -220,20 +294,30 @@ class RolloutReader:
         limits: decoding bounds for untrusted bytes (see :class:`stoa.types.Limits`); an object
             over ``limits.max_bytes`` is quarantined without being downloaded.
         poll_limits: per-poll caps (see :class:`PollLimits`).
+        admit: called with the verified :class:`~stoa.transport.identity.BatchSeal` of every
+            sealed batch (already checked against its object name); returns why its key may
+            not upload as that worker (the batch is then quarantined), or None.
+        require_seal: quarantine batches that carry no worker signature.
+        max_hashes: how many accepted payload hashes to remember, to refuse a batch whose
+            episode bytes were accepted before (duplicates of older ones are not recognized);
+            0 (the default) disables the check.
 
     Bookkeeping: per worker, the highest sequence number ``done`` below which every batch was
     consumed (or quarantined), plus the consumed numbers above it (gaps happen when uploads
-    land out of order). :meth:`state` returns it as JSON-ready data; :meth:`progress` is the
-    part workers may see.
+    land out of order), and the payload hashes of the last ``max_hashes`` accepted batches.
+    :meth:`state` returns it as JSON-ready data; :meth:`progress` is the part workers may see.
     """
 
     def __init__(self, store: ObjectStore, run: str, vocab_size: int | None = None, limits: Limits = DEFAULT_LIMITS,
-                 poll_limits: PollLimits = PollLimits()):
+                 poll_limits: PollLimits = PollLimits(), admit: Callable[[BatchSeal], str | None] | None = None,
+                 require_seal: bool = False, max_hashes: int = 0):
         self.store, self.run = store, _check_run(run)
         self.vocab_size, self.limits, self.poll_limits = vocab_size, limits, poll_limits
+        self.admit, self.require_seal, self.max_hashes = admit, require_seal, max_hashes
         self._prefix = f"{self.run}/rollouts/"
         self._done: dict[str, int] = {}  # worker -> every seq < done is settled
         self._extra: dict[str, set[int]] = {}  # worker -> settled seqs >= done
+        self._hashes: dict[str, None] = {}  # accepted payload sha256 (32 hex), oldest first
         self.consumed = 0
         self.quarantined = 0
         self.last_report = PollReport()
@@ -265,6 +349,8 @@ class RolloutReader:
         leaves them unconsumed, so a restart from it delivers them again.
         """
         done, extra = dict(self._done), {w: set(s) for w, s in self._extra.items()}
+        pending = list(pending)
+        again = {b.sha256[:32] for b in pending}  # delivered again after a restart: not duplicates
         for b in pending:  # unsettle: everything from b.seq up that was below `done` moves to `extra`
             d = done.get(b.worker_id, 0)
             if b.seq < d:
@@ -279,6 +365,7 @@ class RolloutReader:
                         for w in sorted(set(done) | set(extra))},
             "consumed": self.consumed,
             "quarantined": self.quarantined,
+            "hashes": [h for h in self._hashes if h not in again],
         }
 
     def restore(self, state: dict) -> None:
@@ -294,7 +381,11 @@ class RolloutReader:
                     and all(isinstance(s, int) and s > d["done"] for s in d["extra"]) and d["done"] >= 0):
                 raise ValueError(f"malformed state entry for worker {w!r}: {d!r}")
             done[w], extra[w] = d["done"], set(d["extra"])
+        hashes = state.get("hashes", [])
+        if not isinstance(hashes, list) or not all(isinstance(h, str) and _HASH_RE.fullmatch(h) for h in hashes):
+            raise ValueError("malformed state: hashes must be a list of 32 hex characters each")
         self._done, self._extra = done, extra
+        self._hashes = dict.fromkeys(hashes[-self.max_hashes:] if self.max_hashes else [])
         self.consumed, self.quarantined = int(state.get("consumed", 0)), int(state.get("quarantined", 0))
 
     def progress(self) -> Progress:
@@ -360,7 +451,7 @@ class RolloutReader:
                     break
                 handled += 1
                 self._quarantine_safely(key, parsed, f"{e.size} bytes, over the {self.limits.max_bytes}-byte "
-                                                     "limit (deleted unread)", None, rep)
+                                                     "limit (deleted unread)", None, rep, "size")
                 continue
             except StoreError as e:
                 handled += 1
@@ -369,7 +460,8 @@ class RolloutReader:
             handled += 1
             rep.bytes_read += len(blob)
             if parsed is None:
-                self._quarantine_safely(key, None, "object name is not <worker>/s<seq>-v<version>.episodes", blob, rep)
+                self._quarantine_safely(key, None, "object name is not <worker>/s<seq>-v<version>.episodes", blob, rep,
+                                        "misnamed")
                 continue
             batch = self._load(key, *parsed, blob, rep)
             if batch is not None:
@@ -379,7 +471,37 @@ class RolloutReader:
         rep.returned = len(out)
         return out
 
+    def _open(self, key: str, worker: str, seq: int, version: int, blob: bytes) -> tuple[bytes, str, str, str | None]:
+        """(payload, signer key id or "", category, reason) of an object: the seal checks, before
+        any decoding. ``reason`` None means it may be decoded."""
+        kid = ""
+        if is_sealed(blob):
+            try:
+                seal, blob = open_sealed(blob, key)
+            except SealError as e:
+                return blob, "", "signature", str(e)
+            named = (self.run, worker, seq, version)
+            if (seal.run, seal.worker_id, seal.seq, seal.version) != named:
+                return blob, "", "signature", (
+                    f"sealed for run {seal.run[:80]!r}, worker {seal.worker_id[:64]!r}, seq {seal.seq}, version "
+                    f"{seal.version}; its name says {named[1:]} in run {self.run!r} (copied or renamed)")
+            kid = seal.key_id
+            try:
+                why = self.admit(seal) if self.admit is not None else None
+            except Exception as e:  # the caller's policy failing must not crash the poll
+                why = f"checking the worker key failed: {type(e).__name__}: {e}"
+            if why:
+                return blob, kid, "refused", why
+        elif self.require_seal:
+            return blob, "", "unsigned", "unsigned batch: this run takes only batches sealed with a worker key"
+        return blob, kid, "", None
+
     def _load(self, key: str, worker: str, seq: int, version: int, blob: bytes, rep: PollReport) -> Batch | None:
+        stored = blob
+        blob, kid, category, why = self._open(key, worker, seq, version, blob)
+        if why is not None:
+            self._quarantine_safely(key, (worker, seq, version), why, stored, rep, category, kid or None)
+            return None
         try:
             episodes = decode_episodes(blob, vocab_size=self.vocab_size, limits=self.limits)
             if not episodes:
@@ -391,16 +513,28 @@ class RolloutReader:
                     raise EpisodeError(f"episode {i}: worker_id {ep.worker_id!r} != {worker!r} in the object name")
         except Exception as e:  # untrusted bytes: whatever breaks the decoder quarantines, never crashes
             reason = str(e) if isinstance(e, EpisodeError) else f"{type(e).__name__}: {e}"
-            self._quarantine_safely(key, (worker, seq, version), reason, blob, rep)
+            self._quarantine_safely(key, (worker, seq, version), reason, stored, rep, "invalid", kid or None)
             return None
-        return Batch(key, worker, version, episodes, seq)
+        digest = hashlib.sha256(blob).hexdigest()
+        if self.max_hashes and digest[:32] in self._hashes:
+            self._quarantine_safely(key, (worker, seq, version), "duplicate: the same episode bytes were accepted "
+                                    "before (a replayed, copied or re-numbered batch)", stored, rep, "duplicate", kid or None)
+            return None
+        if self.max_hashes:
+            self._hashes[digest[:32]] = None
+            while len(self._hashes) > self.max_hashes:
+                del self._hashes[next(iter(self._hashes))]
+        return Batch(key, worker, version, episodes, seq, kid, digest)
 
     def _quarantine_safely(self, key: str, parsed: tuple[str, int, int] | None, reason: str,
-                           blob: bytes | None, rep: PollReport) -> None:
+                           blob: bytes | None, rep: PollReport, category: str = "invalid",
+                           kid: str | None = None) -> None:
         try:
             self._quarantine(key, parsed, reason, blob, rep)
         except StoreError as e:  # the object stays where it is; the next poll tries again
             rep.problems.append(f"{_shown(key)}: could not quarantine ({reason}): {e}")
+            return
+        rep.rejected.append(Rejection(key, parsed[0] if parsed else None, kid, category, reason[:4096]))
 
     def quarantine(self, batch: Batch, reason: str) -> None:
         """Move a batch that :meth:`poll` returned but the caller found invalid (e.g. a policy

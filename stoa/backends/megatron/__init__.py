@@ -1,16 +1,19 @@
 """The Megatron-core learner backend (``make_learner("megatron", ...)``).
 
-:mod:`.convert` (HF <-> Megatron weights) needs only torch; the learner and the model builder
-import megatron-core, loaded on first use of the names below.
+:mod:`.options` (the learner's options) imports nothing heavy; :mod:`.convert` (HF <-> Megatron
+weights) needs only torch; the learner and the model builder import megatron-core, loaded on
+first use of the names below.
 """
 
 from typing import Any
+
+from stoa.backends.megatron.options import MegatronOptions
 
 __all__ = ["MegatronLearner", "MegatronOptions", "make"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
+    if name in ("MegatronLearner", "make"):
         from stoa.backends.megatron import learner
 
         return getattr(learner, name)

@@ -6,7 +6,8 @@ of ``torch.optim.AdamW``; CUDA: ``opt<k>/<name>/<field>`` of the distributed opt
 float32 master slice and Adam moments for each parameter this data-parallel rank owns) and its
 RNG states. Rank 0 adds ``meta.json`` (model shape, parallel layout, step, version, config, the
 caller's ``extra``) and renames the directory into place, so a crash leaves no ``path`` or a
-complete one. All ranks must see one filesystem; a restore needs the same parallel layout.
+complete one. All ranks must see one filesystem; a restore needs the same world size and parallel
+layout (refused with a message naming both otherwise).
 """
 
 from __future__ import annotations
@@ -97,9 +98,18 @@ def save(ln: MegatronLearner, path: Path, extra: dict[str, Any] | None) -> None:
 
 def load(ln: MegatronLearner, path: Path) -> dict[str, Any]:
     rank_file = path / f"rank{dist.get_rank():05d}.safetensors"
-    if not (path / "meta.json").is_file() or not rank_file.is_file():
-        raise LearnerError(f"{path} is not a complete Megatron checkpoint for this rank")
+    if not (path / "meta.json").is_file():
+        raise LearnerError(f"{path} is not a complete Megatron checkpoint (no meta.json)")
     meta = read_checkpoint_meta(path, FORMAT)
+    saved, here = meta.get("layout") or {}, layout(ln)
+    if isinstance(saved, dict) and any(saved.get(k) != here[k] for k in ("world", "tp", "pp")):
+        # Each rank's file holds its own shards and optimizer slice: no resharding on load.
+        raise LearnerError(
+            f"{path} was written by {saved.get('world')} rank(s) (tensor_parallel={saved.get('tp')}, "
+            f"pipeline_parallel={saved.get('pp')}); this job has {here['world']} (tensor_parallel={here['tp']}, "
+            f"pipeline_parallel={here['pp']}): resume with the same world size and parallel sizes")
+    if not rank_file.is_file():
+        raise LearnerError(f"{path} is not a complete Megatron checkpoint for this rank (no {rank_file.name})")
     if meta.get("arch") != dataclasses.asdict(ln.arch):
         raise LearnerError(f"{path} holds another model")
     if meta.get("layout") != layout(ln):

@@ -8,7 +8,8 @@ A megatron-core ``GPTModel`` built from the HF config (:mod:`.model`), loaded th
   optimizer (sharded over data-parallel ranks), gradients reduced in float32 by Megatron's
   ``DistributedDataParallel``, micro-batches run by Megatron's pipeline schedules.
 * CPU (tests and small checks): float32 parameters, ``torch.optim.AdamW``, a plain micro-batch
-  loop, one process for training (tensor parallelism works for scoring). megatron-core's model
+  loop; tensor and data parallelism over gloo (gradients summed over data-parallel ranks, the
+  clipping norm combined over tensor-parallel shards), no pipelining. megatron-core's model
   code calls CUDA-only helpers, so on CPU the *caller* must make them work (see
   ``tests/test_megatron.py``); this module never patches megatron.
 
@@ -33,6 +34,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -53,35 +55,18 @@ from stoa.types import Episode
 
 from . import checkpoint
 from .convert import Arch, ConversionError, hf_shapes, hf_to_megatron, megatron_to_hf, renumber
-from .model import Attention, build_gpt, resolve_attention, transformer_config
+from .model import build_gpt, resolve_attention, transformer_config
 from .ops import vocab_parallel_logprobs
+from .options import MegatronOptions
 
 __all__ = ["MegatronLearner", "MegatronOptions", "make"]
-
-
-@dataclass(frozen=True)
-class MegatronOptions:
-    """Parallel layout and kernels of the Megatron learner (``make_learner(..., **options)``)."""
-
-    tensor_parallel: int = 1
-    """Tensor-parallel ranks (must divide heads, kv heads and the MLP width)."""
-    pipeline_parallel: int = 1
-    """Pipeline stages (must divide the layer count); CUDA only when > 1."""
-    attention: Attention = "auto"
-    """Core attention: ``auto`` (Transformer Engine if installed on CUDA, else ``sdpa``), ``te``, ``sdpa``, ``local``."""
-
-    def __post_init__(self) -> None:
-        if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
-            raise ValueError("tensor_parallel and pipeline_parallel must be >= 1")
-        if self.attention not in ("auto", "te", "sdpa", "local"):
-            raise ValueError(f"attention={self.attention!r} must be auto, te, sdpa or local")
 
 
 def make(hf_dir: Path, config: LearnerConfig, **options: Any) -> MegatronLearner:
     """Backend entry point used by :func:`stoa.backends.learner.make_learner`."""
     try:
         opts = MegatronOptions(**options)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise LearnerError(f"bad Megatron learner option: {e}") from None
     return MegatronLearner(hf_dir, config, opts)
 
@@ -224,6 +209,7 @@ class MegatronLearner:
         except ValueError as e:
             raise LearnerError(str(e)) from None
         self.model = build_gpt(self.arch, self.tf_config, self.attention, pre_process=self.pre, post_process=self.post)
+        _mark_tensor_parallel(self.model)
         self.model.to(self.device)
         pad = hf_config.get("pad_token_id")
         if self.pre and isinstance(pad, int) and 0 <= pad < self.arch.vocab_size:
@@ -249,14 +235,20 @@ class MegatronLearner:
     # -- setup ---------------------------------------------------------------------------------
     def _init_parallel(self) -> tuple[bool, bool]:
         owns_dist = owns_mpu = False
+        opts = self.options
+        timeout = timedelta(seconds=opts.timeout_s)
         if not dist.is_initialized():
             backend = "nccl" if self._cuda else "gloo"
             if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:  # launched by torchrun
-                dist.init_process_group(backend)
+                dist.init_process_group(backend, timeout=timeout)
             else:
-                dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+                dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                                        timeout=timeout)
             owns_dist = True
-        opts = self.options
+        world, model = dist.get_world_size(), opts.tensor_parallel * opts.pipeline_parallel
+        if world % model:
+            raise LearnerError(f"{world} ranks cannot hold tensor_parallel * pipeline_parallel = {model}-way "
+                               "model replicas: the world size must be a multiple of it")
         if mpu.model_parallel_is_initialized():
             have = (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size())
             if have != (opts.tensor_parallel, opts.pipeline_parallel):
@@ -264,7 +256,8 @@ class MegatronLearner:
                                    f"not {(opts.tensor_parallel, opts.pipeline_parallel)}")
         else:
             mpu.initialize_model_parallel(tensor_model_parallel_size=opts.tensor_parallel,
-                                          pipeline_model_parallel_size=opts.pipeline_parallel)
+                                          pipeline_model_parallel_size=opts.pipeline_parallel,
+                                          distributed_timeout_minutes=max(1, math.ceil(opts.timeout_s / 60)))
             owns_mpu = True
         return owns_dist, owns_mpu
 
@@ -477,8 +470,6 @@ class MegatronLearner:
     # -- training ------------------------------------------------------------------------------
     def _optimizer_step(self, episodes: Sequence[Episode], tokens: list[np.ndarray], temps: Sequence[float],
                         loss_of: Callable[[_Micro, torch.Tensor], torch.Tensor]) -> dict[str, float]:
-        if not self._cuda and dist.get_world_size() > 1:
-            raise LearnerError("training on CPU runs in one process; use CUDA for parallel training")
         t0 = time.perf_counter()
         mbs, n_tok, slots, n_micro = self._micro_batches(tokens, temps)
         self.model.train()
@@ -500,8 +491,11 @@ class MegatronLearner:
             torch.cuda.synchronize(self.device)
         else:
             self._run(mbs, loss_of, train=True)
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip or math.inf))
+            if dist.get_world_size() == 1:
+                params = [p for p in self.model.parameters() if p.grad is not None]
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip or math.inf))
+            else:
+                grad_norm = self._reduce_and_clip_cpu()
             if not math.isfinite(grad_norm):
                 self._zero_grad()
                 raise LearnerError(f"non-finite gradient norm ({grad_norm}); step skipped, weights unchanged")
@@ -516,6 +510,28 @@ class MegatronLearner:
                 "loss_tokens": float(sum(ep.num_model_tokens for ep in episodes)),
                 "micro_batches": float(n_micro),
                 "pad_fraction": 1.0 - n_tok / slots, "seconds": seconds, "tokens_per_s": n_tok / seconds}
+
+    def _reduce_and_clip_cpu(self) -> float:
+        """CPU, several ranks: sum gradients over data-parallel ranks and clip them by the global norm.
+
+        Each data-parallel rank ran its share of the micro-batches with the full-batch normalizer,
+        so the sum is the full-batch gradient. Tensor-parallel shards hold the gradient of their
+        slice (megatron's layers reduce activations' gradients in backward), replicated parameters
+        (norms) the same whole gradient on every TP rank: the norm counts shards once each and
+        replicated parameters once. Clipping follows ``torch.nn.utils.clip_grad_norm_``."""
+        params = list(self.model.parameters())
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if self.dp > 1:  # one flat buffer: one collective, the same order on every rank
+            flat = _sum_(torch.cat([g.reshape(-1) for g in grads]), mpu.get_data_parallel_group())
+            grads = [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)]
+        counted = [g for p, g in zip(params, grads) if tensor_parallel.param_is_not_tensor_parallel_duplicate(p)]
+        squares = torch.stack([torch.linalg.vector_norm(g).square() for g in counted]).sum() if counted else \
+            torch.zeros((), device=self.device)
+        norm = _sum_(squares, mpu.get_model_parallel_group()).sqrt()
+        coef = torch.clamp((self.config.grad_clip or math.inf) / (norm + 1e-6), max=1.0)
+        for p, g in zip(params, grads):
+            p.grad = g.mul_(coef)
+        return float(norm)
 
     def _rl_objective(self, episodes: Sequence[Episode], tokens: list[np.ndarray], advantages: np.ndarray,
                       objective: Objective | None) -> tuple[Callable, Callable[[], dict[str, float]]]:
@@ -683,6 +699,30 @@ class MegatronLearner:
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         return checkpoint.load(self, Path(path))
+
+
+def _mark_tensor_parallel(model: torch.nn.Module) -> None:
+    """Tag sharded parameters as megatron's initializers would (``perform_initialization=False``
+    skips them); gradient-norm code (ours, and Megatron's optimizer) counts untagged ones once."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    for module in model.modules():
+        mode = getattr(module, "parallel_mode", None)  # Transformer Engine's linears say "column" / "row"
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) or mode == "column":
+            dim, names = 0, ("weight", "bias")
+        elif isinstance(module, RowParallelLinear) or mode == "row":
+            dim, names = 1, ("weight",)  # a row-parallel bias is added after the reduce: replicated
+        else:
+            continue
+        for name in names:
+            p = getattr(module, name, None)
+            if isinstance(p, torch.nn.Parameter) and not hasattr(p, "tensor_model_parallel"):
+                set_tensor_model_parallel_attributes(p, True, dim, 1)
 
 
 def _no_grad_at(pad_id: int, module, inputs, output):

@@ -19,7 +19,6 @@ Building a model needs ``torch.distributed`` and megatron's ``parallel_state`` i
 from __future__ import annotations
 
 import importlib.util
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -30,12 +29,10 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 
 from .convert import Arch, padded_vocab
+from .options import Attention
 
 __all__ = ["Attention", "SDPAttention", "build_gpt", "has_transformer_engine", "resolve_attention",
            "transformer_config"]
-
-Attention = Literal["auto", "te", "sdpa", "local"]
-
 
 def has_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None

@@ -148,6 +148,7 @@ class Cohort:
                      "finish_reason": reason},
             policy_version=self.version, worker_id=self.e.worker_id, env_id=ep.env_id,
             group_id=ep.req.group_id, sample_index=ep.sample, temperature=self.s.temperature, top_p=self.s.top_p,
+            item_index=int(ep.req.index),
         )
         return None
 

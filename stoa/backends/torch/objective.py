@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from stoa.algos import DEFAULT_OBJECTIVE, Objective, resolve_objective
-from stoa.algos.base import ObjectiveInputs, batch_normalizer
+from stoa.algos.base import GroupContext, ObjectiveInputs, batch_normalizer
 from stoa.backends.learner import LearnerError
 
 if TYPE_CHECKING:
@@ -56,6 +56,9 @@ class ObjectiveBatch:
             ``episode.tokens()``: the loss mask, the behaviour log-probs, and the episode's
             advantage broadcast over its counted tokens (0 elsewhere).
         normalizer: the whole batch's denominator (:func:`stoa.algos.batch_normalizer`).
+        group_index: int64 ``[episodes]``, ``Episode.group_id`` numbered in order of appearance;
+            with ``group_context`` (the whole batch's behaviour side) every micro-batch's
+            objective sees whole-group statistics (:class:`stoa.algos.base.GroupContext`).
 
     Raises:
         LearnerError: advantages not ``len(episodes)`` finite numbers; ``objective`` not an
@@ -78,6 +81,10 @@ class ObjectiveBatch:
         self.behavior = torch.from_numpy(behavior)
         self.advantages = torch.from_numpy(adv.astype(np.float32)[:, None] * mask)
         self.normalizer = batch_normalizer(self.mask, getattr(self.objective.config, "aggregation", "token_mean"))
+        numbers: dict[str, int] = {}
+        self.group_index = torch.tensor([numbers.setdefault(ep.group_id, len(numbers)) for ep in episodes],
+                                        dtype=torch.int64)
+        self.group_context = GroupContext(self.behavior, self.mask, self.group_index)
         self._scored: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def loss(self, ids: Sequence[int], flat: torch.Tensor, index: np.ndarray) -> torch.Tensor:
@@ -96,7 +103,8 @@ class ObjectiveBatch:
         sel, w = torch.as_tensor(ids), index.shape[1]
         self._scored.append((sel, rows.detach()))
         inputs = ObjectiveInputs(rows, self.behavior[sel, :w].to(dev), self.advantages[sel, :w].to(dev),
-                                 self.mask[sel, :w].to(dev), normalizer=self.normalizer)
+                                 self.mask[sel, :w].to(dev), normalizer=self.normalizer,
+                                 group_index=self.group_index[sel].to(dev), group_context=self.group_context)
         return self.objective.loss(inputs)[0]
 
     def metrics(self, logprobs: Sequence[np.ndarray] | None = None) -> dict[str, float]:
@@ -114,5 +122,6 @@ class ObjectiveBatch:
             for i, row in enumerate(logprobs):
                 lp[i, : len(row)] = torch.from_numpy(np.asarray(row, np.float32))
         with torch.no_grad():
-            loss, metrics = self.objective.loss(ObjectiveInputs(lp, self.behavior, self.advantages, self.mask))
+            loss, metrics = self.objective.loss(ObjectiveInputs(lp, self.behavior, self.advantages, self.mask,
+                                                                group_index=self.group_index))
         return {"loss": float(loss), **metrics}

@@ -1,0 +1,177 @@
+"""The off-policy study: when does the DPPO gate matter? Objectives x forced lag x seeds, run by `stoa sweep`.
+
+Every cell is a real fleet run on this machine (``stoa train``: the trainer and two int8 MLX
+workers meeting in a LocalStore through PULSE) on the harder synthetic task
+``stoa/SyntheticSearchHard-v0`` (paraphrases, similarly named distractors, two-hop questions), with
+the policy lag forced by the run-config key ``--lag-key`` (``rollout.lag``: workers generate with
+the version ``lag`` behind the trainer's head). The staleness gate is widened with the lag
+(``trainer.max_lag = lag + 3``) so forced-stale groups are trained on, not dropped. Each seed's
+warm start runs once and is shared by that seed's cells (paired comparisons, see
+``stoa/fleet/sweep.py``).
+
+The grid (objective names as the sweep knows them):
+
+* ``dppo`` (binary-TV gate, the default), ``dppo_kl`` (binary-KL gate), ``tis`` (capped ratio, no
+  gate: DPPO without its gate), ``icepop`` (two-sided ratio band), ``ppo`` (clip against mu),
+  ``gepo`` (group-expectation weight, arXiv 2508.17850), and ``none``;
+* ``none`` (no correction) is ``reinforce``: ``-A log pi``, no importance weight, gate or clip.
+  It is the objective that ignores mu entirely, so any gap to it is what a correction buys.
+* lags 0, 2, 4, 8; seeds 0, 1, 2 (``--quick``: ``dppo`` and ``none`` x lags 0 and 8, seed 0,
+  a smaller task, a warm start of 320 steps (not 840) and 16 RL steps per cell: a
+  check of the harness that fits in 15 minutes here, not a result; its tiny model barely reads).
+
+Resumable: run it again and finished cells are kept. ``--json PATH`` writes
+``{"quick": ..., "seconds": ..., "cells": [...]}``; each cell has ``objective``, ``lag``, ``seed``,
+``final_pass_at_1``, ``best_pass_at_1``, ``gate_fraction``, ``kl_mu_pi`` and the rest of
+:func:`stoa.fleet.sweep.cell_result`. The table and plots are in ``<runs>/<name>/results.md``.
+
+    python benchmarks/offpolicy.py --quick --json quick.json          # < 15 min on 2 cores
+    python benchmarks/offpolicy.py --json study.json                  # the study: many CPU-hours
+    python benchmarks/offpolicy.py --quick --lag-key trainer.max_lag  # before rollout.lag exists
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RUN = """\
+# Written by benchmarks/offpolicy.py: the off-policy study's run config (every cell starts here).
+name = "offpolicy"
+seed = 0
+
+[model]
+path = ""
+
+[model.tiny]
+vocab_size = 2048
+hidden_size = 128
+num_layers = 2
+num_heads = 4
+num_kv_heads = 2
+intermediate_size = 384
+
+[env]
+id = "stoa/SyntheticSearchHard-v0"
+kwargs = {{ num_families = {families}, num_test = {num_test}, seed = 0 }}
+
+[warmstart]
+# Reading practice (oracle demonstrations, both hops) in sibling worlds, then this world's habit:
+# few searches with the document's words, more lazy one-search readers, most guesses.
+practice_steps = {practice}
+practice_worlds = 16
+steps = {habit}
+batch_size = {batch}
+mix = {{ oracle = 0.2, naive = 0.3, guess = 0.5 }}
+practice_answer_only = {batch}
+lr = 3e-3
+check_every = 200
+threads = 2
+
+[rollout]
+group_size = 8
+groups_per_cohort = 4
+max_outstanding = 1
+temperature = 1.0
+max_turn_tokens = 16
+max_episode_tokens = 256
+max_batch = 64
+
+[trainer]
+steps = {steps}
+groups_per_step = 8
+max_lag = 3
+advantage = "drgrpo"
+reward_range = [0.0, 1.0]
+threads = 1
+checkpoint_every = 25
+mismatch_every = 4
+
+[learner]
+kind = "torch"
+lr = 5e-4
+grad_clip = 1.0
+micro_batch_tokens = 8192
+
+[objective]
+kind = "dppo"
+
+[pulse]
+anchor_every = 50
+dtype = "float32"
+
+[eval]
+every = {eval_every}
+num_questions = {eval_questions}
+samples = {eval_samples}
+
+[fleet]
+workers = 2
+worker_threads = 1
+"""
+
+FULL = {"objectives": ["dppo", "dppo_kl", "tis", "icepop", "ppo", "none", "gepo"], "lags": [0, 2, 4, 8],
+        "seeds": [0, 1, 2], "families": 150, "num_test": 200, "practice": 800, "habit": 40, "batch": 64, "steps": 100,
+        "eval_every": 10, "eval_questions": 200, "eval_samples": 2}
+QUICK = {"objectives": ["dppo", "none"], "lags": [0, 8], "seeds": [0], "families": 60, "num_test": 64,
+         "practice": 300, "habit": 20, "batch": 64, "steps": 16, "eval_every": 8, "eval_questions": 64,
+         "eval_samples": 1}
+
+
+def sweep_file(name: str, grid: dict, lag_key: str, parallel: int) -> str:
+    lines = [f'name = "{name}"', 'config = "run.toml"', f"objectives = {json.dumps(grid['objectives'])}",
+             f"lags = {json.dumps(grid['lags'])}", f"seeds = {json.dumps(grid['seeds'])}", f"parallel = {parallel}",
+             f'lag_key = "{lag_key}"', "shared_warmstart = true", "",
+             "[objective.dppo_kl]", 'kind = "dppo"', 'gate = "kl"', ""]
+    for lag in grid["lags"]:  # the staleness gate must let the forced lag through
+        lines += [f"[lag_set.{lag}]", f'"trainer.max_lag" = {lag + 3}', ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="dppo and none x lags 0, 8 x seed 0, small (< 15 min)")
+    p.add_argument("--json", type=Path, help="write the cells here")
+    p.add_argument("--runs", type=Path, default=Path("runs"), help="folder of runs/<name>/")
+    p.add_argument("--lag-key", default="rollout.lag", help="run-config key of the forced lag")
+    p.add_argument("--parallel", type=int, default=1, help="cells at a time (each is 3 processes)")
+    p.add_argument("--steps", type=int, help="RL steps per cell (default: the grid's)")
+    p.add_argument("--seeds", type=int, nargs="+", help="seeds (default: the grid's)")
+    args = p.parse_args()
+
+    grid = dict(QUICK if args.quick else FULL)
+    grid.update({k: v for k, v in (("steps", args.steps), ("seeds", args.seeds)) if v is not None})
+    name = "offpolicy-quick" if args.quick else "offpolicy"
+    spec_dir = args.runs / f"{name}.spec"
+    spec_dir.mkdir(parents=True, exist_ok=True)
+    (spec_dir / "run.toml").write_text(RUN.format(**grid))
+    (spec_dir / "sweep.toml").write_text(sweep_file(name, grid, args.lag_key, args.parallel))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-m", "stoa", "sweep", str(spec_dir / "sweep.toml"), "--runs", str(args.runs)],
+                       env=env, check=False)
+    seconds = time.time() - t0
+    results = args.runs / name / "results.json"
+    if not results.exists():
+        sys.exit(r.returncode or 1)
+    cells = json.loads(results.read_text())["cells"]
+    print(f"{sum(c['status'] == 'done' for c in cells)}/{len(cells)} cells in {seconds:.0f} s; "
+          f"table and plots: {args.runs / name / 'results.md'}")
+    for c in cells:
+        if c["status"] == "done":
+            print(f"  {c['id']:<22} pass@1 {c['start_pass_at_1']:.3f} -> {c['final_pass_at_1']:.3f} "
+                  f"(best {c['best_pass_at_1']:.3f})  gate {c['gate_fraction'] or 0:.4f}  "
+                  f"KL(mu||pi) {c['kl_mu_pi'] or 0:.4f}  {c['wall_seconds']:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps({"quick": args.quick, "lag_key": args.lag_key, "seconds": round(seconds, 1),
+                                         "cells": cells}, indent=2) + "\n")
+    sys.exit(r.returncode)
+
+
+if __name__ == "__main__":
+    main()

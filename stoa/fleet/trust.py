@@ -1,0 +1,493 @@
+"""The trainer's gate for untrusted workers: identity, verification, audit, accounting and bans.
+
+One :class:`TrustGate` per trainer. In the order a batch meets it:
+
+1. **Identity** (:meth:`TrustGate.admit`, the rollout reader's callback): the batch's seal names
+   a key; the roster (``stoa.transport.identity``) says whether that key may upload as that
+   worker id. ``[trust] mode = "enrolled"``: only enrolled keys; ``"open"``: any key, bound to
+   its worker id on first use. Banned keys and impersonations are refused.
+2. **Review** (:meth:`TrustGate.review`, after the run's own bounds in
+   ``stoa.fleet.admission``): replay every episode (:mod:`stoa.fleet.verify`); refuse groups
+   whose tokens were already taken from another key (a copy); score a sample with the learner
+   and audit its log-probs (:mod:`stoa.fleet.audit`), spot-checking suspicious ones with the
+   int8 engine. A failed check rejects the whole batch with the reason.
+3. **Accounting**: per key, batches accepted and rejected (by category), episodes trained,
+   audit statistics, spot-checks, ban. A key is banned when a spot-check confirms forged
+   log-probs, or after ``ban_after`` rejected batches; the ban goes into the signed roster and
+   the trainer's ledger, and the trainer drops the key's queued batches.
+
+Groups are scoped to the key that sealed them (:func:`scoped`), so one worker's group ids never
+collide with another's, and :meth:`TrustGate.max_groups` caps one key's share of a step.
+The gate's state (records, audit statistics, group fingerprints) is plain JSON for the
+trainer's checkpoint; the roster itself lives in the store. ``<run>/trust.json`` (signed) is
+the per-worker report ``stoa status`` shows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from stoa.fleet.audit import AuditConfig, LogprobAudit, episode_stats, spot_check
+from stoa.transport.identity import Ban, BatchSeal, Roster, WorkerEntry, read_roster, write_roster
+from stoa.transport.signing import SignatureError, read_signed, sign_document
+from stoa.transport.store import ObjectStore, StoreError
+
+if TYPE_CHECKING:
+    from stoa.fleet.config import TrustConfig
+    from stoa.fleet.verify import Replayer
+    from stoa.transport.exchange import Batch, Rejection
+    from stoa.types import Episode
+
+__all__ = ["TrustGate", "WorkerRecord", "read_trust_report", "scoped"]
+
+log = logging.getLogger("stoa.trust")
+
+STRIKE_CATEGORIES = ("replay", "duplicate", "invalid", "audit")
+"""Rejections that count toward ``ban_after``: the sender is known and the content is its fault. A
+refused key (not enrolled yet, banned, impersonating) is not struck: its batches are never read."""
+_REPORT_KIND = "trust-report"
+_ROSTER_REFRESH_S = 2.0
+_REPORT_EVERY_S = 2.0
+_MAX_REPORT_WORKERS = 2048
+_MAX_HOLDS = 20
+
+
+def scoped(key_id: str, group_id: str) -> str:
+    """A group id in its sender's namespace (``<key id>/<group id>``; the raw id when unsigned)."""
+    return f"{key_id}/{group_id}" if key_id else group_id
+
+
+@dataclass
+class WorkerRecord:
+    """What the trainer knows of one worker key."""
+
+    worker_id: str
+    accepted_batches: int = 0
+    accepted_episodes: int = 0
+    trained_episodes: int = 0
+    rejected_batches: int = 0
+    rejected_episodes: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+    """Rejected batches by category (``replay``, ``duplicate``, ``audit``, ``invalid``, ``refused``, ...)."""
+    strikes: int = 0
+    """Rejections that count toward a ban (:data:`STRIKE_CATEGORIES`)."""
+    spot_checks: int = 0
+    spot_check_failures: int = 0
+    last_reason: str = ""
+    banned: str = ""
+    """Why the key is banned ("" if it is not)."""
+    last_seen: float = 0.0
+
+
+def _episode_digest(ep: Episode) -> bytes:
+    h = hashlib.sha256(ep.prompt_tokens.astype("<i4").tobytes())
+    for s in ep.segments:
+        h.update(s.kind.encode())
+        h.update(s.tokens.astype("<i4").tobytes())
+    return h.digest()
+
+
+def group_fingerprint(episodes: Sequence[Episode]) -> str | None:
+    """The multiset of a group's token sequences, or None when they are all alike (an honest
+    near-deterministic group may repeat; such a group carries no advantage anyway)."""
+    digests = sorted(_episode_digest(e) for e in episodes)
+    if len(set(digests)) < 2:
+        return None
+    return hashlib.sha256(b"".join(digests)).hexdigest()[:32]
+
+
+class TrustGate:
+    """See the module docstring. ``ledger(**entry)`` appends to the trainer's ledger.
+
+    Attach the checks once the trainer has its learner and engine (:meth:`attach`); until then
+    (and for what is not attached) the review skips them.
+    """
+
+    def __init__(self, cfg: TrustConfig, store: ObjectStore, run: str, private_key: Any, *,
+                 ledger: Callable[..., None] = lambda **_: None, seed: int = 0):
+        self.cfg, self.store, self.run, self.key = cfg, store, run, private_key
+        self.ledger = ledger
+        self.audit = LogprobAudit(AuditConfig(cfg.episode_factor, cfg.worker_mads, cfg.min_tokens,
+                                              cfg.spot_check_tolerance, cfg.spot_check_max_frac))
+        self.records: dict[str, WorkerRecord] = {}
+        self.anonymous: dict[str, dict[str, int]] = {}
+        self.fingerprints: dict[str, str] = {}  # group fingerprint -> key id, oldest first
+        self.roster = Roster(run)
+        self._round = 0
+        self.version = 0
+        self._rng = np.random.default_rng([seed, 0x7257])
+        self._roster_read = self._report_written = 0.0
+        self._roster_dirty = False
+        self._new_bans: list[str] = []
+        self._holds: dict[str, int] = {}  # batch key -> polls it was held for a contested group
+        self.seconds = {"replay": 0.0, "audit": 0.0, "spot_check": 0.0}
+        self.counts = {"spot_checks": 0, "episodes_replayed": 0, "episodes_audited": 0}
+        self.replayer: Replayer | None = None
+        self.score_float: Callable[[list[Episode]], list[np.ndarray]] | None = None
+        self.score_int8: Callable[[int, list[Episode]], list[np.ndarray] | None] | None = None
+
+    def attach(self, *, replayer: Replayer | None = None,
+               score_float: Callable[[list[Episode]], list[np.ndarray]] | None = None,
+               score_int8: Callable[[int, list[Episode]], list[np.ndarray] | None] | None = None) -> None:
+        """The checks that need the trainer's environment, learner and int8 engine."""
+        if replayer is not None and self.cfg.replay:
+            if replayer.replayable:
+                self.replayer = replayer
+            else:
+                log.warning("the task is not replayable (TextEnv.replayable = False): episodes are audited only")
+        if self.cfg.audit:
+            self.score_float, self.score_int8 = score_float, score_int8
+
+    # -- identity ---------------------------------------------------------------------------------
+    def refresh(self, force: bool = False) -> None:
+        """Re-read the roster (``stoa enroll`` / ``stoa ban`` edit it live), keeping our own bans and bindings."""
+        now = time.time()
+        if not force and now - self._roster_read < _ROSTER_REFRESH_S and not self._roster_dirty:
+            return
+        self._roster_read = now
+        try:
+            stored = read_roster(self.store, self.run, self.key.public_key())
+        except (SignatureError, StoreError) as e:
+            log.warning("the roster does not read (%s); keeping the one in memory", e)
+            return
+        merged = stored
+        for kid, ban in self.roster.banned.items():
+            if kid not in merged.banned:
+                merged = merged.with_ban(kid, ban)
+        for kid, entry in self.roster.enrolled.items():
+            if kid not in merged.enrolled and merged.key_for(entry.worker_id) is None and entry.source == "first-use":
+                merged = merged.with_entry(kid, entry)
+        for kid, ban in merged.banned.items():  # bans made by hand (stoa ban) reach the records too
+            rec = self.records.get(kid)
+            if rec is not None and not rec.banned:
+                rec.banned = ban.reason or "banned by hand"
+                self._new_bans.append(kid)
+        if merged != stored:
+            merged = Roster(merged.run, merged.enrolled, merged.banned, stored.revision + 1, time.time())
+            try:
+                write_roster(self.store, self.run, merged, self.key)
+            except StoreError as e:
+                log.warning("could not write the roster (%s); will retry", e)
+                self.roster = merged
+                return
+        self.roster, self._roster_dirty = merged, False
+
+    def admit(self, seal: BatchSeal) -> str | None:
+        """Whether the seal's key may upload as the seal's worker id (the reader's ``admit``)."""
+        kid, wid = seal.key_id, seal.worker_id
+        ban = self.roster.banned.get(kid)
+        if ban is not None or (kid in self.records and self.records[kid].banned):
+            return f"key {kid} is banned: {(ban.reason if ban else self.records[kid].banned)[:300]}"
+        entry = self.roster.enrolled.get(kid)
+        if entry is not None:
+            if entry.worker_id != wid:
+                return f"key {kid} is enrolled as worker {entry.worker_id!r}, not {wid!r}"
+            return None
+        bound = self.roster.key_for(wid)
+        if bound is not None:
+            return f"worker id {wid!r} belongs to key {bound}; this batch is signed by key {kid} (impersonation)"
+        if self.cfg.mode == "enrolled":
+            return f"key {kid} is not enrolled in this run (stoa enroll); mode is 'enrolled'"
+        try:
+            self.roster = self.roster.with_entry(kid, WorkerEntry(seal.public_key, wid, time.time(), "first-use"))
+        except ValueError as e:
+            return str(e)
+        self._roster_dirty = True
+        log.info("open run: worker %s bound to key %s on first use", wid, kid)
+        return None
+
+    # -- accounting -------------------------------------------------------------------------------
+    def _record(self, kid: str, worker_id: str) -> WorkerRecord:
+        rec = self.records.get(kid)
+        if rec is None:
+            rec = self.records[kid] = WorkerRecord(worker_id)
+        rec.last_seen = time.time()
+        return rec
+
+    def reject(self, kid: str, worker_id: str, category: str, reason: str, episodes: int = 0) -> None:
+        """Count a rejected batch against its sender; ban it after ``ban_after`` strikes."""
+        if not kid:
+            per = self.anonymous.setdefault(worker_id or "?", {})
+            per[category] = per.get(category, 0) + 1
+            return
+        rec = self._record(kid, worker_id)
+        rec.rejected_batches += 1
+        rec.rejected_episodes += episodes
+        rec.rejected[category] = rec.rejected.get(category, 0) + 1
+        rec.last_reason = reason[:300]
+        if category in STRIKE_CATEGORIES:
+            rec.strikes += 1
+            if self.cfg.ban_after and rec.strikes >= self.cfg.ban_after and not rec.banned:
+                self.ban(kid, f"{rec.strikes} rejected batches; last: {reason[:200]}")
+
+    def record_rejections(self, rejected: Sequence[Rejection]) -> None:
+        """Fold a poll's quarantined objects (``PollReport.rejected``) into the records."""
+        for r in rejected:
+            self.reject(r.key_id or "", r.worker_id or "", r.category, r.reason)
+
+    def ban(self, kid: str, reason: str, version: int = -1) -> None:
+        rec = self.records.get(kid) or self._record(kid, "")
+        if rec.banned:
+            return
+        rec.banned = reason[:500]
+        self.roster = self.roster.with_ban(kid, Ban(rec.worker_id, reason[:256], time.time(),
+                                                    version if version >= 0 else self.version))
+        self._roster_dirty = True
+        self._new_bans.append(kid)
+        self.audit.forget(kid)
+        self.ledger(banned=kid, worker=rec.worker_id, reason=reason[:500])
+        log.warning("banned worker %s (key %s): %s", rec.worker_id, kid, reason)
+        self.refresh(force=True)
+        self.write_report(force=True)
+
+    def take_new_bans(self) -> list[str]:
+        """Keys banned since the last call (the trainer drops their queued batches)."""
+        out, self._new_bans = self._new_bans, []
+        return out
+
+    def is_banned(self, kid: str) -> bool:
+        return bool(kid) and (kid in self.roster.banned or bool(self.records.get(kid, WorkerRecord("")).banned))
+
+    def trained(self, batch: Batch, episodes: int) -> None:
+        self._record(batch.key_id, batch.worker_id).trained_episodes += episodes
+
+    def max_groups(self, groups_per_step: int) -> int:
+        """Most groups one key may contribute to a step."""
+        return max(1, math.floor(self.cfg.max_worker_share * groups_per_step + 1e-9))
+
+    # -- review -----------------------------------------------------------------------------------
+    def review(self, batches: Sequence[Batch], trainer_version: int) -> list[tuple[str, str] | None]:
+        """For each batch, ``(category, reason)`` to reject it, None to admit it, or ``("hold", why)``:
+        review it again with the next poll (see the module docstring).
+
+        Batches of one call came in one poll: when two from different keys carry the same group,
+        the key with fewer strikes, then more accepted batches, keeps it; on a tie both are held
+        until their records differ (a copier keeps losing elsewhere), for at most ``_MAX_HOLDS``
+        polls, after which both are refused."""
+        self._round += 1
+        self.version = trainer_version
+        verdicts: list[tuple[str, str] | None] = [None] * len(batches)
+        for i, b in enumerate(batches):
+            self._record(b.key_id, b.worker_id)
+            if self.is_banned(b.key_id):
+                verdicts[i] = ("refused", f"key {b.key_id} is banned")
+            elif self.replayer is not None:
+                verdicts[i] = self._guarded(self._replay, b)
+        self._fingerprint(batches, verdicts)
+        for i, b in enumerate(batches):
+            if verdicts[i] is None and self.score_float is not None:
+                verdicts[i] = self._guarded(self._audit, b, trainer_version)
+        for b, v in zip(batches, verdicts):
+            if v is None or v[0] != "hold":
+                self._holds.pop(b.key, None)
+            if v is None:
+                rec = self._record(b.key_id, b.worker_id)
+                rec.accepted_batches += 1
+                rec.accepted_episodes += len(b.episodes)
+                self._remember(b)
+        return verdicts
+
+    @staticmethod
+    def _guarded(check: Callable[..., tuple[str, str] | None], *args: Any) -> tuple[str, str] | None:
+        """A check that fails on a stranger's batch rejects the batch; it never stops the trainer."""
+        try:
+            return check(*args)
+        except Exception as e:
+            return "invalid", f"checking the batch failed ({check.__name__}): {type(e).__name__}: {str(e)[:300]}"
+
+    def _replay(self, b: Batch) -> tuple[str, str] | None:
+        t0 = time.perf_counter()
+        bad = self.replayer.check_all(b.episodes)  # type: ignore[union-attr]
+        self.seconds["replay"] += time.perf_counter() - t0
+        self.counts["episodes_replayed"] += len(b.episodes)
+        if not bad:
+            return None
+        i, why = bad[0]
+        ep = b.episodes[i]
+        return "replay", (f"replay: {len(bad)} of {len(b.episodes)} episodes do not match the environment; episode {i} "
+                          f"(group {ep.group_id[:48]!r}, item {ep.item_index}): {why}")
+
+    def _groups(self, b: Batch) -> dict[str, list[Episode]]:
+        groups: dict[str, list[Episode]] = {}
+        for ep in b.episodes:
+            groups.setdefault(ep.group_id, []).append(ep)
+        return groups
+
+    def _fingerprint(self, batches: Sequence[Batch], verdicts: list[tuple[str, str] | None]) -> None:
+        holder: dict[str, int] = {}  # fingerprint -> batch index in this poll
+        for i, b in enumerate(batches):
+            if verdicts[i] is not None:
+                continue
+            for gid, eps in self._groups(b).items():
+                fp = group_fingerprint(eps)
+                if fp is None:
+                    continue
+                owner = self.fingerprints.get(fp)
+                if owner is not None and owner != b.key_id:
+                    verdicts[i] = ("duplicate", (f"duplicate: group {gid[:48]!r} has the same episodes as a group "
+                                                 f"taken earlier from worker {self._name(owner)!r} (copied)"))
+                    break
+                j = holder.get(fp)
+                if j is not None and batches[j].key_id != b.key_id:
+                    rank_j, rank_i = self._standing(batches[j]), self._standing(b)
+                    if rank_i == rank_j:
+                        for k in (i, j):
+                            n = self._holds[batches[k].key] = self._holds.get(batches[k].key, 0) + 1
+                            verdicts[k] = (("hold", "contested group: held until the senders' records differ")
+                                           if n <= _MAX_HOLDS else
+                                           ("duplicate", f"duplicate: a group contested with another worker for {n} polls"))
+                        break
+                    first, second = (j, i) if rank_j < rank_i else (i, j)
+                    verdicts[second] = ("duplicate", (f"duplicate: a group of this batch has the same episodes as "
+                                                      f"worker {batches[first].worker_id!r}'s batch in the same poll"))
+                    if second == i:
+                        break
+                holder[fp] = i
+
+    def _standing(self, b: Batch) -> tuple[int, int]:
+        """Lower is more trusted: (strikes, -accepted batches)."""
+        rec = self.records.get(b.key_id)
+        return (rec.strikes, -rec.accepted_batches) if rec else (0, 0)
+
+    def _name(self, kid: str) -> str:
+        rec = self.records.get(kid)
+        return rec.worker_id if rec else kid
+
+    def _remember(self, b: Batch) -> None:
+        for eps in self._groups(b).values():
+            fp = group_fingerprint(eps)
+            if fp is not None:
+                self.fingerprints[fp] = b.key_id
+        while len(self.fingerprints) > self.cfg.max_hashes:
+            del self.fingerprints[next(iter(self.fingerprints))]
+
+    def _audit(self, b: Batch, trainer_version: int) -> tuple[str, str] | None:
+        eps = b.episodes
+        n = max(1, math.ceil(self.cfg.audit_fraction * len(eps)))
+        pick = sorted(self._rng.choice(len(eps), size=min(n, len(eps)), replace=False).tolist())
+        t0 = time.perf_counter()
+        lps = self.score_float([eps[i] for i in pick])  # type: ignore[misc]
+        self.seconds["audit"] += time.perf_counter() - t0
+        self.counts["episodes_audited"] += len(pick)
+        staleness = trainer_version - b.version
+        stats = [episode_stats(lp, eps[i]) for i, lp in zip(pick, lps)]
+        suspicious = [(i, why) for i, st in zip(pick, stats) if (why := self.audit.episode_verdict(staleness, st))]
+        why_worker = self.audit.worker_verdict(b.key_id, extra=(staleness, stats))
+        verdict = None
+        if suspicious or why_worker or self._rng.random() < self.cfg.random_spot_check:
+            reason = suspicious[0][1] if suspicious else why_worker or "random spot-check"
+            verdict = self._spot_check(b, [i for i, _ in suspicious], reason)
+        if verdict is None:  # what passed (a spot-check, if any) shapes the worker's statistics and the fleet's range
+            for st in stats:
+                self.audit.observe(b.key_id, staleness, st)
+        return verdict
+
+    def _spot_check(self, b: Batch, first: list[int], reason: str) -> tuple[str, str] | None:
+        if self.score_int8 is None:
+            return None
+        rest = [i for i in self._rng.permutation(len(b.episodes)).tolist() if i not in first]
+        pick = (first + rest)[: self.cfg.spot_check_episodes]
+        eps = [b.episodes[i] for i in pick]
+        t0 = time.perf_counter()
+        scored = self.score_int8(b.version, eps)
+        if scored is None:
+            log.info("cannot spot-check %s (%s): version %d's weights are no longer kept", b.key, reason, b.version)
+            return None
+        result = spot_check(lambda _: scored, eps, self.audit.config)
+        self.seconds["spot_check"] += time.perf_counter() - t0
+        self.counts["spot_checks"] += 1
+        rec = self._record(b.key_id, b.worker_id)
+        rec.spot_checks += 1
+        if not result.confirmed:
+            log.info("spot-check of %s (%s): %s", b.key, reason, result.detail)
+            return None
+        rec.spot_check_failures += 1
+        why = f"log-prob audit: {reason}; spot-check: {result.detail}"
+        self.ban(b.key_id, why)
+        return "audit", why
+
+    def calibrate(self, episodes: Sequence[Episode], trainer_logprobs: Sequence[np.ndarray]) -> float:
+        """The int8-versus-float floor, from the trainer's own int8 episodes at one version."""
+        floor = self.audit.calibrate([episode_stats(lp, ep) for ep, lp in zip(episodes, trainer_logprobs)])
+        log.info("audit calibrated: int8-vs-float mean |log pi - log mu| (99th percentile per episode) %.4f", floor)
+        return floor
+
+    # -- reports ----------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        """``trust/...`` metrics for the trainer's train rows (cumulative counts and seconds)."""
+        recs = self.records.values()
+        out: dict[str, float] = {
+            "trust/workers": float(len(self.records)),
+            "trust/banned_workers": float(sum(bool(r.banned) for r in recs)),
+            "trust/accepted_batches": float(sum(r.accepted_batches for r in recs)),
+            "trust/rejected_batches": float(sum(r.rejected_batches for r in recs)
+                                            + sum(sum(d.values()) for d in self.anonymous.values())),
+            **{f"trust/{k}_s": round(v, 4) for k, v in self.seconds.items()},
+            **{f"trust/{k}": float(v) for k, v in self.counts.items()},
+        }
+        cats: dict[str, int] = {}
+        for r in recs:
+            for c, n in r.rejected.items():
+                cats[c] = cats.get(c, 0) + n
+        for d in self.anonymous.values():
+            for c, n in d.items():
+                cats[c] = cats.get(c, 0) + n
+        out.update({f"trust/rejected/{c}": float(n) for c, n in sorted(cats.items())})
+        if self.audit.floor is not None:
+            out["trust/audit_floor"] = self.audit.floor
+        f = self.audit.fleet("0")
+        if f is not None:
+            out["trust/audit_median_s0"] = f[0]
+        return out
+
+    def report(self, version: int) -> dict[str, Any]:
+        recs = sorted(self.records.items(), key=lambda kv: -kv[1].last_seen)[:_MAX_REPORT_WORKERS]
+        return {"run": self.run, "version": version, "time": time.time(), "mode": self.cfg.mode,
+                "floor": self.audit.floor,
+                "workers": {kid: {**asdict(r), "audit": self.audit.summary(kid)} for kid, r in sorted(recs)},
+                "anonymous": {w: d for w, d in list(self.anonymous.items())[:_MAX_REPORT_WORKERS]}}
+
+    def write_report(self, version: int = -1, force: bool = False) -> None:
+        """Put the signed per-worker report at ``<run>/trust.json`` (at most every 2 s unless forced)."""
+        now = time.time()
+        if not force and now - self._report_written < _REPORT_EVERY_S:
+            return
+        self._report_written = now
+        self.version = version if version >= 0 else self.version
+        try:
+            self.store.put(f"{self.run}/trust.json", sign_document(_REPORT_KIND, self.report(self.version), self.key))
+        except StoreError as e:
+            log.warning("could not write the trust report: %s", e)
+
+    # -- state ------------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {"records": {k: asdict(r) for k, r in self.records.items()}, "anonymous": self.anonymous,
+                "audit": self.audit.state(), "fingerprints": list(self.fingerprints.items())}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.records = {k: WorkerRecord(**r) for k, r in state.get("records", {}).items()}
+        self.anonymous = {w: dict(d) for w, d in state.get("anonymous", {}).items()}
+        self.audit.restore(state.get("audit", {}))
+        self.fingerprints = {fp: kid for fp, kid in state.get("fingerprints", [])}
+        self.refresh(force=True)
+
+
+def read_trust_report(store: ObjectStore, run: str, public_key: Any = None) -> dict[str, Any] | None:
+    """The trainer's per-worker report (verified when ``public_key`` is given), or None."""
+    key = f"{run}/trust.json"
+    if public_key is not None:
+        return read_signed(store, key, _REPORT_KIND, public_key, expect={"run": run})
+    import json
+
+    try:
+        return json.loads(json.loads(store.get(key, max_bytes=4 << 20))["body"])
+    except Exception:
+        return None

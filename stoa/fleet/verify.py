@@ -1,0 +1,199 @@
+"""Replay verification: the trainer re-plays a worker's episode through its own environment.
+
+A worker claims, for each episode, the prompt's tokens, the model's turns, the environment's
+observations (as tokens), the reward and the task metrics. Of these only the model's turns are
+the worker's to choose; everything else follows from them when the task is replayable
+(``TextEnv.replayable``: observations, rewards and metrics are a function of the item and the
+turns). :class:`Replayer` rebuilds an episode exactly as the rollout engine built it
+(``stoa.backends.engine``, "Episode layout"):
+
+* the prompt: ``env.reset(options={"index": episode.item_index})``, chat template applied;
+* each model turn ends where the engine would end it (the first token that completes a stop
+  string, an EOS, the per-turn cap, or the episode cap), and its text (EOS excluded) is passed
+  to ``env.step``;
+* each observation is tokenized on its own and must equal the next env segment;
+* the episode ends where the environment or a cap ends it, and ``reward`` (the sum of the step
+  rewards) and ``metrics`` (the last step's, plus ``turns``, ``truncated``, ``finish_reason``)
+  must equal the worker's claims, value and type.
+
+Any difference is a reason string; nothing here raises for a malformed episode. The text codec
+(chat template, observation encoding, turn decoding, EOS and stop-token candidates) is the
+engine's own (:meth:`ReplayCodec.from_engine`), so replay and rollout tokenize with one code
+path. Model tokens are never re-tokenized; their log-probabilities are the audit's business
+(:mod:`stoa.fleet.audit`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from stoa.types import Episode
+
+__all__ = ["ReplayCodec", "Replayer"]
+
+_MAX_SHOWN = 60
+
+
+@dataclass(frozen=True)
+class ReplayCodec:
+    """How the rollout engine turns text into tokens and back (what replay must reproduce)."""
+
+    prompt_tokens: Callable[[str], list[int]]
+    """The chat template applied to ``[{"role": "user", "content": prompt}]`` with the generation prompt."""
+    encode: Callable[[str], list[int]]
+    """An observation's tokens (no special tokens added, none parsed from the text)."""
+    decode: Callable[[Sequence[int]], str]
+    """A turn's text."""
+    eos_ids: frozenset[int]
+    """Tokens that end an episode."""
+    stop_candidates: Callable[[tuple[str, ...]], frozenset[int]]
+    """Tokens after which the engine looks for a stop string in the turn's text."""
+
+    @classmethod
+    def from_engine(cls, engine: Any) -> ReplayCodec:
+        """The codec of an MLX rollout engine (``stoa.backends.mlx.MLXEngine``): its own methods."""
+        return cls(engine._prompt_tokens, engine.encode, engine.decode, frozenset(engine.eos_ids),
+                   engine._stop_candidates)
+
+
+def _shown(x: Any) -> str:
+    r = repr(x)
+    return r if len(r) <= _MAX_SHOWN else r[:_MAX_SHOWN] + "..."
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal in value and type (a forged ``1`` is not the environment's ``True``)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    return type(a) is type(b) and a == b
+
+
+class Replayer:
+    """Replays episodes of one task through one environment instance.
+
+    Args:
+        make_env: builds the run's training environment (the split workers draw from).
+        codec: the engine's text codec (:meth:`ReplayCodec.from_engine`).
+        max_turn_tokens: the run's ``rollout.max_turn_tokens``.
+        max_episode_tokens: the run's ``rollout.max_episode_tokens``.
+        stop_strings: the run's stop strings; None uses the environment's.
+    """
+
+    def __init__(self, make_env: Callable[[], Any], codec: ReplayCodec, *, max_turn_tokens: int,
+                 max_episode_tokens: int, stop_strings: tuple[str, ...] | None = None, prompt_cache: int = 4096):
+        self.env = make_env()
+        u = self.env.unwrapped
+        self.replayable = bool(getattr(u, "replayable", True))
+        self.codec, self.max_turn, self.max_episode = codec, max_turn_tokens, max_episode_tokens
+        self.stops = tuple(stop_strings if stop_strings is not None else getattr(u, "stop_strings", ()) or ())
+        self.stop_ids = codec.stop_candidates(self.stops) if self.stops else frozenset()
+        self.n_items = len(u)
+        self._prompts: dict[int, list[int]] = {}
+        self._prompt_cache = prompt_cache
+
+    def check(self, ep: Episode) -> str | None:
+        """Why ``ep`` is not what the engine and the environment would have produced, or None."""
+        try:
+            return self._check(ep)
+        except Exception as e:  # an environment failing on a worker's turns is the episode's problem
+            return f"replay failed: {type(e).__name__}: {str(e)[:200]}"
+
+    def check_all(self, episodes: Sequence[Episode]) -> list[tuple[int, str]]:
+        """``(index, reason)`` of every episode that does not replay."""
+        out = []
+        for i, ep in enumerate(episodes):
+            why = self.check(ep)
+            if why:
+                out.append((i, why))
+        return out
+
+    def _prompt(self, item: int) -> list[int]:
+        tokens = self._prompts.get(item)
+        if tokens is None:
+            text, _ = self.env.reset(seed=0, options={"index": item})
+            tokens = [int(t) for t in self.codec.prompt_tokens(text)]
+            if len(self._prompts) >= self._prompt_cache:
+                self._prompts.pop(next(iter(self._prompts)))
+            self._prompts[item] = tokens
+        return tokens
+
+    def _turn_end(self, turn: list[int], length: int) -> str | None:
+        """The engine's rule (``stoa.backends.mlx.rollout.Cohort._turn_end``) after ``turn``'s last token."""
+        tok = turn[-1]
+        if tok in self.codec.eos_ids:
+            return "eos"
+        if length >= self.max_episode:
+            return "max_episode_tokens"
+        if tok in self.stop_ids and any(s in self.codec.decode(turn) for s in self.stops):
+            return "stop"
+        if len(turn) >= self.max_turn:
+            return "max_turn_tokens"
+        return None
+
+    def _check(self, ep: Episode) -> str | None:
+        item = ep.item_index
+        if item is None:
+            return "the episode does not name its item (item_index), so it cannot be replayed"
+        if not 0 <= item < self.n_items:
+            return f"item_index {item} is outside the task's {self.n_items} items"
+        prompt = self._prompt(item)
+        if ep.prompt_tokens.tolist() != prompt:
+            return f"prompt tokens are not item {item}'s prompt under the run's chat template"
+        self.env.reset(seed=0, options={"index": item})
+        segs, j, length, reward, turns = ep.segments, 0, len(prompt), 0.0, 0
+        metrics: dict[str, Any] = {}
+        finish = None
+        while j < len(segs):
+            seg = segs[j]
+            if seg.kind != "model":
+                return f"segment {j}: an env segment where the model's turn belongs"
+            turn = seg.tokens.tolist()
+            why = None
+            for k in range(len(turn)):
+                why = self._turn_end(turn[:k + 1], length + k + 1)
+                if why is not None and k < len(turn) - 1:
+                    return f"segment {j}: the turn runs past its end ({why} at token {k} of {len(turn)})"
+            if why is None:
+                return f"segment {j}: the turn ends without a stop string, an EOS or a token cap"
+            length += len(turn)
+            turns += 1
+            text = self.codec.decode(turn[:-1] if why == "eos" else turn)
+            obs, r, terminated, truncated, info = self.env.step(text)
+            reward += float(r)
+            if isinstance(info, dict) and isinstance(info.get("metrics"), dict):
+                metrics = dict(info["metrics"])
+            j += 1
+            if terminated or truncated:
+                finish = "terminated" if terminated else "truncated"
+                break
+            if why in ("eos", "max_episode_tokens"):
+                finish = why
+                break
+            obs_tokens = [int(t) for t in self.codec.encode(obs)] if obs else []
+            if length + len(obs_tokens) + 1 > self.max_episode:
+                finish = "max_episode_tokens"
+                break
+            if obs_tokens:
+                if j >= len(segs) or segs[j].kind != "env":
+                    return f"segment {j}: the environment's observation is missing"
+                if segs[j].tokens.tolist() != obs_tokens:
+                    got = self.codec.decode(segs[j].tokens.tolist())
+                    return (f"segment {j}: the observation differs from the environment's "
+                            f"(claimed {_shown(got)}, replay gives {_shown(obs)})")
+                length += len(obs_tokens)
+                j += 1
+        if finish is None:
+            return "the episode stops before the environment or a cap ended it"
+        if j < len(segs):
+            return f"{len(segs) - j} segment(s) after the episode ended ({finish})"
+        want = {**metrics, "turns": turns, "truncated": finish != "terminated", "finish_reason": finish}
+        for key in sorted(set(want) | set(ep.metrics)):
+            if key not in ep.metrics or key not in want or not _same(ep.metrics[key], want[key]):
+                return (f"metric {key!r}: claimed {_shown(ep.metrics.get(key, '<missing>'))}, "
+                        f"replay gives {_shown(want.get(key, '<missing>'))}")
+        if not math.isclose(float(ep.reward), reward, rel_tol=1e-9, abs_tol=1e-9):
+            return f"reward: claimed {ep.reward!r}, replay gives {reward!r}"
+        return None

@@ -1,0 +1,206 @@
+"""Dishonest workers, for testing the trainer's checks (``docs/trust.md``).
+
+Each is a real :class:`stoa.fleet.worker.Worker` (real MLX engine, real store, sealed uploads)
+with one behaviour changed. Run one with ``stoa worker ... --adversary KIND`` or add one to a
+local fleet with ``stoa train CONFIG --adversary KIND``:
+
+=====================  ===================================================  =====================
+kind                   what it does                                         caught by
+=====================  ===================================================  =====================
+``flip-rewards``       reward 1 on every wrong answer                       replay (reward)
+``forge-metrics``      ``em`` and ``searched`` set to true                  replay (metrics)
+``zero-logprobs``      every behaviour log-prob claimed 0                   audit + spot-check
+``shuffle-logprobs``   behaviour log-probs shuffled within each episode     audit + spot-check
+``other-model``        samples with another (random) model of the same      audit + spot-check
+                       shape and tokenizer, claims the run's version
+``forge-observations`` an edited ``<information>`` block in each episode    replay (observation)
+``copy``               uploads other workers' batches as its own            group fingerprints
+``unenrolled``         honest, but its key is not enrolled                  the roster (an enrolled
+                                                                            run; in an open run it
+                                                                            is a new worker)
+=====================  ===================================================  =====================
+
+Nothing here is used by honest code paths.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stoa.fleet.worker import Worker
+from stoa.transport.exchange import _NAME_RE
+from stoa.transport.identity import SealError, open_sealed
+from stoa.transport.store import StoreError
+from stoa.types import Episode, EpisodeError, Segment, decode_episodes
+
+__all__ = ["KINDS", "make_adversary"]
+
+log = logging.getLogger("stoa.adversary")
+
+
+class _Adversary(Worker):
+    kind = ""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rng = np.random.default_rng(list(self.worker_id.encode()))
+        log.warning("worker %s runs as the %r adversary", self.worker_id, self.kind)
+
+
+class FlipRewards(_Adversary):
+    kind = "flip-rewards"
+
+    def finish_cohort(self, episodes: list[Episode]) -> list[Episode]:
+        for e in episodes:
+            e.reward = max(e.reward, 1.0)
+        return episodes
+
+
+class ForgeMetrics(_Adversary):
+    kind = "forge-metrics"
+
+    def finish_cohort(self, episodes: list[Episode]) -> list[Episode]:
+        for e in episodes:
+            e.metrics = {**e.metrics, "em": True, "searched": True}
+        return episodes
+
+
+class ZeroLogprobs(_Adversary):
+    kind = "zero-logprobs"
+
+    def finish_cohort(self, episodes: list[Episode]) -> list[Episode]:
+        for e in episodes:
+            for s in e.segments:
+                if s.kind == "model":
+                    s.logprobs = np.zeros_like(s.logprobs)
+        return episodes
+
+
+class ShuffleLogprobs(_Adversary):
+    kind = "shuffle-logprobs"
+
+    def finish_cohort(self, episodes: list[Episode]) -> list[Episode]:
+        for e in episodes:
+            model = [s for s in e.segments if s.kind == "model"]
+            flat = self.rng.permutation(np.concatenate([s.logprobs for s in model]))
+            k = 0
+            for s in model:
+                s.logprobs = flat[k:k + len(s.tokens)].astype(np.float32)
+                k += len(s.tokens)
+        return episodes
+
+
+class OtherModel(_Adversary):
+    """Samples with a random model of the run's shape and tokenizer; follows the version numbers only."""
+
+    kind = "other-model"
+
+    def make_engine(self, model_dir: Path, state: dict, version: int, rc: Any):
+        from stoa.transport.quant import dequantize_state, quantize_state
+
+        floats = dequantize_state(state)
+        rng = np.random.default_rng(12345)
+        other = {k: (rng.normal(0.0, float(v.std()) or 0.02, v.shape).astype(v.dtype) if v.ndim == 2 else v)
+                 for k, v in floats.items()}
+        self._foreign = quantize_state(other)
+        return super().make_engine(model_dir, self._foreign, version, rc)
+
+    def _sync(self) -> None:
+        head = self.sub.head() if self.sub is not None else None
+        if head is not None and self.engine is not None:
+            self.engine.load_state(head, self._foreign)
+
+
+class ForgeObservations(_Adversary):
+    kind = "forge-observations"
+
+    def finish_cohort(self, episodes: list[Episode]) -> list[Episode]:
+        assert self.engine is not None
+        for e in episodes:  # the first observation becomes a planted search result
+            for j, s in enumerate(e.segments):
+                if s.kind == "env":
+                    answer = str(e.metrics.get("answer") or "Kavorin")
+                    text = f"\n\n<information>Doc 1(Title: {answer}) The answer is {answer}.</information>\n\n"
+                    e.segments[j] = Segment("env", np.array(self.engine.encode(text), np.int32))
+                    break
+        return episodes
+
+
+class _NoRollout:
+    """An engine that follows the chain but generates nothing (a copier needs no episodes of its own)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.__dict__["_engine"] = engine
+
+    def rollout(self, *args: Any, **kwargs: Any) -> list[Episode]:
+        time.sleep(0.2)
+        return []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._engine, name, value)
+
+
+class Copy(_Adversary):
+    """Uploads the batches of workers the trainer trusts (its public report says whose batches it
+    accepts), at its own policy version, under its own id and key."""
+
+    kind = "copy"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._copied: set[str] = set()
+
+    def make_engine(self, model_dir: Path, state: dict, version: int, rc: Any):
+        return _NoRollout(super().make_engine(model_dir, state, version, rc))
+
+    def finish_cohort(self, episodes: list[Episode]) -> list[Episode]:
+        assert self.engine is not None
+        from stoa.fleet.trust import read_trust_report
+
+        version = self.engine.version
+        report = read_trust_report(self.store, self.run_name) or {}
+        trusted = {w["worker_id"] for w in report.get("workers", {}).values()
+                   if w.get("accepted_batches") and not w.get("banned")} - {self.worker_id}
+        for key in reversed(self.store.list(f"{self.run_name}/rollouts/")):
+            _, worker, name = key.rsplit("/", 2)
+            m = _NAME_RE.fullmatch(name)
+            if worker not in trusted or key in self._copied or not m or int(m.group(2)) != version:
+                continue
+            self._copied.add(key)
+            try:
+                _, payload = open_sealed(self.store.get(key))
+                stolen = decode_episodes(payload)
+            except (SealError, StoreError, EpisodeError):
+                continue
+            for e in stolen:
+                e.worker_id = self.worker_id
+                e.group_id = f"{self.worker_id}-copy-{len(self._copied)}-{e.group_id}"[:200]
+            log.info("copied %s (%d episodes)", key, len(stolen))
+            return stolen
+        return []
+
+
+class Unenrolled(_Adversary):
+    """Honest work signed with a key the run never enrolled (refused in an ``enrolled`` run)."""
+
+    kind = "unenrolled"
+
+
+KINDS: dict[str, type[Worker]] = {c.kind: c for c in (FlipRewards, ForgeMetrics, ZeroLogprobs, ShuffleLogprobs,
+                                                       OtherModel, ForgeObservations, Copy, Unenrolled)}
+"""Adversary kind -> worker class."""
+
+
+def make_adversary(kind: str, *args: Any, **kwargs: Any) -> Worker:
+    """A worker of ``kind`` (a key of :data:`KINDS`), built with :class:`~stoa.fleet.worker.Worker`'s arguments."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown adversary {kind!r}; known: {sorted(KINDS)}")
+    return KINDS[kind](*args, **kwargs)

@@ -1,0 +1,310 @@
+"""Untrusted workers, piece by piece: sealed batches, the roster, the reader's identity and
+duplicate checks, the trainer's gate (copies, strikes, bans, share cap), and the log-prob audit
+with spot-checks on a real MLX engine and a real torch learner."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+
+from stoa.fleet.audit import AuditConfig, LogprobAudit, TokenStats, episode_stats, spot_check
+from stoa.fleet.config import TrustConfig
+from stoa.fleet.trust import TrustGate, group_fingerprint, read_trust_report, scoped
+from stoa.transport.exchange import Batch, RolloutReader, RolloutWriter, rollout_key
+from stoa.transport.identity import (
+    SealError,
+    ban_worker,
+    enroll_worker,
+    open_sealed,
+    read_roster,
+    roster_key,
+    seal_batch,
+)
+from stoa.transport.signing import SignatureError, generate_private_key, key_id
+from stoa.types import Episode, Segment, encode_episodes
+
+RUN = "runs/t"
+
+
+def episodes(worker: str, version: int = 0, group: str = "g", n: int = 2, seed: int = 0) -> list[Episode]:
+    rng = np.random.default_rng(seed)
+    return [Episode(rng.integers(0, 50, 5), [Segment("model", rng.integers(0, 50, 4), -rng.random(4))],
+                    reward=float(i), policy_version=version, worker_id=worker, group_id=group, sample_index=i)
+            for i in range(n)]
+
+
+# -- sealed batches -----------------------------------------------------------------------------
+
+
+def test_a_seal_binds_bytes_key_worker_run_seq_and_version():
+    key = generate_private_key()
+    payload = encode_episodes(episodes("w"))
+    blob = seal_batch(payload, run=RUN, worker_id="w", seq=3, version=7, private_key=key)
+    seal, got = open_sealed(blob)
+    assert got == payload and (seal.run, seal.worker_id, seal.seq, seal.version) == (RUN, "w", 3, 7)
+    assert seal.key_id == key_id(key.public_key())
+    other = encode_episodes(episodes("w", seed=1))
+    header = blob[: len(blob) - len(payload)]
+    for bad, needle in [(payload, "not a sealed batch"), (header + other, "altered"), (blob[:20], "truncated"),
+                        (blob.replace(b'\\"seq\\":3', b'\\"seq\\":4'), "bad ed25519 signature"),
+                        (blob[:9] + b"{}" + blob[11:], "public key")]:
+        with pytest.raises(SealError, match=needle):
+            open_sealed(bad)
+
+
+def test_the_reader_checks_seals_against_names_and_the_roster(store):
+    me, other = generate_private_key(), generate_private_key()
+    w = RolloutWriter(store, RUN, "w", private_key=me)
+    good = w.upload(episodes("w"), 0)
+    blob = store.get(good)
+    store.put(rollout_key(RUN, "x", 0, 0), blob)  # a genuine batch copied under another worker's name
+    store.put(rollout_key(RUN, "w", 5, 0), encode_episodes(episodes("w", seed=2)))  # unsigned
+    RolloutWriter(store, RUN, "z", private_key=other).upload(episodes("z"), 0)  # a key the policy refuses
+    allowed = {w.key_id}
+    reader = RolloutReader(store, RUN, admit=lambda s: None if s.key_id in allowed else f"key {s.key_id} unknown",
+                           require_seal=True)
+    (batch,) = reader.poll()
+    assert batch.key == good and batch.key_id == w.key_id and len(batch.sha256) == 64
+    why = {r.key.split("/")[-2]: (r.category, r.reason) for r in reader.last_report.rejected}
+    assert why["x"][0] == "signature" and "copied or renamed" in why["x"][1]
+    assert why["w"][0] == "unsigned" and why["z"][0] == "refused" and "unknown" in why["z"][1]
+    reasons = [json.loads(store.get(k))["reason"] for k in store.list(f"{RUN}/quarantine/") if k.endswith(".json")]
+    assert len(reasons) == 3
+
+
+def test_a_replayed_batch_is_refused_by_its_content_across_restarts(tmp_path):
+    from stoa.transport.store import LocalStore
+
+    store = LocalStore(tmp_path)
+    key = generate_private_key()
+    w = RolloutWriter(store, RUN, "w", private_key=key)
+    w.upload(episodes("w"), 0)
+    w.upload(episodes("w", seed=1), 0)
+    reader = RolloutReader(store, RUN, require_seal=True, max_hashes=100)
+    first, second = reader.poll()
+    saved = json.loads(json.dumps(reader.state(pending=[second])))  # `second` not trained yet
+    assert len(saved["hashes"]) == 1
+    w.upload(episodes("w"), 0)  # the very same episodes again, freshly sealed under a new number
+    (dup,) = [r for r in (reader.poll(), reader.last_report.rejected)[1]]
+    assert dup.category == "duplicate"
+    again = RolloutReader(store, RUN, require_seal=True, max_hashes=100)
+    again.restore(saved)
+    assert [b.key for b in again.poll()] == [second.key]  # redelivered, not taken for a duplicate
+    w.upload(episodes("w", seed=1), 0)
+    assert again.poll() == [] and again.last_report.rejected[0].category == "duplicate"
+
+
+# -- the roster -----------------------------------------------------------------------------------
+
+
+def test_enroll_and_ban_edit_the_signed_roster(tmp_path):
+    from stoa.transport.store import LocalStore
+
+    store, run_key = LocalStore(tmp_path), generate_private_key()
+    a, b = generate_private_key(), generate_private_key()
+    assert read_roster(store, RUN, run_key.public_key()).enrolled == {}
+    enroll_worker(store, RUN, run_key, a, "alice")
+    r = enroll_worker(store, RUN, run_key, b.public_key(), "bob", note="lab mac")
+    assert r.revision == 2 and r.key_for("bob") == key_id(b.public_key()) and r.enrolled[r.key_for("bob")].note == "lab mac"
+    with pytest.raises(ValueError, match="already bound"):
+        enroll_worker(store, RUN, run_key, generate_private_key(), "alice")
+    ban_worker(store, RUN, run_key, "alice", "forged rewards")
+    r = read_roster(store, RUN, run_key.public_key())
+    assert r.banned[key_id(a.public_key())].reason == "forged rewards" and r.banned[key_id(a.public_key())].worker_id == "alice"
+    with pytest.raises(ValueError, match="banned"):
+        enroll_worker(store, RUN, run_key, a, "alice2")
+    blob = store.get(roster_key(RUN))
+    store.put(roster_key(RUN), blob.replace(b"forged rewards", b"just kidding!!"))
+    with pytest.raises(SignatureError):
+        read_roster(store, RUN, run_key.public_key())
+
+
+def _seal(key, worker: str):
+    return open_sealed(seal_batch(b"x", run=RUN, worker_id=worker, seq=0, version=0, private_key=key))[0]
+
+
+def test_the_gate_admits_by_mode_roster_and_first_use(tmp_path):
+    from stoa.transport.store import LocalStore
+
+    store, run_key = LocalStore(tmp_path), generate_private_key()
+    alice, bob, eve = generate_private_key(), generate_private_key(), generate_private_key()
+    enroll_worker(store, RUN, run_key, alice, "alice")
+    closed = TrustGate(TrustConfig(mode="enrolled"), store, RUN, run_key)
+    closed.refresh(force=True)
+    assert closed.admit(_seal(alice, "alice")) is None
+    assert "not enrolled" in closed.admit(_seal(bob, "bob"))
+    assert "impersonation" in closed.admit(_seal(eve, "alice"))
+    assert "enrolled as worker 'alice'" in closed.admit(_seal(alice, "mallory"))
+    opened = TrustGate(TrustConfig(mode="open"), store, RUN, run_key)
+    opened.refresh(force=True)
+    assert opened.admit(_seal(bob, "bob")) is None  # bound on first use ...
+    assert "impersonation" in opened.admit(_seal(eve, "bob"))  # ... so nobody else can be bob
+    opened.refresh(force=True)  # the binding is written to the signed roster
+    roster = read_roster(store, RUN, run_key.public_key())
+    assert roster.enrolled[key_id(bob.public_key())].source == "first-use"
+    ban_worker(store, RUN, run_key, "bob", "by hand")  # `stoa ban` while the run is live
+    opened.refresh(force=True)
+    assert "banned" in opened.admit(_seal(bob, "bob"))
+
+
+# -- the gate's review ------------------------------------------------------------------------------
+
+
+def _batch(kid: str, worker: str, eps: list[Episode], seq: int = 0) -> Batch:
+    return Batch(f"{RUN}/rollouts/{worker}/s{seq:012d}-v000000000000.episodes", worker, 0, eps, seq, kid)
+
+
+def test_copied_groups_are_refused_and_a_copier_is_banned(tmp_path):
+    from stoa.transport.store import LocalStore
+
+    ledger: list[dict] = []
+    gate = TrustGate(TrustConfig(ban_after=2), LocalStore(tmp_path), RUN, generate_private_key(),
+                     ledger=lambda **e: ledger.append(e))
+    honest = [episodes("h", group=f"h{i}", seed=i) for i in range(5)]
+
+    def copied(eps, group):
+        out = copy.deepcopy(eps)
+        for e in out:
+            e.worker_id, e.group_id = "c", group
+        return out
+
+    # Two strangers with the same group in one poll: neither record says who copied, so both wait ...
+    tie = [_batch("ck", "c", copied(honest[4], "y"), 9), _batch("hk", "h", honest[4], 9)]
+    assert [v[0] for v in gate.review(tie, 0)] == ["hold", "hold"]
+    assert gate.review([_batch("hk", "h", honest[0])], 0) == [None]
+    # ... until the records differ: h now has an accepted batch, c none.
+    verdicts = gate.review(tie, 0)
+    assert verdicts[0][0] == "duplicate" and verdicts[1] is None
+
+    verdict = gate.review([_batch("ck", "c", copied(honest[0], "mine"))], 0)[0]
+    assert verdict[0] == "duplicate" and "worker 'h'" in verdict[1]
+    gate.reject("ck", "c", *verdict, episodes=2)
+    # In one poll, a tie goes to the key with fewer strikes, whatever the order.
+    both = gate.review([_batch("ck", "c", copied(honest[1], "x"), 1), _batch("hk", "h", honest[1], 1)], 0)
+    assert both[0][0] == "duplicate" and both[1] is None
+    gate.reject("ck", "c", *both[0], episodes=2)
+    assert gate.is_banned("ck") and gate.take_new_bans() == ["ck"] and ledger[-1]["banned"] == "ck"
+    assert gate.review([_batch("ck", "c", honest[2], 2)], 0)[0][0] == "refused"
+    assert gate.records["hk"].accepted_batches == 3 and gate.records["hk"].rejected_batches == 0
+    gate.write_report(3, force=True)
+    report = read_trust_report(gate.store, RUN, gate.key.public_key())
+    assert report["workers"]["ck"]["banned"] and report["workers"]["ck"]["rejected"] == {"duplicate": 2}
+    state = json.loads(json.dumps(gate.state()))
+    fresh = TrustGate(TrustConfig(), gate.store, RUN, gate.key)
+    fresh.restore(state)
+    assert fresh.is_banned("ck") and fresh.fingerprints == gate.fingerprints
+
+
+def test_identical_samples_are_no_copy_and_groups_live_in_their_senders_namespace():
+    same = episodes("a", n=1) * 3
+    assert group_fingerprint(same) is None  # a near-deterministic group may repeat itself
+    assert group_fingerprint(episodes("a")) == group_fingerprint(episodes("b", group="other"))
+    assert scoped("k1", "g") != scoped("k2", "g") and scoped("", "g") == "g"
+    gate = TrustGate(TrustConfig(max_worker_share=0.5), None, RUN, generate_private_key())
+    assert gate.max_groups(8) == 4 and gate.max_groups(1) == 1
+
+
+# -- the audit -----------------------------------------------------------------------------------
+
+
+def test_the_honest_range_comes_from_the_fleet():
+    audit = LogprobAudit(AuditConfig(episode_factor=8, worker_mads=6, min_tokens=100))
+    assert audit.calibrate([TokenStats(1, 10, 0.01 * (1 + i % 3), 0.0) for i in range(100)]) == pytest.approx(0.003)
+    for w, level in (("a", 0.02), ("b", 0.025), ("c", 0.03), ("d", 0.5)):
+        for _ in range(5):
+            audit.observe(w, 1, TokenStats(1, 40, 40 * level, 0.0))
+    med, mad = audit.fleet("1")
+    assert med == pytest.approx(0.0275) and mad == pytest.approx(0.005)
+    assert [w for w in "abcd" if audit.worker_verdict(w)] == ["d"]
+    assert audit.episode_verdict(1, TokenStats(1, 20, 20 * 0.1, 0.0)) is None
+    assert "over 8x" in audit.episode_verdict(1, TokenStats(1, 20, 20 * 0.5, 0.0))
+    assert "implausible" in audit.episode_verdict(0, TokenStats(1, 20, 0.0, 0.0, implausible=1))
+    # Staleness buckets without fleet data fall back to the floor, grown with staleness.
+    assert audit.reference("3+") == pytest.approx(4 * 0.003)
+    back = LogprobAudit(audit.config)
+    back.restore(json.loads(json.dumps(audit.state())))
+    assert back.fleet("1") == audit.fleet("1") and back.floor == audit.floor
+
+
+mlx = pytest.importorskip("mlx.core", reason="spot-checks re-score with the MLX engine")
+
+
+@pytest.fixture(scope="module")
+def engine_and_episodes(tiny_model):
+    import stoa.envs
+    from stoa.backends.engine import EngineConfig, RolloutRequest, SamplingConfig, make_engine
+
+    engine = make_engine(tiny_model, "mlx", config=EngineConfig(max_batch=16), worker_id="w")
+    make_env = lambda: stoa.envs.make("stoa/SyntheticSearch-v0", num_entities=20, num_test_facts=5)  # noqa: E731
+    eps = engine.rollout(make_env, [RolloutRequest(i, f"w-{i}", 4) for i in range(4)],
+                         SamplingConfig(max_turn_tokens=8, max_episode_tokens=160, seed=1))
+    return engine, eps
+
+
+def _forged(eps: list[Episode], how: str) -> list[Episode]:
+    out = copy.deepcopy(eps)
+    rng = np.random.default_rng(0)
+    for e in out:
+        for s in e.segments:
+            if s.kind == "model":
+                s.logprobs = np.zeros_like(s.logprobs) if how == "zero" else rng.permutation(s.logprobs)
+    return out
+
+
+def test_spot_checks_pass_honest_episodes_and_confirm_forged_log_probs(engine_and_episodes):
+    engine, eps = engine_and_episodes
+    ok = spot_check(engine.score, eps)
+    assert not ok.confirmed and ok.worst < 1e-3, ok
+    for how in ("zero", "shuffle"):
+        bad = spot_check(engine.score, _forged(eps, how))
+        assert bad.confirmed and bad.failed >= len(eps) // 2 and "do not match" in bad.detail, (how, bad)
+
+
+def test_the_gate_bans_forged_log_probs_before_any_is_trained(engine_and_episodes, tiny_model, tmp_path):
+    """The whole audit path with a real learner (float log pi) and the int8 engine (spot-checks)."""
+    from stoa.backends.learner import LearnerConfig, make_learner
+    from stoa.transport.store import LocalStore
+
+    engine, eps = engine_and_episodes
+    learner = make_learner("torch", tiny_model, LearnerConfig(threads=1))
+    gate = TrustGate(TrustConfig(audit_fraction=0.5, random_spot_check=0.0), LocalStore(tmp_path), RUN,
+                     generate_private_key())
+    gate.attach(score_float=lambda e: learner.logprobs(e, temperature=None),
+                score_int8=lambda v, e: engine.score(e) if v == 0 else None)
+    floor = gate.calibrate(eps, learner.logprobs(eps, temperature=None))
+    assert 0 < floor < 0.05  # int8 rounding only: the same weights, float and int8
+    for kid, how, part in (("zk", "zero", eps[:8]), ("sk", "shuffle", eps[8:])):
+        (verdict,) = gate.review([_batch(kid, kid, _forged(part, how), 2)], 0)
+        assert verdict[0] == "audit" and "spot-check" in verdict[1] and gate.is_banned(kid), (how, verdict)
+    honest = [_batch("hk", "w", eps[:8]), _batch("hk2", "v", eps[8:], 1)]
+    assert gate.review(honest, 0) == [None, None]
+    stats = episode_stats(learner.logprobs([eps[0]], temperature=None)[0], eps[0])
+    assert stats.tokens == eps[0].num_model_tokens and stats.implausible == 0
+    assert not gate.is_banned("hk") and gate.records["zk"].spot_check_failures == 1
+    assert gate.metrics()["trust/banned_workers"] == 2.0
+
+
+def test_keygen_enroll_and_ban_from_the_command_line(tmp_path):
+    import subprocess
+    import sys
+
+    from stoa.transport.signing import load_private_key
+    from stoa.transport.store import LocalStore
+
+    def stoa(*args: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "stoa", *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout
+
+    keys, store = tmp_path / "keys", tmp_path / "store"
+    stoa("keygen", str(keys))
+    assert "stoa worker --key" in stoa("keygen", str(keys), "--worker", "--name", "alice")
+    common = ["--store", str(store), "--run", RUN, "--key", str(keys / "run.key")]
+    stoa("enroll", str(keys / "alice.pub"), *common, "--worker-id", "alice")
+    assert "banned alice" in stoa("ban", "alice", *common, "--reason", "forged rewards")
+    roster = read_roster(LocalStore(store), RUN, load_private_key(keys / "run.key").public_key())
+    kid = key_id(load_private_key(keys / "alice.key").public_key())
+    assert roster.enrolled[kid].worker_id == "alice" and roster.banned[kid].reason == "forged rewards"

@@ -1,0 +1,186 @@
+"""Untrusted workers in a real fleet: 2 honest workers and one of every adversary kind, at once.
+
+Real processes (`stoa trainer`, `stoa worker`, `stoa worker --adversary KIND`) meet in a real
+store with an enrolled roster. What must hold: no adversary's episode is trained on, each is
+banned (or, unenrolled, has every batch refused) within a bounded number of versions with the
+reason in the quarantine and in its record, and the honest workers lose nothing to the checks.
+One shared run keeps this under ~2 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from stoa.fleet.metrics import read_metrics
+from stoa.testing.adversaries import KINDS
+from stoa.transport.identity import enroll_worker, load_or_create_worker_key, read_roster
+from stoa.transport.signing import generate_private_key, key_id, save_keypair
+from stoa.transport.store import LocalStore
+
+pytestmark = pytest.mark.slow
+
+CONFIG = """
+name = "trust"
+seed = 3
+
+[model.tiny]
+vocab_size = 700
+hidden_size = 64
+num_layers = 1
+num_heads = 2
+num_kv_heads = 1
+intermediate_size = 128
+
+[env]
+id = "stoa/SyntheticSearch-v0"
+kwargs = { num_entities = 30, facts_per_entity = 3, num_test_facts = 10, seed = 5 }
+
+[warmstart]
+practice_steps = 2
+practice_worlds = 2
+steps = 2
+mix = { oracle = 0.5, guess = 0.5 }
+batch_size = 8
+
+[rollout]
+group_size = 2
+groups_per_cohort = 2
+max_turn_tokens = 8
+max_episode_tokens = 160
+max_batch = 8
+poll_seconds = 0.1
+
+[trainer]
+steps = 12
+groups_per_step = 2
+max_lag = 3
+checkpoint_every = 4
+threads = 1
+poll_seconds = 0.05
+reward_range = [0.0, 1.0]
+skip_zero_variance_groups = false
+
+[eval]
+every = 100
+num_questions = 4
+samples = 1
+
+[trust]
+mode = "enrolled"
+max_worker_share = 0.5
+ban_after = 2
+"""
+
+BAN_WITHIN_VERSIONS = 8
+"""Every adversary that is banned is banned by this version of the 12-version run."""
+
+NEEDLES = {
+    "flip-rewards": "reward: claimed 1.0",
+    "forge-metrics": "metric 'em'",
+    "zero-logprobs": "spot-check",
+    "shuffle-logprobs": "spot-check",
+    "other-model": "spot-check",
+    "forge-observations": "observation differs",
+    "copy": "duplicate",
+    "unenrolled": "not enrolled",
+}
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+                TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+
+
+def test_two_honest_workers_and_every_adversary(tmp_path):
+    assert set(NEEDLES) == set(KINDS)
+    config = tmp_path / "trust.toml"
+    config.write_text(CONFIG)
+    store_dir, run_dir, run = tmp_path / "store", tmp_path / "run", "trust"
+    store = LocalStore(store_dir)
+    run_key, run_pub = save_keypair(generate_private_key(), tmp_path / "keys", "run")
+    workers = {"honest-0": None, "honest-1": None, **{f"adv-{k}": k for k in KINDS}}
+    keys = {w: tmp_path / "keys" / f"{w}.key" for w in workers}
+    for w, path in keys.items():
+        load_or_create_worker_key(path)
+    # One enrollment through the CLI, the rest through the library it wraps.
+    r = subprocess.run([sys.executable, "-m", "stoa", "enroll", str(keys["honest-0"].with_suffix(".pub")), "--store",
+                        str(store_dir), "--run", run, "--key", str(run_key), "--worker-id", "honest-0"],
+                       env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "enrolled honest-0" in r.stdout, r.stderr
+    for w, kind in workers.items():
+        if w != "honest-0" and kind != "unenrolled":
+            enroll_worker(store, run, run_key, load_or_create_worker_key(keys[w]), w)
+
+    procs: dict[str, subprocess.Popen] = {}
+
+    def spawn(name: str, args: list[str]) -> None:
+        procs[name] = subprocess.Popen([sys.executable, "-m", "stoa", *args], env=_env(),
+                                       stdout=open(tmp_path / f"{name}.log", "ab"), stderr=subprocess.STDOUT)
+
+    try:
+        spawn("trainer", ["trainer", str(config), "--store", str(store_dir), "--key", str(run_key),
+                          "--run-dir", str(run_dir)])
+        for w, kind in workers.items():
+            spawn(w, ["worker", "--store", str(store_dir), "--run", run, "--public-key", str(run_pub), "--id", w,
+                      "--cache", str(tmp_path / "cache" / w), "--key", str(keys[w]),
+                      *(["--adversary", kind] if kind else [])])
+        assert procs["trainer"].wait(timeout=480) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+        for w in ("honest-0", "honest-1"):
+            assert procs[w].wait(timeout=60) == 0
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    roster = read_roster(store, run, run_pub)
+    report = json.loads(json.loads(store.get(f"{run}/trust.json"))["body"])
+    by_name = {rec["worker_id"]: (kid, rec) for kid, rec in report["workers"].items()}
+    kid_of = {w: key_id(load_or_create_worker_key(keys[w]).public_key()) for w in workers}
+    ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    trained_by_key: dict[str, int] = {}
+    for entry in ledger:
+        for g in entry.get("trained", []):
+            trained_by_key[g.split("/")[0]] = trained_by_key.get(g.split("/")[0], 0) + 2  # group_size episodes
+    assert len([e for e in ledger if "trained" in e]) == 12
+
+    for w, kind in workers.items():
+        if kind is None:
+            continue
+        kid = kid_of[w]
+        _, rec = by_name[w]
+        uploaded = json.loads(store.get(f"{run}/workers/{w}.json"))["episodes"]
+        assert uploaded > 0, w
+        assert trained_by_key.get(kid, 0) <= 0.01 * uploaded, (w, trained_by_key.get(kid), uploaded)
+        reasons = " | ".join(json.loads(store.get(k))["reason"] for k in store.list(f"{run}/quarantine/{w}/")
+                             if k.endswith(".reason.json"))
+        assert NEEDLES[kind] in reasons, (w, reasons[:2000])
+        if kind == "unenrolled":
+            assert rec["accepted_batches"] == 0 and set(rec["rejected"]) == {"refused"}, rec
+            continue
+        assert rec["banned"] and kid in roster.banned, (w, rec)
+        assert roster.banned[kid].version <= BAN_WITHIN_VERSIONS, (w, roster.banned[kid])
+        assert NEEDLES[kind] in rec["banned"] or NEEDLES[kind] in rec["last_reason"], (w, rec)
+        assert any(e.get("banned") == kid for e in ledger)
+    for w in ("honest-0", "honest-1"):
+        _, rec = by_name[w]
+        assert rec["rejected_batches"] == 0 and not rec["banned"] and rec["accepted_batches"] >= 3, rec
+        assert trained_by_key.get(kid_of[w], 0) > 0
+
+    train = [row for row in read_metrics(run_dir / "metrics.jsonl") if row["kind"] == "train"]
+    last = train[-1]
+    assert last["trust/banned_workers"] == len(KINDS) - 1 and last["trust/rejected/refused"] >= 1
+    step_s = sum(row["time/step_s"] for row in train)
+    check_s = last["trust/replay_s"] + last["trust/audit_s"] + last["trust/spot_check_s"]
+    print(f"\ntrust checks {check_s:.2f} s vs {step_s:.2f} s of optimizer steps over {len(train)} steps "
+          f"(ratio {(step_s + check_s) / step_s:.2f}); replayed {last['trust/episodes_replayed']:.0f}, audited "
+          f"{last['trust/episodes_audited']:.0f} episodes, {last['trust/spot_checks']:.0f} spot-checks")
+    r = subprocess.run([sys.executable, "-m", "stoa", "status", "--store", str(store_dir), "--run", run,
+                        "--public-key", str(run_pub)], env={**_env(), "COLUMNS": "250"}, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "trust (mode enrolled" in r.stdout and "adv-copy" in r.stdout, r.stdout + r.stderr
