@@ -1,5 +1,6 @@
 """One conformance suite for every ObjectStore (LocalStore, and S3Store on a real SeaweedFS server),
-plus key validation, open_store, crash safety of LocalStore and S3 retries through a faulty proxy."""
+plus key validation, open_store, crash safety and link refusal of LocalStore, secrets kept out of
+S3Store's texts, and S3 retries, resumed and parallel ranged downloads through a faulty proxy."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import http.client
 import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlparse
+from urllib.parse import quote, urlparse
 
 import pytest
 
@@ -16,6 +17,7 @@ from stoa.transport.store import (
     KeyNotFound,
     LocalStore,
     ObjectStore,
+    ObjectTooLarge,
     S3Config,
     S3Store,
     StoreError,
@@ -147,6 +149,61 @@ def test_large_object_roundtrip(store):
     assert store.get("big/two") == data
 
 
+def test_get_max_bytes_refuses_larger_objects(store):
+    store.put("m/k", b"x" * 1000)
+    store.put("m/empty", b"")
+    assert store.get("m/k", max_bytes=1000) == b"x" * 1000
+    assert store.get("m/k", max_bytes=10**9) == b"x" * 1000
+    with pytest.raises(ObjectTooLarge) as e:
+        store.get("m/k", max_bytes=999)
+    assert (e.value.key, e.value.size, e.value.max_bytes) == ("m/k", 1000, 999)
+    assert isinstance(e.value, StoreError) and "1000 bytes" in str(e.value)
+    assert store.get("m/empty", max_bytes=0) == b""
+    with pytest.raises(ObjectTooLarge):
+        store.get("m/k", max_bytes=0)
+    with pytest.raises(KeyNotFound):
+        store.get("m/none", max_bytes=10)
+    for bad in (-1, 1.5, True, "10"):
+        with pytest.raises(ValueError):
+            store.get("m/k", max_bytes=bad)
+
+
+def test_get_max_bytes_on_a_large_object(store):
+    data = os.urandom(1 << 16) * 176  # 11 MiB: several ranged pieces on S3
+    store.put("m/big", data)
+    with pytest.raises(ObjectTooLarge) as e:
+        store.get("m/big", max_bytes=len(data) - 1)
+    assert e.value.size == len(data)
+    assert store.get("m/big", max_bytes=len(data)) == data
+
+
+def test_size(store):
+    store.put("s/a", b"12345")
+    store.put("s/e", b"")
+    assert store.size("s/a") == 5 and store.size("s/e") == 0
+    with pytest.raises(KeyNotFound):
+        store.size("s/none")
+    with pytest.raises(KeyNotFound):
+        store.size("s")  # a folder is not an object
+    with pytest.raises(ValueError):
+        store.size("a//b")
+
+
+def test_list_start_after(store):
+    keys = ["q/a/1", "q/a/2", "q/b/1", "q/b/10", "q/b/2", "q/c", "r/z"]
+    for k in keys:
+        store.put(k, b"1")
+    assert store.list("q/", start_after="q/a/2") == ["q/b/1", "q/b/10", "q/b/2", "q/c"]
+    assert store.list("q/", start_after="q/b/1") == ["q/b/10", "q/b/2", "q/c"]
+    assert store.list("q/b/", start_after="q/a/zzz") == ["q/b/1", "q/b/10", "q/b/2"]  # before the prefix: all
+    assert store.list("q/", start_after="q/c") == []
+    assert store.list("q/", start_after="q/b") == ["q/b/1", "q/b/10", "q/b/2", "q/c"]  # not a key itself
+    assert store.list("", start_after="q/c") == ["r/z"]
+    assert store.list("q/", start_after=None) == store.list("q/") == keys[:6]
+    with pytest.raises(ValueError):
+        store.list("q/", start_after=3)  # type: ignore[arg-type]
+
+
 BAD_KEYS = ["", "/abs", "a//b", "a/", "a/../b", "..", "./a", "a/./b", "a\x00b", "a\nb", "a\x7fb",
             "a\\b", ".stoa-tmp/x", "x" * 1025]
 
@@ -209,6 +266,85 @@ def test_local_store_sweeps_stale_temp_files(tmp_path):
     assert not stale.exists() and fresh.exists()
 
 
+def _plant_links(tmp_path):
+    """A store with honest objects, a file link and a folder link leading out of its root."""
+    outside = tmp_path / "outside"
+    (outside / "sub").mkdir(parents=True)
+    (outside / "secret.txt").write_bytes(b"trainer's private file")
+    (outside / "sub" / "x").write_bytes(b"outside x")
+    s = LocalStore(tmp_path / "store")
+    s.put("run/honest", b"ok")
+    os.symlink(outside / "secret.txt", tmp_path / "store" / "run" / "filelink")
+    os.symlink(outside, tmp_path / "store" / "run" / "dirlink")
+    os.symlink(outside, tmp_path / "store" / "toplink")
+    return s, outside
+
+
+def test_local_store_refuses_file_links(tmp_path):
+    s, outside = _plant_links(tmp_path)
+    for call in (lambda: s.get("run/filelink"), lambda: s.size("run/filelink"), lambda: s.delete("run/filelink"),
+                 lambda: s.get("run/filelink", max_bytes=10)):
+        with pytest.raises(StoreError, match="symbolic link"):
+            call()
+    assert not s.exists("run/filelink")
+    assert s.list("run/") == ["run/honest"]  # a link is never an object
+    # put replaces the link itself (rename never follows), so nothing outside changes
+    s.put("run/filelink", b"new")
+    assert (outside / "secret.txt").read_bytes() == b"trainer's private file"
+    assert s.get("run/filelink") == b"new" and not os.path.islink(tmp_path / "store" / "run" / "filelink")
+    assert s.get("run/honest") == b"ok"
+
+
+def test_local_store_refuses_folder_links(tmp_path):
+    s, outside = _plant_links(tmp_path)
+    calls = {
+        "get": lambda k: s.get(k), "size": lambda k: s.size(k), "delete": lambda k: s.delete(k),
+        "put": lambda k: s.put(k, b"planted"), "put_if_absent": lambda k: s.put_if_absent(k, b"planted"),
+        "quarantine-style put": lambda k: s.put(k + "/deeper/reason.json", b"{}"),
+    }
+    for key in ("run/dirlink/x", "run/dirlink/sub/x", "toplink/x", "toplink/sub/x"):
+        for name, call in calls.items():
+            with pytest.raises(StoreError, match="symbolic link") as e:
+                call(key)
+            assert f"{name.split()[-1]} {key!r}"[:-1] in str(e.value), name
+        assert not s.exists(key)
+    with pytest.raises(StoreError, match="symbolic link"):
+        s.list("run/dirlink/")
+    with pytest.raises(StoreError, match="symbolic link"):
+        s.list("toplink/sub/")
+    assert s.list("") == ["run/honest"] and s.list("run/d") == []
+    # nothing was written or removed outside the root
+    assert sorted(p.name for p in outside.rglob("*")) == ["secret.txt", "sub", "x"]
+    assert (outside / "sub" / "x").read_bytes() == b"outside x"
+    # honest keys beside the links still work end to end
+    s.put("run/new/obj", b"v")
+    assert s.put_if_absent("run/new/once", b"1") and s.get("run/new/once") == b"1"
+    assert s.list("run/") == ["run/honest", "run/new/obj", "run/new/once"]
+    s.delete("run/new/obj")
+    assert s.get("run/new/obj".replace("obj", "once")) == b"1"
+
+
+def test_local_store_refuses_a_linked_temp_folder(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "store").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / "store" / ".stoa-tmp")
+    with pytest.raises(StoreError, match="symbolic link"):
+        LocalStore(tmp_path / "store")
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+def test_local_store_link_swapped_in_after_open(tmp_path):
+    # The store holds no path across calls: a folder replaced by a link later is refused too.
+    s = LocalStore(tmp_path / "store")
+    s.put("run/w/a", b"1")
+    (tmp_path / "outside").mkdir()
+    os.rename(tmp_path / "store" / "run" / "w", tmp_path / "moved")
+    os.symlink(tmp_path / "outside", tmp_path / "store" / "run" / "w")
+    with pytest.raises(StoreError, match="symbolic link"):
+        s.put("run/w/a", b"2")
+    assert list((tmp_path / "outside").iterdir()) == []
+
+
 # --------------------------------------------------------------------------------------------
 # open_store
 # --------------------------------------------------------------------------------------------
@@ -269,8 +405,11 @@ class _FaultyProxy(ThreadingHTTPServer):
     def __init__(self, upstream: str):
         super().__init__(("127.0.0.1", 0), _ProxyHandler)
         self.upstream = urlparse(upstream).netloc
-        self.faults: list[str] = []  # consumed one per request: "503", "truncate", "flip"
+        self.faults: list[str] = []  # consumed one per request: "503", "truncate", "flip", "replace"
         self.served: list[str] = []
+        self.ranges: list[str | None] = []  # the Range header of each request
+        self.body_bytes = 0  # response body bytes sent to the client
+        self.on_replace = None  # called before forwarding a request with the "replace" fault
         self.lock = threading.Lock()
 
 
@@ -286,6 +425,9 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         with srv.lock:
             fault = srv.faults.pop(0) if srv.faults else None
             srv.served.append(f"{self.command} {fault}")
+            srv.ranges.append(self.headers.get("Range"))
+        if fault == "replace":  # another writer replaces the object between two ranged GETs
+            srv.on_replace()
         if fault == "flip" and body:  # one bit damaged on the way to the server
             body = bytes([body[0] ^ 1]) + body[1:]
         if fault == "503":
@@ -308,9 +450,13 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(data[: len(data) // 2])
             self.close_connection = True
+            with srv.lock:
+                srv.body_bytes += len(data) // 2
             return
         self.end_headers()
         self.wfile.write(data)
+        with srv.lock:
+            srv.body_bytes += len(data)
 
     do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _forward
 
@@ -345,3 +491,107 @@ def test_s3_retries_throttling_broken_downloads_and_damaged_uploads(s3_bucket):
     finally:
         proxy.shutdown()
         proxy.server_close()
+
+
+@pytest.fixture
+def faulty_proxy():
+    proxy = _FaultyProxy(S3_ENDPOINT)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    yield proxy
+    proxy.shutdown()
+    proxy.server_close()
+
+
+@needs_s3
+def test_s3_max_bytes_does_not_download_the_body(s3_bucket, faulty_proxy):
+    direct = make_s3_store(s3_bucket)
+    via = S3Store(s3_bucket, direct.prefix, endpoint_url=f"http://127.0.0.1:{faulty_proxy.server_address[1]}",
+                  config=S3Config(max_attempts=2))
+    direct.put("big", os.urandom(3 << 20))
+    with pytest.raises(ObjectTooLarge):
+        via.get("big", max_bytes=1000)
+    # one ranged GET of at most max_bytes + 1 bytes; the size came from its Content-Range
+    assert faulty_proxy.ranges == ["bytes=0-1000"] and faulty_proxy.body_bytes <= 1001
+    direct.put("empty", b"")
+    assert via.get("empty", max_bytes=0) == b""  # no byte 0 to range over: a plain GET
+    assert faulty_proxy.ranges[1:] == ["bytes=0-0", None]
+
+
+@needs_s3
+def test_s3_parallel_ranged_download_resumes_broken_pieces(s3_bucket, faulty_proxy):
+    direct = make_s3_store(s3_bucket)
+    cfg = S3Config(max_attempts=2, download_part_size=64 << 10, max_concurrency=4)
+    via = S3Store(s3_bucket, direct.prefix, endpoint_url=f"http://127.0.0.1:{faulty_proxy.server_address[1]}",
+                  config=cfg)
+    data = os.urandom((1 << 20) + 17)
+    direct.put("obj", data)
+    faulty_proxy.faults = ["None", "truncate", "truncate"]
+    assert via.get("obj") == data
+    n_pieces = -(-len(data) // (64 << 10))
+    assert len(faulty_proxy.served) == n_pieces + 2  # two broken pieces, each continued once
+    starts = sorted(int(r.split("=")[1].split("-")[0]) for r in faulty_proxy.ranges)
+    assert [x for x in starts if x % (64 << 10)] and len(set(starts)) == n_pieces + 2  # continuations mid-piece
+    assert faulty_proxy.body_bytes == len(data)  # nothing was fetched twice
+
+
+@needs_s3
+def test_s3_object_replaced_mid_download_restarts_on_the_new_version(s3_bucket, faulty_proxy):
+    direct = make_s3_store(s3_bucket)
+    via = S3Store(s3_bucket, direct.prefix, endpoint_url=f"http://127.0.0.1:{faulty_proxy.server_address[1]}",
+                  config=S3Config(max_attempts=2, download_part_size=64 << 10, max_concurrency=1))
+    old, new = os.urandom(300_000), os.urandom(300_000)
+    direct.put("obj", old)
+    faulty_proxy.on_replace = lambda: direct.put("obj", new)
+    faulty_proxy.faults = ["None", "replace"]  # the second piece's If-Match no longer holds
+    assert via.get("obj") == new  # never a mix of both versions
+    assert "If-Match" not in faulty_proxy.served[0]
+    faulty_proxy.on_replace = lambda: direct.put("obj", os.urandom(300_000))
+    faulty_proxy.faults = ["None", "replace"] + ["None"] * 4 + ["replace"]
+    with pytest.raises(StoreError, match="replaced during the download"):
+        via.get("obj")  # replaced during both attempts: an error, not a loop
+
+
+SECRET = "s3cr3t-Value/With+Chars"
+
+
+def test_s3_credentials_never_shown(monkeypatch):
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    quiet = S3Config(max_attempts=1, connect_timeout_s=1, read_timeout_s=1)
+    quoted = SECRET.replace("/", "%2F").replace("+", "%2B")
+    stores = [
+        S3Store("bkt", "p", endpoint_url=f"http://AKID:{quoted}@127.0.0.1:1", config=quiet),
+        open_store(f"s3://AKID:{quoted}@bkt/p?endpoint=http://127.0.0.1:1", s3_config=quiet),
+        # a URL inside a query value is itself percent-encoded
+        open_store(f"s3://bkt/p?endpoint={quote(f'http://AKID:{quoted}@127.0.0.1:1', safe='')}", s3_config=quiet),
+        S3Store("bkt", "p", endpoint_url="http://127.0.0.1:1", credentials=("AKID", SECRET), config=quiet),
+    ]
+    for s in stores:
+        creds = s._client._request_signer._credentials
+        assert (creds.access_key, creds.secret_key) == ("AKID", SECRET)  # the secret was parsed and used
+        assert s.endpoint_url == "http://127.0.0.1:1"
+        for text in (repr(s), str(s)):
+            assert SECRET not in text and quoted not in text and "AKID" not in text
+        for call in (lambda: s.get("k"), lambda: s.put("k", b"v"), lambda: s.list(""), lambda: s.exists("k")):
+            with pytest.raises(StoreError) as e:
+                call()
+            assert SECRET not in str(e.value) and quoted not in str(e.value)
+    for bad in (f"s3://AKID:{quoted}@/p", f"s3://AKID:{quoted}@bkt/p?colour=red", f"s3://:{quoted}@bkt"):
+        with pytest.raises(ValueError) as e:
+            open_store(bad)
+        assert SECRET not in str(e.value) and quoted not in str(e.value)
+
+
+@needs_s3
+def test_s3_credentials_in_the_url_work_and_stay_hidden(s3_bucket, monkeypatch):
+    key, secret = os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"]
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    host = S3_ENDPOINT.split("://")[1]
+    s = open_store(f"s3://{key}:{secret}@{s3_bucket}/url-creds?endpoint=http://{host}")
+    s.put("k", b"v")
+    assert s.get("k") == b"v" and secret not in repr(s)
+    bad = open_store(f"s3://{key}:not-{secret}@{s3_bucket}/url-creds?endpoint=http://{host}",
+                     s3_config=S3Config(max_attempts=1))
+    with pytest.raises(StoreError, match="SignatureDoesNotMatch|AccessDenied") as e:
+        bad.get("k")
+    assert f"not-{secret}" not in str(e.value)

@@ -22,7 +22,7 @@ import random
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -70,6 +70,9 @@ class SyncRecord:
     to_version: int
     seconds: float
     """Duration of the successful ``sync`` call."""
+    cpu_seconds: float
+    """CPU time of the calling thread in that call (verification and applying; on a busy machine the
+    rest of ``seconds`` is network and waiting for a core)."""
     bytes_read: int
     deltas: int
     """Deltas applied."""
@@ -127,10 +130,10 @@ class Follower:
         rejoin = self.state is None or self._chain_failures >= self.config.rejoin_after
         if self.state is None and self.sub.head() is None:
             return None
-        t0, w0 = time.perf_counter(), time.time()
+        t0, w0, c0 = time.perf_counter(), time.time(), time.thread_time()
         have = None if rejoin else (self.version, self.state)
         res = self.sub.sync(have, apply_inplace=not rejoin)
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.thread_time() - c0
         if res.version == self.version and not res.applied:
             self._failed_in_row = self._chain_failures = 0
             return None
@@ -141,7 +144,7 @@ class Follower:
             res_state = res.state
         rec = SyncRecord(
             kind="join" if rejoin else "sync", t_start=w0, t_end=time.time(), from_version=self.version,
-            to_version=res.version, seconds=seconds, bytes_read=res.bytes_read,
+            to_version=res.version, seconds=seconds, cpu_seconds=cpu, bytes_read=res.bytes_read,
             deltas=sum(1 for _, k in res.applied if k == "delta"), anchor=any(k == "anchor" for _, k in res.applied),
             lag_s=time.time() - res.manifest.created if getattr(res, "manifest", None) is not None else float("nan"),
             failures=self._failed_in_row, problems=len(res.problems))
@@ -173,7 +176,7 @@ class Follower:
                 self._failed_in_row += 1
                 self._chain_failures = 0 if isinstance(e, StoreError) else self._chain_failures + 1
                 self.failures.append(_Failure(time.time(), f"{type(e).__name__}: {e}"))
-                cap = min(self.config.backoff_max_s, self.config.backoff_base_s * 2 ** (self._failed_in_row - 1))
+                cap = min(self.config.backoff_max_s, self.config.backoff_base_s * 2 ** min(self._failed_in_row - 1, 30))
                 wait = random.uniform(0.5 * cap, cap)  # jitter: a fleet recovering together spreads out
                 log.warning("%s: sync failed (%s); retrying in %.1f s", self.name, self.failures[-1].error[:300], wait)
             if deadline is not None:
@@ -231,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         if rec is not None:
             out.write(json.dumps({"type": "record", "name": args.name, **asdict(rec)}) + "\n")
 
+    out.write(json.dumps({"type": "start", "name": args.name, "t": time.time()}) + "\n")
     try:
         f.run(stop=stop, duration_s=args.duration, until_version=args.until_version, on_record=emit)
     except KeyboardInterrupt:

@@ -6,38 +6,46 @@ semantics every S3-compatible service offers:
 * ``put`` replaces an object atomically: a reader sees the old bytes or the new ones, never a
   partial write. ``put_if_absent`` creates an object only if no object has the key, and exactly
   one of several racing writers wins.
-* ``get`` returns a whole object or raises :class:`KeyNotFound`; ``list`` returns the keys under a
-  prefix in sorted order; ``delete`` is idempotent.
+* ``get`` returns a whole object or raises :class:`KeyNotFound`; with ``max_bytes`` it refuses
+  a larger object (:class:`ObjectTooLarge`) before its body is downloaded. ``list`` returns the
+  keys under a prefix in sorted order, optionally only those after a key (``start_after``), so
+  a poll costs what is new, not what exists; ``delete`` is idempotent.
 
-Two implementations: :class:`LocalStore` (a directory; temp file + fsync + rename) and
-:class:`S3Store` (boto3; AWS S3, Cloudflare R2, MinIO, SeaweedFS). :func:`open_store` picks one
-from a URL. Keys are ``/``-separated relative paths and are checked by :func:`validate_key`
-before any I/O, so no key can escape a LocalStore's root or a S3Store's prefix.
+Two implementations: :class:`LocalStore` (a directory; temp file + fsync + rename; symbolic
+links refused anywhere under the root) and :class:`S3Store` (``stoa.transport.s3``, importable
+from here too; boto3; AWS S3, Cloudflare R2, MinIO, SeaweedFS; large downloads in parallel
+ranged GETs that resume after a broken connection). :func:`open_store` picks one from a URL. Keys are ``/``-separated relative paths
+and are checked by :func:`validate_key` before any I/O, so no key can escape a LocalStore's
+root or a S3Store's prefix.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
+import errno
 import os
-import random
-import tempfile
+import re
+import secrets
+import stat
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
-from urllib.parse import parse_qs, urlparse
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from urllib.parse import parse_qs, unquote, urlparse
+
+if TYPE_CHECKING:
+    from stoa.transport.s3 import S3Config, S3Store
 
 __all__ = [
     "KeyNotFound",
     "LocalStore",
     "ObjectStore",
+    "ObjectTooLarge",
     "S3Config",
     "S3Store",
     "StoreError",
     "open_store",
     "validate_key",
 ]
+
 
 MAX_KEY_BYTES = 1024
 RESERVED_SEGMENT = ".stoa-tmp"
@@ -55,6 +63,20 @@ class KeyNotFound(StoreError, KeyError):
         return str(self.args[0]) if self.args else "key not found"
 
 
+class ObjectTooLarge(StoreError):
+    """The object is larger than the caller's ``max_bytes``; its body was not downloaded.
+
+    Attributes:
+        key: the object's key.
+        size: the object's size in bytes, as the store reported it.
+        max_bytes: the limit the caller gave.
+    """
+
+    def __init__(self, message: str, key: str, size: int, max_bytes: int):
+        super().__init__(message)
+        self.key, self.size, self.max_bytes = key, size, max_bytes
+
+
 @runtime_checkable
 class ObjectStore(Protocol):
     """A flat key -> bytes store with atomic whole-object writes.
@@ -68,16 +90,31 @@ class ObjectStore(Protocol):
         """Create or replace the object at ``key``. Atomic: readers never see partial bytes."""
         ...
 
-    def get(self, key: str) -> bytes:
-        """Return the object's bytes. Raises :class:`KeyNotFound` if there is none."""
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        """Return the object's bytes. Raises :class:`KeyNotFound` if there is none.
+
+        With ``max_bytes`` (an int >= 0), an object larger than that raises
+        :class:`ObjectTooLarge` without its body being read: the size comes from the same
+        open file / response that would deliver the bytes, so an object that grows between a
+        size check and the read cannot slip past the limit.
+        """
+        ...
+
+    def size(self, key: str) -> int:
+        """The object's size in bytes. Raises :class:`KeyNotFound` if there is none."""
         ...
 
     def exists(self, key: str) -> bool:
         """Whether an object has this key."""
         ...
 
-    def list(self, prefix: str = "") -> list[str]:
-        """All keys that start with ``prefix`` (a plain string prefix, not only a folder), sorted."""
+    def list(self, prefix: str = "", start_after: str | None = None) -> list[str]:
+        """Keys that start with ``prefix`` (a plain string prefix, not only a folder), sorted.
+
+        With ``start_after``, only keys that sort strictly after it (by code point, which is
+        S3's UTF-8 byte order). A poller that remembers the last key it saw lists only what is
+        new: on S3 that is one request per 1000 new keys instead of per 1000 existing ones.
+        """
         ...
 
     def delete(self, key: str) -> None:
@@ -129,6 +166,18 @@ def _validate_prefix(prefix: str) -> str:
     return prefix
 
 
+def _validate_start_after(start_after: str | None) -> str | None:
+    if start_after is not None and not isinstance(start_after, str):
+        raise ValueError(f"start_after must be a str or None, got {type(start_after).__name__}")
+    return start_after or None
+
+
+def _check_max_bytes(max_bytes: int | None) -> int | None:
+    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
+        raise ValueError(f"max_bytes must be an int >= 0 or None, got {max_bytes!r}")
+    return max_bytes
+
+
 def _as_bytes(data: Any) -> bytes:
     if isinstance(data, (bytes, bytearray, memoryview)):
         return bytes(data)
@@ -139,6 +188,14 @@ def _as_bytes(data: Any) -> bytes:
 # LocalStore
 # ---------------------------------------------------------------------------------------------
 
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
+_LINK_ERRNOS = {errno.ELOOP, errno.ENOTDIR}  # what O_NOFOLLOW (| O_DIRECTORY) answers on a link
+
+
+class _Link(Exception):
+    """A path segment is a symbolic link (internal; becomes a StoreError)."""
+
 
 class LocalStore:
     """A directory as an object store. Key ``a/b/c`` is the file ``root/a/b/c``.
@@ -147,407 +204,293 @@ class LocalStore:
     hard-linked (``put_if_absent``, which fails atomically if the name exists), and the target
     directory is fsynced, so a crash leaves either the old object or the whole new one.
     Unlike S3, a key cannot also be the folder of other keys (``a/b`` beside ``a/b/c``).
+
+    Symbolic links are refused anywhere under the root: every operation walks the key one
+    folder at a time from an open descriptor of the root with ``O_NOFOLLOW``, so a planted
+    link (to a file or a folder, even one swapped in mid-operation) can neither make ``get``
+    read a file from outside the root nor make ``put`` write outside it. ``get``, ``size``
+    and ``delete`` on a link raise :class:`StoreError` saying so; ``list`` skips links and
+    ``exists`` is False for them (a link is never an object).
     """
 
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root).expanduser().resolve()
-        self._tmp = self.root / RESERVED_SEGMENT
-        self._tmp.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            os.close(self._dir_fd(RESERVED_SEGMENT, create=True))
+        except _Link:
+            raise StoreError(f"{self}: {RESERVED_SEGMENT} is a symbolic link; refusing to write through it") from None
         self._sweep_tmp()
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})"
 
-    def _path(self, key: str) -> Path:
-        return self.root.joinpath(*validate_key(key).split("/"))
+    # Descriptor walking: every folder is opened relative to its parent with O_NOFOLLOW.
+
+    def _dir_fd(self, folder: str, create: bool = False) -> int:
+        """An open descriptor of ``root/folder`` ("" is the root); raises _Link on a link."""
+        fd = os.open(self.root, _DIR_FLAGS)
+        try:
+            for seg in folder.split("/") if folder else ():
+                try:
+                    nfd = os.open(seg, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    try:
+                        os.mkdir(seg, dir_fd=fd)
+                        _fsync_fd(fd)
+                    except FileExistsError:
+                        pass
+                    nfd = os.open(seg, _DIR_FLAGS, dir_fd=fd)
+                except OSError as e:
+                    if e.errno in _LINK_ERRNOS and _is_link(seg, fd):
+                        raise _Link(seg) from None
+                    raise
+                os.close(fd)
+                fd = nfd
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _parent_fd(self, key: str, create: bool = False) -> tuple[int, str]:
+        folder, _, name = validate_key(key).rpartition("/")
+        return self._dir_fd(folder, create), name
+
+    def _refused(self, op: str, key: str) -> StoreError:
+        return StoreError(f"{self}: {op} {key!r} refused: a symbolic link is on its path "
+                          "(links are never followed; they could lead outside the store)")
 
     def _sweep_tmp(self, max_age_s: float = 24 * 3600) -> None:
         # Temp files of writers that crashed mid-put; a day-old one is not in use.
         now = time.time()
-        for p in self._tmp.iterdir():
-            try:
-                if now - p.stat().st_mtime > max_age_s:
-                    p.unlink()
-            except OSError:
-                pass
-
-    def _write_tmp(self, data: bytes) -> str:
-        fd, tmp = tempfile.mkstemp(dir=self._tmp, prefix="put-")
+        fd = self._dir_fd(RESERVED_SEGMENT)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        except BaseException:
-            _unlink_quiet(tmp)
-            raise
-        return tmp
+            for name in os.listdir(fd):
+                try:
+                    if now - os.stat(name, dir_fd=fd, follow_symlinks=False).st_mtime > max_age_s:
+                        os.unlink(name, dir_fd=fd)
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
 
-    def _makedirs(self, d: Path) -> None:
-        missing = []
-        while not d.exists():
-            missing.append(d)
-            d = d.parent
-        for m in reversed(missing):
+    def _write_tmp(self, data: bytes) -> tuple[int, str]:
+        """Write ``data`` to a fresh temp file; return (descriptor of the temp folder, its name)."""
+        tfd = self._dir_fd(RESERVED_SEGMENT, create=True)
+        name = f"put-{secrets.token_hex(8)}"
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC, 0o600, dir_fd=tfd)
             try:
-                m.mkdir()
-            except FileExistsError:
-                pass
-            _fsync_dir(m.parent)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except BaseException:
+                _unlink_quiet(name, tfd)
+                raise
+        except BaseException:
+            os.close(tfd)
+            raise
+        return tfd, name
 
-    def put(self, key: str, data: bytes) -> None:
-        path, data = self._path(key), _as_bytes(data)
-        tmp = self._write_tmp(data)
+    def _install(self, op: str, key: str, data: bytes, link: bool) -> bool:
+        data = _as_bytes(data)
+        validate_key(key)
+        try:
+            tfd, tmp = self._write_tmp(data)
+        except _Link:
+            raise self._refused(op, key) from None
+        except OSError as e:
+            raise StoreError(f"{self}: {op} {key!r} failed: {e}") from e
         try:
             for attempt in range(5):
-                self._makedirs(path.parent)
+                dfd, name = self._parent_fd(key, create=True)
                 try:
-                    os.replace(tmp, path)
-                    break
+                    if link:
+                        os.link(tmp, name, src_dir_fd=tfd, dst_dir_fd=dfd, follow_symlinks=False)
+                    else:
+                        os.replace(tmp, name, src_dir_fd=tfd, dst_dir_fd=dfd)  # replaces a link, never follows it
+                    _fsync_fd(dfd)
+                    return True
+                except FileExistsError:
+                    if link:
+                        return False
+                    raise
                 except FileNotFoundError:  # a concurrent delete pruned the empty folder
                     if attempt == 4:
                         raise
-            _fsync_dir(path.parent)
+                finally:
+                    os.close(dfd)
+            raise AssertionError("unreachable")  # pragma: no cover
+        except _Link:
+            raise self._refused(op, key) from None
         except OSError as e:
-            _unlink_quiet(tmp)
-            raise StoreError(f"{self}: put {key!r} failed: {e}") from e
+            hint = " (the filesystem needs hard links)" if link else ""
+            raise StoreError(f"{self}: {op} {key!r} failed{hint}: {e}") from e
+        finally:
+            _unlink_quiet(tmp, tfd)
+            os.close(tfd)
+
+    def put(self, key: str, data: bytes) -> None:
+        self._install("put", key, data, link=False)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
-        path, data = self._path(key), _as_bytes(data)
-        tmp = self._write_tmp(data)
-        try:
-            for attempt in range(5):
-                self._makedirs(path.parent)
-                try:
-                    os.link(tmp, path)  # fails atomically if the name exists
-                    break
-                except FileExistsError:
-                    return False
-                except FileNotFoundError:
-                    if attempt == 4:
-                        raise
-            _fsync_dir(path.parent)
-            return True
-        except OSError as e:
-            raise StoreError(f"{self}: put_if_absent {key!r} failed (the filesystem needs hard links): {e}") from e
-        finally:
-            _unlink_quiet(tmp)
+        return self._install("put_if_absent", key, data, link=True)
 
-    def get(self, key: str) -> bytes:
-        path = self._path(key)
+    def _open_file(self, op: str, key: str) -> int:
         try:
-            with open(path, "rb") as f:
-                return f.read()
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            dfd, name = self._parent_fd(key)
+        except _Link:
+            raise self._refused(op, key) from None
+        except (FileNotFoundError, NotADirectoryError):
             raise KeyNotFound(f"{self}: no object {key!r}") from None
         except OSError as e:
-            raise StoreError(f"{self}: get {key!r} failed: {e}") from e
+            raise StoreError(f"{self}: {op} {key!r} failed: {e}") from e
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | _CLOEXEC, dir_fd=dfd)
+        except FileNotFoundError:
+            raise KeyNotFound(f"{self}: no object {key!r}") from None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise self._refused(op, key) from None
+            raise StoreError(f"{self}: {op} {key!r} failed: {e}") from e
+        finally:
+            os.close(dfd)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a folder is not an object
+            os.close(fd)
+            raise KeyNotFound(f"{self}: no object {key!r}")
+        return fd
+
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        limit = _check_max_bytes(max_bytes)
+        fd = self._open_file("get", key)
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(fd).st_size
+            if limit is not None and size > limit:
+                raise ObjectTooLarge(f"{self}: {key!r} is {size} bytes, over the {limit}-byte limit", key, size, limit)
+            try:
+                data = f.read() if limit is None else f.read(limit + 1)  # a file growing in place stays bounded
+            except OSError as e:
+                raise StoreError(f"{self}: get {key!r} failed: {e}") from e
+        if limit is not None and len(data) > limit:
+            raise ObjectTooLarge(f"{self}: {key!r} grew past the {limit}-byte limit while read", key, len(data), limit)
+        return data
+
+    def size(self, key: str) -> int:
+        fd = self._open_file("size", key)
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
 
     def exists(self, key: str) -> bool:
-        return self._path(key).is_file()
+        try:
+            dfd, name = self._parent_fd(key)
+        except (_Link, OSError):
+            return False
+        try:
+            return stat.S_ISREG(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode)
+        except OSError:
+            return False
+        finally:
+            os.close(dfd)
 
-    def list(self, prefix: str = "") -> list[str]:
-        prefix = _validate_prefix(prefix)
+    def list(self, prefix: str = "", start_after: str | None = None) -> list[str]:
+        prefix, after = _validate_prefix(prefix), _validate_start_after(start_after)
         folder = prefix.rpartition("/")[0]
-        top = self.root.joinpath(*folder.split("/")) if folder else self.root
-        out = []
-        for dirpath, dirnames, filenames in os.walk(top):
-            rel = os.path.relpath(dirpath, self.root)
-            rel = "" if rel == "." else rel.replace(os.sep, "/") + "/"
-            if not rel:
-                dirnames[:] = [d for d in dirnames if d != RESERVED_SEGMENT]
-            # Prune folders that cannot hold a match.
-            dirnames[:] = [d for d in dirnames if (rel + d + "/").startswith(prefix) or prefix.startswith(rel + d + "/")]
-            out.extend(rel + f for f in filenames if (rel + f).startswith(prefix))
+        try:
+            fd = self._dir_fd(folder)
+        except _Link:
+            raise self._refused("list", prefix) from None
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as e:
+            raise StoreError(f"{self}: list {prefix!r} failed: {e}") from e
+        out: list[str] = []
+        try:
+            self._scan(fd, folder + "/" if folder else "", prefix, after, out)
+        finally:
+            os.close(fd)
         return sorted(out)
 
+    def _scan(self, fd: int, rel: str, prefix: str, after: str | None, out: list[str]) -> None:
+        with os.scandir(fd) as it:
+            entries = list(it)
+        for e in entries:
+            name = rel + e.name
+            if e.is_dir(follow_symlinks=False):
+                d = name + "/"
+                if (not rel and e.name == RESERVED_SEGMENT) or not (d.startswith(prefix) or prefix.startswith(d)):
+                    continue
+                if after is not None and d < after and not after.startswith(d):
+                    continue  # every key in this folder sorts before start_after
+                try:
+                    sub = os.open(e.name, _DIR_FLAGS, dir_fd=fd)
+                except OSError:
+                    continue  # removed, or swapped for a link, since the scan
+                try:
+                    self._scan(sub, d, prefix, after, out)
+                finally:
+                    os.close(sub)
+            elif e.is_file(follow_symlinks=False) and name.startswith(prefix) and (after is None or name > after):
+                out.append(name)
+
     def delete(self, key: str) -> None:
-        path = self._path(key)
+        parts = validate_key(key).split("/")
         try:
-            path.unlink()
-        except (FileNotFoundError, IsADirectoryError):
+            dfd, name = self._parent_fd(key)
+        except _Link:
+            raise self._refused("delete", key) from None
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                raise self._refused("delete", key)
+            if stat.S_ISDIR(st.st_mode):
+                return
+            os.unlink(name, dir_fd=dfd)
+        except FileNotFoundError:
             return
         except OSError as e:
             raise StoreError(f"{self}: delete {key!r} failed: {e}") from e
+        finally:
+            os.close(dfd)
         # Drop emptied folders so listings stay cheap; a concurrent put recreates them.
-        d = path.parent
-        while d != self.root:
+        for depth in range(len(parts) - 1, 0, -1):
             try:
-                d.rmdir()
+                pfd, name = self._parent_fd("/".join(parts[:depth]))
+            except (_Link, OSError):
+                break
+            try:
+                os.rmdir(name, dir_fd=pfd)
             except OSError:
                 break
-            d = d.parent
+            finally:
+                os.close(pfd)
 
 
-def _fsync_dir(d: Path) -> None:
+def _is_link(name: str, dir_fd: int) -> bool:
     try:
-        fd = os.open(d, os.O_RDONLY)
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
     except OSError:
-        return
+        return False
+
+
+def _fsync_fd(fd: int) -> None:
     try:
         os.fsync(fd)
     except OSError:
         pass  # some filesystems refuse fsync on directories
-    finally:
-        os.close(fd)
 
 
-def _unlink_quiet(p: str) -> None:
+def _unlink_quiet(name: str, dir_fd: int) -> None:
     try:
-        os.unlink(p)
+        os.unlink(name, dir_fd=dir_fd)
     except OSError:
         pass
-
-
-# ---------------------------------------------------------------------------------------------
-# S3Store
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class S3Config:
-    """Tuning for :class:`S3Store`."""
-
-    max_attempts: int = 8
-    """Attempts per request (botocore's standard mode: backoff with jitter on throttling, 5xx, timeouts)."""
-    connect_timeout_s: float = 10.0
-    """Seconds to open a connection."""
-    read_timeout_s: float = 60.0
-    """Seconds to wait for data on an open connection."""
-    multipart_threshold: int = 64 << 20
-    """Objects at least this large are uploaded in parts."""
-    part_size: int = 16 << 20
-    """Size of each part of a multipart upload (S3 needs >= 5 MiB except the last)."""
-    addressing_style: str | None = None
-    """``"path"``, ``"virtual"`` or None (path-style when an endpoint URL is given, else auto)."""
-    profile: str | None = None
-    """AWS profile name; None uses the standard credential chain (environment, config files, roles)."""
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.max_attempts <= 50:
-            raise ValueError(f"max_attempts must be in [1, 50], got {self.max_attempts}")
-        if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
-            raise ValueError("timeouts must be > 0")
-        if self.part_size < 5 << 20:
-            raise ValueError(f"part_size must be >= 5 MiB (S3's minimum), got {self.part_size}")
-        if self.multipart_threshold < self.part_size:
-            raise ValueError("multipart_threshold must be >= part_size")
-        if self.addressing_style not in (None, "path", "virtual", "auto"):
-            raise ValueError(f"addressing_style must be 'path', 'virtual', 'auto' or None, got {self.addressing_style!r}")
-
-
-_MISSING_CODES = {"NoSuchKey", "404", "NotFound"}  # HEAD answers carry no body, hence "404"
-_PRECONDITION_CODES = {"PreconditionFailed", "412"}
-_CONFLICT_CODES = {"ConditionalRequestConflict", "409"}
-_RESEND_CODES = {"BadDigest"}  # the body was damaged on the way: send it again
-
-
-class S3Store:
-    """An S3 bucket (optionally under a key prefix) as an object store.
-
-    Works with AWS S3, Cloudflare R2 (``region="auto"``), MinIO and SeaweedFS. Credentials come
-    from the standard AWS environment variables or profile. Requests are retried with backoff;
-    objects of ``config.multipart_threshold`` bytes or more go up in parts. ``put_if_absent``
-    sends ``If-None-Match: *``, which S3 (since 2024), R2, MinIO and SeaweedFS honour.
-    """
-
-    def __init__(
-        self,
-        bucket: str,
-        prefix: str = "",
-        endpoint_url: str | None = None,
-        region: str | None = None,
-        *,
-        config: S3Config = S3Config(),
-        client: Any = None,
-    ):
-        if not bucket or "/" in bucket:
-            raise ValueError(f"invalid bucket name {bucket!r}")
-        prefix = prefix.strip("/")
-        if prefix:
-            validate_key(prefix)
-        self.bucket, self.prefix, self.endpoint_url, self.config = bucket, prefix, endpoint_url, config
-        self._client = client if client is not None else self._make_client(endpoint_url, region, config)
-
-    @staticmethod
-    def _make_client(endpoint_url: str | None, region: str | None, config: S3Config) -> Any:
-        import boto3
-        from botocore.config import Config as BotoConfig
-
-        style = config.addressing_style or ("path" if endpoint_url else "auto")
-        boto_cfg = BotoConfig(
-            retries={"mode": "standard", "total_max_attempts": config.max_attempts},
-            connect_timeout=config.connect_timeout_s,
-            read_timeout=config.read_timeout_s,
-            s3={"addressing_style": style},
-            # No trailing CRC checksums (third-party servers differ in support); uploads carry
-            # Content-MD5 instead, which all of them check.
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-        )
-        session = boto3.session.Session(profile_name=config.profile)
-        return session.client("s3", endpoint_url=endpoint_url, region_name=region, config=boto_cfg)
-
-    def __repr__(self) -> str:
-        where = f" at {self.endpoint_url}" if self.endpoint_url else ""
-        return f"S3Store(s3://{self.bucket}/{self.prefix}{where})"
-
-    def _full(self, key: str) -> str:
-        validate_key(key)
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def _fail(self, op: str, key: str, e: Exception) -> StoreError:
-        return StoreError(f"{self}: {op} {key!r} failed: {_describe(e)}")
-
-    def put(self, key: str, data: bytes) -> None:
-        full, data = self._full(key), _as_bytes(data)
-        for attempt in range(self.config.max_attempts):
-            try:
-                if len(data) >= self.config.multipart_threshold:
-                    self._multipart(full, data, {})
-                else:
-                    self._client.put_object(Bucket=self.bucket, Key=full, Body=data, ContentMD5=_md5(data))
-                return
-            except Exception as e:
-                if _error_code(e) in _RESEND_CODES and attempt + 1 < self.config.max_attempts:
-                    _sleep_backoff(attempt)
-                    continue
-                raise self._fail("put", key, e) from e
-
-    def put_if_absent(self, key: str, data: bytes) -> bool:
-        full, data = self._full(key), _as_bytes(data)
-        for attempt in range(self.config.max_attempts):
-            try:
-                if len(data) >= self.config.multipart_threshold:
-                    self._multipart(full, data, {"IfNoneMatch": "*"})
-                else:
-                    self._client.put_object(Bucket=self.bucket, Key=full, Body=data, IfNoneMatch="*",
-                                            ContentMD5=_md5(data))
-                return True
-            except Exception as e:
-                code = _error_code(e)
-                if code in _PRECONDITION_CODES:
-                    # After a retried request the winner may be our own first attempt.
-                    if _retry_attempts(e) > 0 and self._get_quiet(full) == data:
-                        return True
-                    return False
-                if code in _CONFLICT_CODES | _RESEND_CODES and attempt + 1 < self.config.max_attempts:
-                    _sleep_backoff(attempt)  # S3 asks callers to retry racing conditional writes
-                    continue
-                raise self._fail("put_if_absent", key, e) from e
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _multipart(self, full: str, data: bytes, complete_args: dict[str, str]) -> Any:
-        c, size = self._client, self.config.part_size
-        upload_id = c.create_multipart_upload(Bucket=self.bucket, Key=full)["UploadId"]
-        try:
-            parts = []
-            for n, start in enumerate(range(0, len(data), size), start=1):
-                part = data[start:start + size]
-                r = c.upload_part(Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=n, Body=part,
-                                  ContentMD5=_md5(part))
-                parts.append({"PartNumber": n, "ETag": r["ETag"]})
-            return c.complete_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id,
-                                               MultipartUpload={"Parts": parts}, **complete_args)
-        except BaseException:
-            try:
-                c.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
-            except Exception:
-                pass  # the bucket's lifecycle rules clean up what an abort cannot
-            raise
-
-    def _get_quiet(self, full: str) -> bytes | None:
-        try:
-            return self._client.get_object(Bucket=self.bucket, Key=full)["Body"].read()
-        except Exception:
-            return None
-
-    def get(self, key: str) -> bytes:
-        full = self._full(key)
-        from botocore.exceptions import ClientError
-
-        for attempt in range(self.config.max_attempts):
-            try:
-                resp = self._client.get_object(Bucket=self.bucket, Key=full)
-                body = resp["Body"].read()
-                expected = resp.get("ContentLength")
-                if expected is not None and len(body) != expected:
-                    raise _ShortRead(f"read {len(body)} of {expected} bytes")
-                return body
-            except ClientError as e:
-                if _error_code(e) in _MISSING_CODES:
-                    raise KeyNotFound(f"{self}: no object {key!r}") from None
-                raise self._fail("get", key, e) from e
-            except Exception as e:
-                # botocore retries the request but not a body stream that breaks midway.
-                if attempt + 1 >= self.config.max_attempts:
-                    raise self._fail("get", key, e) from e
-                _sleep_backoff(attempt)
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def exists(self, key: str) -> bool:
-        full = self._full(key)
-        try:
-            self._client.head_object(Bucket=self.bucket, Key=full)
-            return True
-        except Exception as e:
-            if _error_code(e) in _MISSING_CODES:
-                return False
-            raise self._fail("exists", key, e) from e
-
-    def list(self, prefix: str = "") -> list[str]:
-        prefix = _validate_prefix(prefix)
-        base = f"{self.prefix}/" if self.prefix else ""
-        out = []
-        try:
-            pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base + prefix)
-            for page in pages:
-                out.extend(obj["Key"][len(base):] for obj in page.get("Contents", ()))
-        except Exception as e:
-            raise self._fail("list", prefix, e) from e
-        return sorted(out)
-
-    def delete(self, key: str) -> None:
-        full = self._full(key)
-        try:
-            self._client.delete_object(Bucket=self.bucket, Key=full)
-        except Exception as e:
-            if _error_code(e) in _MISSING_CODES:
-                return
-            raise self._fail("delete", key, e) from e
-
-
-class _ShortRead(IOError):
-    pass
-
-
-def _error_code(e: Exception) -> str | None:
-    """The S3 error code, or the HTTP status as a string when the server gave no code."""
-    resp = getattr(e, "response", None)
-    if not isinstance(resp, dict):
-        return None
-    code = resp.get("Error", {}).get("Code")
-    status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return code or (str(status) if status else None)
-
-
-def _md5(data: bytes) -> str:
-    # Content-MD5 lets every S3-compatible server reject a body damaged in transit.
-    return base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode()
-
-
-def _retry_attempts(e: Exception) -> int:
-    resp = getattr(e, "response", None) or {}
-    return int(resp.get("ResponseMetadata", {}).get("RetryAttempts", 0) or 0)
-
-
-def _describe(e: Exception) -> str:
-    code = _error_code(e)
-    return f"{code}: {e}" if code else f"{type(e).__name__}: {e}"
-
-
-def _sleep_backoff(attempt: int, base: float = 0.1, cap: float = 10.0) -> None:
-    time.sleep(random.uniform(0, min(cap, base * 2**attempt)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -555,13 +498,15 @@ def _sleep_backoff(attempt: int, base: float = 0.1, cap: float = 10.0) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def open_store(url: str | os.PathLike[str], *, s3_config: S3Config = S3Config()) -> LocalStore | S3Store:
+def open_store(url: str | os.PathLike[str], *, s3_config: S3Config | None = None) -> LocalStore | S3Store:
     """Open a store from a location string.
 
     * ``/some/dir``, ``relative/dir`` or ``file:///some/dir``: a :class:`LocalStore`.
     * ``s3://bucket`` or ``s3://bucket/prefix``: an :class:`S3Store`. The endpoint comes from
       ``?endpoint=URL`` in the URL, else ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` (unset
       means AWS itself); the region from ``?region=`` or the standard AWS settings.
+      Credentials may ride in the URL (``s3://KEY:SECRET@bucket/prefix``) or the endpoint's
+      userinfo (``?endpoint=https://KEY:SECRET@host``); they are never shown in reprs or errors.
     """
     if isinstance(url, os.PathLike):
         return LocalStore(url)
@@ -571,15 +516,42 @@ def open_store(url: str | os.PathLike[str], *, s3_config: S3Config = S3Config())
     if parsed.scheme == "file":
         return LocalStore(parsed.netloc + parsed.path)
     if parsed.scheme == "s3":
-        if not parsed.netloc:
-            raise ValueError(f"{url!r}: an s3:// URL needs a bucket name")
+        creds = None
+        userinfo, at, bucket = parsed.netloc.rpartition("@")
+        if at:
+            user, sep, secret = userinfo.partition(":")
+            if not (user and sep and secret):
+                raise ValueError("an s3:// URL with credentials needs both: s3://KEY:SECRET@bucket/prefix")
+            creds = (unquote(user), unquote(secret))
+        shown = _redact_url(url)
+        if not bucket:
+            raise ValueError(f"{shown!r}: an s3:// URL needs a bucket name")
         query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
         unknown = set(query) - {"endpoint", "region"}
         if unknown:
-            raise ValueError(f"{url!r}: unknown query parameters {sorted(unknown)} (known: endpoint, region)")
+            raise ValueError(f"{shown!r}: unknown query parameters {sorted(unknown)} (known: endpoint, region)")
         endpoint = query.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
-        return S3Store(parsed.netloc, parsed.path.strip("/"), endpoint_url=endpoint, region=query.get("region"),
-                       config=s3_config)
+        from stoa.transport.s3 import S3Config, S3Store
+
+        try:
+            return S3Store(bucket, parsed.path.strip("/"), endpoint_url=endpoint, region=query.get("region"),
+                           config=s3_config or S3Config(), credentials=creds)
+        except ValueError as e:
+            raise ValueError(f"{shown!r}: {_redact_url(str(e))}") from None
     if parsed.scheme and len(parsed.scheme) > 1:  # one letter: a Windows drive
-        raise ValueError(f"{url!r}: unsupported store scheme {parsed.scheme!r} (use a path, file:// or s3://)")
+        raise ValueError(f"{_redact_url(url)!r}: unsupported store scheme {parsed.scheme!r} (use a path, file:// or s3://)")
     return LocalStore(url)
+
+
+def _redact_url(text: str) -> str:
+    """Blank the userinfo of every URL in ``text`` (``scheme://KEY:SECRET@`` -> ``scheme://***@``)."""
+    return re.sub(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s?#]*@", r"\1***@", text)
+
+
+def __getattr__(name: str) -> Any:
+    # S3Config and S3Store live in stoa.transport.s3 (imported on first use: it needs boto3 only then).
+    if name in ("S3Config", "S3Store"):
+        from stoa.transport import s3
+
+        return getattr(s3, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
