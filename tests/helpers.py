@@ -26,3 +26,55 @@ def random_episodes(n: int, vocab: int, seed: int = 0, temperature: float | None
         out.append(Episode(rng.integers(0, vocab, int(rng.integers(2, 16))), segs, reward=float(rng.random()),
                            group_id=str(i // 4), sample_index=i % 4, temperature=t))
     return out
+
+
+TINY_FLEET: dict = {
+    "seed": 3,
+    "model": {"tiny": {"vocab_size": 700, "hidden_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
+                       "intermediate_size": 128}},
+    "env": {"id": "stoa/SyntheticSearch-v0",
+            "kwargs": {"num_entities": 30, "facts_per_entity": 3, "num_test_facts": 10, "seed": 5}},
+    "warmstart": {"practice_steps": 2, "practice_worlds": 2, "steps": 2, "mix": {"oracle": 0.25, "guess": 0.75},
+                  "batch_size": 8, "practice_answer_only": 4},
+    "rollout": {"group_size": 2, "groups_per_cohort": 2, "max_turn_tokens": 8, "max_episode_tokens": 160,
+                "max_batch": 8, "poll_seconds": 0.1},
+    "trainer": {"steps": 6, "groups_per_step": 2, "max_lag": 3, "checkpoint_every": 2, "threads": 1,
+                "poll_seconds": 0.05, "reward_range": [0.0, 1.0]},
+    "learner": {"lr": 1e-3},
+    "pulse": {"anchor_every": 4},
+    "eval": {"every": 100, "num_questions": 4, "samples": 1},
+    "fleet": {"workers": 2},
+}
+"""The fleet tests' run: a 1-layer tiny model on a 30-entity synthetic task, groups of 2, a few steps."""
+
+
+def tiny_fleet_config(name: str, **sections: dict) -> str:
+    """:data:`TINY_FLEET` as TOML, named ``name``, with each section updated by ``sections``
+    (``trainer={"steps": 2}``; a nested table such as ``learner={"megatron": {...}}`` is merged too)."""
+    def merge(base: dict, over: dict) -> dict:
+        out = dict(base)
+        for k, v in over.items():
+            out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "mix" else v
+        return out
+
+    return _toml({"name": name, **merge(TINY_FLEET, sections)})
+
+
+def _toml(table: dict, prefix: str = "") -> str:
+    def value(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
+        return repr(v)
+
+    inline = {k: v for k, v in table.items() if not (isinstance(v, dict) and k not in ("kwargs", "mix"))}
+    lines = [f"{k} = {value(v)}" for k, v in inline.items()]
+    for k, v in table.items():
+        if k not in inline:
+            lines += ["", f"[{prefix}{k}]", _toml(v, f"{prefix}{k}.")]
+    return "\n".join(lines).strip("\n") + "\n"

@@ -28,68 +28,13 @@ from stoa.transport.pulse import state_hash
 from stoa.transport.store import LocalStore
 from stoa.types import Episode, Segment, encode_episodes
 
+from helpers import tiny_fleet_config
+
 pytestmark = pytest.mark.slow
-
-TINY = """
-name = "{name}"
-seed = 3
-
-[model.tiny]
-vocab_size = 700
-hidden_size = 64
-num_layers = 1
-num_heads = 2
-num_kv_heads = 1
-intermediate_size = 128
-
-[env]
-id = "stoa/SyntheticSearch-v0"
-kwargs = {{ num_entities = 30, facts_per_entity = 3, num_test_facts = 10, seed = 5 }}
-
-[warmstart]
-practice_steps = 2
-practice_worlds = 2
-steps = 2
-mix = {{ oracle = 0.25, guess = 0.75 }}
-batch_size = 8
-practice_answer_only = 4
-
-[rollout]
-group_size = 2
-groups_per_cohort = 2
-max_turn_tokens = 8
-max_episode_tokens = 160
-max_batch = 8
-poll_seconds = 0.1
-
-[trainer]
-steps = {steps}
-groups_per_step = 2
-max_lag = {max_lag}
-checkpoint_every = 2
-threads = 1
-poll_seconds = 0.05
-reward_range = [0.0, 1.0]
-
-[learner]
-lr = 1e-3
-
-[pulse]
-anchor_every = 4
-
-[eval]
-every = 100
-num_questions = 4
-samples = 1
-
-[fleet]
-workers = 2
-"""
-
 
 def write_config(tmp: Path, name: str = "fleet-test", steps: int = 6, max_lag: int = 3) -> Path:
     p = tmp / f"{name}.toml"
-    p.write_text(TINY.format(name=name, steps=steps, max_lag=max_lag))
+    p.write_text(tiny_fleet_config(name, trainer={"steps": steps, "max_lag": max_lag}))
     return p
 
 

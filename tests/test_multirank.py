@@ -33,6 +33,8 @@ import pytest
 
 from stoa.fleet.config import ConfigError, RunConfig, load_config
 
+from helpers import tiny_fleet_config
+
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 TINY = dict(vocab_size=400, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -146,64 +148,12 @@ def test_two_ranks_match_a_single_rank_run_after_three_rl_steps(layout, model_di
 
 # -- the fleet: torchrun stoa trainer + a real worker ------------------------------------------------
 
-FLEET = """
-name = "multirank"
-seed = 3
-
-[model.tiny]
-vocab_size = 700
-hidden_size = 64
-num_layers = 2
-num_heads = 2
-num_kv_heads = 2
-intermediate_size = 128
-
-[env]
-id = "stoa/SyntheticSearch-v0"
-kwargs = {{ num_entities = 30, facts_per_entity = 3, num_test_facts = 10, seed = 5 }}
-
-[warmstart]
-practice_steps = 2
-practice_worlds = 2
-steps = 2
-mix = {{ oracle = 0.25, guess = 0.75 }}
-batch_size = 8
-practice_answer_only = 4
-
-[rollout]
-group_size = 2
-groups_per_cohort = 2
-max_turn_tokens = 8
-max_episode_tokens = 160
-max_batch = 8
-poll_seconds = 0.1
-
-[trainer]
-steps = {steps}
-groups_per_step = 2
-max_lag = 3
-checkpoint_every = 2
-threads = 1
-poll_seconds = 0.05
-reward_range = [0.0, 1.0]
-
-[learner]
-kind = "megatron"
-lr = 1e-3
-device = "cpu"
-
-[learner.megatron]
-tensor_parallel = {tp}
-timeout_s = 120
-
-[pulse]
-anchor_every = 4
-
-[eval]
-every = 100
-num_questions = 4
-samples = 1
-"""
+def fleet_config(steps: int, tp: int) -> str:
+    """The fleet tests' run with a 2-layer model (TP=2 splits its 2 kv heads) on the Megatron learner."""
+    return tiny_fleet_config("multirank", model={"tiny": {"num_layers": 2, "num_kv_heads": 2}},
+                             trainer={"steps": steps},
+                             learner={"kind": "megatron", "device": "cpu",
+                                      "megatron": {"tensor_parallel": tp, "timeout_s": 120}})
 
 
 class Job:
@@ -214,7 +164,7 @@ class Job:
 
         self.tmp = tmp
         self.config = tmp / "run.toml"
-        self.config.write_text(FLEET.format(steps=steps, tp=tp))
+        self.config.write_text(fleet_config(steps, tp))
         self.cfg = load_config(self.config)
         self.store_dir, self.run_dir, self.pids = tmp / "store", tmp / "run", tmp / "pids"
         self.key, self.pub = save_keypair(generate_private_key(), tmp / "keys", "run")

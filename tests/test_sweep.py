@@ -13,62 +13,13 @@ import pytest
 
 from stoa.fleet.sweep import SweepError, load_sweep, plan_cells, validate
 
+from helpers import tiny_fleet_config
+
 ROOT = Path(__file__).resolve().parents[1]
 
-# The fleet tests' tiny model and task; zero-variance groups are trained so that every step logs
-# the objective's metrics even before the tiny model earns any reward.
-TINY = """
-name = "tiny"
-seed = 3
-
-[model.tiny]
-vocab_size = 700
-hidden_size = 64
-num_layers = 1
-num_heads = 2
-num_kv_heads = 1
-intermediate_size = 128
-
-[env]
-id = "stoa/SyntheticSearch-v0"
-kwargs = { num_entities = 30, facts_per_entity = 3, num_test_facts = 10, seed = 5 }
-
-[warmstart]
-practice_steps = 2
-practice_worlds = 2
-steps = 2
-mix = { oracle = 0.25, guess = 0.75 }
-batch_size = 8
-practice_answer_only = 4
-
-[rollout]
-group_size = 2
-groups_per_cohort = 2
-max_turn_tokens = 8
-max_episode_tokens = 160
-max_batch = 8
-poll_seconds = 0.1
-
-[trainer]
-steps = 2
-groups_per_step = 2
-checkpoint_every = 2
-threads = 1
-poll_seconds = 0.05
-reward_range = [0.0, 1.0]
-skip_zero_variance_groups = false
-
-[learner]
-lr = 1e-3
-
-[eval]
-every = 100
-num_questions = 4
-samples = 1
-
-[fleet]
-workers = 1
-"""
+# The fleet tests' tiny run; zero-variance groups are trained so that every step logs the
+# objective's metrics even before the tiny model earns any reward.
+TINY = tiny_fleet_config("tiny", trainer={"steps": 2, "skip_zero_variance_groups": False}, fleet={"workers": 1})
 
 
 def write(tmp: Path, sweep: str) -> Path:

@@ -22,59 +22,15 @@ from stoa.transport.identity import enroll_worker, load_or_create_worker_key, re
 from stoa.transport.signing import generate_private_key, key_id, save_keypair
 from stoa.transport.store import LocalStore
 
+from helpers import tiny_fleet_config
+
 pytestmark = pytest.mark.slow
 
-CONFIG = """
-name = "trust"
-seed = 3
-
-[model.tiny]
-vocab_size = 700
-hidden_size = 64
-num_layers = 1
-num_heads = 2
-num_kv_heads = 1
-intermediate_size = 128
-
-[env]
-id = "stoa/SyntheticSearch-v0"
-kwargs = { num_entities = 30, facts_per_entity = 3, num_test_facts = 10, seed = 5 }
-
-[warmstart]
-practice_steps = 2
-practice_worlds = 2
-steps = 2
-mix = { oracle = 0.5, guess = 0.5 }
-batch_size = 8
-
-[rollout]
-group_size = 2
-groups_per_cohort = 2
-max_turn_tokens = 8
-max_episode_tokens = 160
-max_batch = 8
-poll_seconds = 0.1
-
-[trainer]
-steps = 12
-groups_per_step = 2
-max_lag = 3
-checkpoint_every = 4
-threads = 1
-poll_seconds = 0.05
-reward_range = [0.0, 1.0]
-skip_zero_variance_groups = false
-
-[eval]
-every = 100
-num_questions = 4
-samples = 1
-
-[trust]
-mode = "enrolled"
-max_worker_share = 0.5
-ban_after = 2
-"""
+CONFIG = tiny_fleet_config(
+    "trust", warmstart={"mix": {"oracle": 0.5, "guess": 0.5}, "practice_answer_only": 0},
+    trainer={"steps": 12, "checkpoint_every": 4, "skip_zero_variance_groups": False},
+    learner={"lr": 1e-5}, pulse={"anchor_every": 50},
+    trust={"mode": "enrolled", "max_worker_share": 0.5, "ban_after": 2})
 
 BAN_WITHIN_VERSIONS = 8
 """Every adversary that is banned is banned by this version of the 12-version run."""

@@ -193,6 +193,35 @@ def tokenizer_texts(data: SyntheticData) -> Iterator[str]:
                + format_information(hits) + answer_turn(row["answer"]))
 
 
+def corpus_env_parts(name: str, config_cls: type, make_corpus: Any, split: str, config: Any, backend: str,
+                     kwargs: dict[str, Any]) -> tuple[Any, tuple, Any, SearchConfig]:
+    """What a generated-corpus search env is built from: ``(data, questions, retriever, protocol)``.
+
+    ``kwargs`` holds ``config_cls`` fields (the corpus; not together with ``config``) and
+    :class:`SearchConfig` fields (the protocol); the corpus, its questions and its index are cached
+    per process under ``name``.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    corpus_fields = {f.name for f in fields(config_cls)}
+    overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in corpus_fields}
+    if config is not None and overrides:
+        raise ValueError(f"give either config= or its fields {sorted(overrides)}, not both")
+    config = config or config_cls(**overrides)
+    protocol_fields = {f.name for f in fields(SearchConfig)}
+    if set(kwargs) - protocol_fields:
+        raise TypeError(f"unknown arguments {sorted(set(kwargs) - protocol_fields)}")
+    protocol = SearchConfig(**{"prompt_template": SHORT_TEMPLATE, "invalid_feedback": SHORT_INVALID, **kwargs})
+    if backend not in ("bm25s", "rank_bm25"):
+        raise ValueError(f"backend must be 'bm25s' or 'rank_bm25', got {backend!r}")
+    data = _data.cached((name, config), lambda: make_corpus(config))
+    questions = _data.cached((f"{name}-questions", config, split), lambda: tuple(
+        _data.question_from_row(r, i, split) for i, r in enumerate(data.split(split))))
+    cls = BM25SRetriever if backend == "bm25s" else RankBM25Retriever
+    retriever = _data.cached((f"{name}-index", config, backend), lambda: cls.build(data.docs))
+    return data, questions, retriever, protocol
+
+
 class SyntheticSearchEnv(SearchEnv):
     """``stoa/SyntheticSearch-v0``: the search protocol over :func:`generate`'s corpus.
 
@@ -207,24 +236,8 @@ class SyntheticSearchEnv(SearchEnv):
 
     def __init__(self, split: str = "train", *, config: SyntheticConfig | None = None, backend: str = "bm25s",
                  **kwargs: Any) -> None:
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-        corpus_fields = {f.name for f in fields(SyntheticConfig)}
-        overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in corpus_fields}
-        if config is not None and overrides:
-            raise ValueError(f"give either config= or its fields {sorted(overrides)}, not both")
-        config = config or SyntheticConfig(**overrides)
-        protocol_fields = {f.name for f in fields(SearchConfig)}
-        if set(kwargs) - protocol_fields:
-            raise TypeError(f"unknown arguments {sorted(set(kwargs) - protocol_fields)}")
-        protocol = SearchConfig(**{"prompt_template": SHORT_TEMPLATE, "invalid_feedback": SHORT_INVALID, **kwargs})
-        if backend not in ("bm25s", "rank_bm25"):
-            raise ValueError(f"backend must be 'bm25s' or 'rank_bm25', got {backend!r}")
-        data = _data.cached(("synthetic", config), lambda: generate(config))
-        questions = _data.cached(("synthetic-questions", config, split), lambda: tuple(
-            _data.question_from_row(r, i, split) for i, r in enumerate(data.split(split))))
-        cls = BM25SRetriever if backend == "bm25s" else RankBM25Retriever
-        retriever = _data.cached(("synthetic-index", config, backend), lambda: cls.build(data.docs))
+        data, questions, retriever, protocol = corpus_env_parts("synthetic", SyntheticConfig, generate, split,
+                                                                config, backend, kwargs)
         self.data = data
         self._rows = data.split(split)
         super().__init__(questions, retriever, protocol)

@@ -40,23 +40,21 @@ distractors and second hops defeat).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
-from stoa.envs import data as _data
 from stoa.envs.papersearch import (
     SEARCH_R1_INVALID,
     SEARCH_R1_TEMPLATE,
-    SearchConfig,
     SearchEnv,
     answer_turn,
     format_information,
     normalize_answer,
     search_turn,
 )
-from stoa.envs.retrieval import BM25SRetriever, Document, RankBM25Retriever
+from stoa.envs.retrieval import Document
 from stoa.envs.synthetic import (
     _CELLS,
     _MAX_NAMES,
@@ -64,6 +62,7 @@ from stoa.envs.synthetic import (
     SHORT_INVALID,
     SHORT_TEMPLATE,
     _names,
+    corpus_env_parts,
 )
 
 __all__ = ["ISOFORMS", "PARAPHRASES", "HardConfig", "HardData", "SyntheticSearchHardEnv", "generate_hard"]
@@ -240,24 +239,8 @@ class SyntheticSearchHardEnv(SearchEnv):
 
     def __init__(self, split: str = "train", *, config: HardConfig | None = None, backend: str = "bm25s",
                  **kwargs: Any) -> None:
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-        corpus_fields = {f.name for f in fields(HardConfig)}
-        overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in corpus_fields}
-        if config is not None and overrides:
-            raise ValueError(f"give either config= or its fields {sorted(overrides)}, not both")
-        config = config or HardConfig(**overrides)
-        protocol_fields = {f.name for f in fields(SearchConfig)}
-        if set(kwargs) - protocol_fields:
-            raise TypeError(f"unknown arguments {sorted(set(kwargs) - protocol_fields)}")
-        protocol = SearchConfig(**{"prompt_template": SHORT_TEMPLATE, "invalid_feedback": SHORT_INVALID, **kwargs})
-        if backend not in ("bm25s", "rank_bm25"):
-            raise ValueError(f"backend must be 'bm25s' or 'rank_bm25', got {backend!r}")
-        data = _data.cached(("synthetic-hard", config), lambda: generate_hard(config))
-        questions = _data.cached(("synthetic-hard-questions", config, split), lambda: tuple(
-            _data.question_from_row(r, i, split) for i, r in enumerate(data.split(split))))
-        cls = BM25SRetriever if backend == "bm25s" else RankBM25Retriever
-        retriever = _data.cached(("synthetic-hard-index", config, backend), lambda: cls.build(data.docs))
+        data, questions, retriever, protocol = corpus_env_parts("synthetic-hard", HardConfig, generate_hard, split,
+                                                                config, backend, kwargs)
         self.data = data
         self._rows = data.split(split)
         self._retrieved = False
