@@ -345,3 +345,20 @@ def test_sync_to_an_older_version_of_the_chain_for_forced_staleness(tmp_path):
     assert res.version == 5 and state_hash(res.state) == hashes[5] and res.inplace
     res = sub.sync((res.version, res.state), apply_inplace=True, version=99)  # not older than the head: head
     assert res.version == 6 and state_hash(res.state) == hashes[6]
+
+
+def test_a_payload_deleted_mid_sync_bans_that_route_instead_of_retrying_it(tmp_path, key):
+    """Retention can delete the planned anchor while a slow follower syncs: the next plan must
+    route around it (an older anchor plus deltas), not pick the same dead route again."""
+    from stoa.transport.manifest import Layout
+
+    store = LocalStore(tmp_path)
+    states = make_chain(9)
+    pub = WeightPublisher(store, RUN, key, anchor_every=4, keep_anchors=None)
+    for v, s in sorted(states.items()):
+        pub.publish(v, s)
+    sub = WeightSubscriber(store, RUN, key.public_key())
+    store.delete(Layout(RUN).payload(9, "anchor"))  # the newest anchor: the cheapest route to 9
+    res = sub.sync(None)
+    assert res.version == 9 and same(res.state, states[9])
+    assert (5, "anchor") in res.applied and any("is gone" in p for p in res.problems)

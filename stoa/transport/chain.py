@@ -728,6 +728,9 @@ class WeightSubscriber:
             except ObjectTooLarge as e:
                 raise _Corrupt((m.version, kind), f"{key}: {e.size} bytes, the signed manifest says {entry.bytes} "
                                                   "(not downloaded); routing around it") from None
+            except KeyNotFound:  # deleted by retention under us: ban this route so the next plan differs
+                raise _Corrupt((m.version, kind), f"{key} is gone (retention deleted it while syncing); "
+                                                  "planning another route") from None
             if len(blob) == entry.bytes and _sha(blob) == entry.sha256:
                 return blob
             msg = (f"{key}: {len(blob)} bytes with sha256 {_sha(blob)[:12]}..., the signed manifest says "
