@@ -360,7 +360,7 @@ class CrashingStore:
 
 def test_crash_between_any_two_writes(tmp_path, key):
     states = make_chain(6, seed=3)
-    kw = dict(anchor_every=2, keep_anchors=1)
+    kw = dict(anchor_every=2, keep_anchors=1, keep_seconds=0)
     counter = CrashingStore(LocalStore(tmp_path / "count"))
     publish_all(counter, key, states, **kw)
     total = counter.ops
@@ -402,7 +402,7 @@ def test_crash_between_any_two_writes(tmp_path, key):
 def test_retention_keeps_what_joiners_need(tmp_path, key):
     states = make_chain(12, seed=5)
     store = LocalStore(tmp_path)
-    publish_all(store, key, states, anchor_every=4, keep_anchors=2)
+    publish_all(store, key, states, anchor_every=4, keep_anchors=2, keep_seconds=0)
     versions = sorted({int(k.split("/")[3]) for k in store.list(f"{RUN}/weights/")})
     assert versions == list(range(5, 13))  # anchors 5 and 9 kept, 1-4 deleted at anchor 9
     sub = WeightSubscriber(store, RUN, key.public_key())
@@ -507,3 +507,15 @@ def test_tiny_model_states_through_the_chain(tmp_path, key, tiny_model):
     r = sub.sync((5, live), apply_inplace=True)
     assert r.inplace and r.applied == [(6, "delta")] and live is r.state
     assert pulse.state_hash(live) == sub.manifest(6).state_hash
+
+
+def test_retention_keeps_recent_versions_for_slow_followers(tmp_path, key):
+    """With an anchor every version, keep_anchors alone would delete the anchor a slow follower
+    planned a minute ago; keep_seconds keeps everything published that recently."""
+    states = make_chain(6, seed=7)
+    store = LocalStore(tmp_path)
+    publish_all(store, key, states, anchor_every=1, keep_anchors=1, keep_seconds=3600)
+    assert sorted({int(k.split("/")[3]) for k in store.list(f"{RUN}/weights/")}) == [1, 2, 3, 4, 5, 6]
+    pub = WeightPublisher(store, RUN, key, anchor_every=1, keep_anchors=1)
+    assert pub.gc(keep_anchors=1, keep_seconds=0).deleted  # the floor is what kept them
+    assert sorted({int(k.split("/")[3]) for k in store.list(f"{RUN}/weights/")}) == [6]

@@ -205,7 +205,7 @@ def test_apply_deltas_verified_writes_nothing_unless_the_hash_matches(key):
 
 def test_foreign_keys_under_weights_are_skipped_and_reported(store, key):
     states = make_chain(6, seed=2)
-    pub = WeightPublisher(store, RUN, key, anchor_every=2, keep_anchors=1)
+    pub = WeightPublisher(store, RUN, key, anchor_every=2, keep_anchors=1, keep_seconds=0)
     for v in range(1, 4):
         pub.publish(v, states[v])
     foreign = [vkey(1, "notes.txt"), f"{RUN}/weights/junk", f"{RUN}/weights/00000000002x/manifest.json"]

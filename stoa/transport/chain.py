@@ -194,6 +194,9 @@ class WeightPublisher:
             this fraction of the state's bytes (in (0, 1]).
         keep_anchors: after each anchor, :meth:`gc` keeps this many newest anchors and what
             follows them; None keeps everything.
+        keep_seconds: :meth:`gc` also keeps every version published within this many seconds
+            (and the anchor they descend from), so a follower on a slow link is not left holding a
+            plan whose anchor was deleted mid-download (anchors every version make that likely).
 
     A publisher that starts on a run that already has versions resumes from the pointer: it
     syncs the head state from the store (verifying it) to diff the next version against,
@@ -204,13 +207,16 @@ class WeightPublisher:
     """
 
     def __init__(self, store: ObjectStore, run: str, private_key: Any, anchor_every: int = 50,
-                 anchor_if_delta_over: float = 0.5, keep_anchors: int | None = 2):
+                 anchor_if_delta_over: float = 0.5, keep_anchors: int | None = 2, keep_seconds: float = 600.0):
         if not isinstance(anchor_every, int) or anchor_every < 1:
             raise ValueError(f"anchor_every must be an int >= 1, got {anchor_every!r}")
         if not 0 < anchor_if_delta_over <= 1:
             raise ValueError(f"anchor_if_delta_over must lie in (0, 1], got {anchor_if_delta_over}")
         if keep_anchors is not None and keep_anchors < 1:
             raise ValueError("keep_anchors must be >= 1 or None")
+        if not keep_seconds >= 0:
+            raise ValueError(f"keep_seconds must be >= 0, got {keep_seconds}")
+        self.keep_seconds = float(keep_seconds)
         self.store, self._keys = store, Layout(run)
         self.run = self._keys.run
         self._key = load_private_key(private_key)
@@ -325,7 +331,7 @@ class WeightPublisher:
         problems: list[str] = []
         if anchor is not None and self.keep_anchors is not None:
             try:
-                problems += self.gc(self.keep_anchors).skipped
+                problems += self.gc(self.keep_anchors, self.keep_seconds).skipped
             except (StoreError, ChainError, SignatureError, ValueError) as e:  # committed: report, never raise
                 problems.append(f"retention after version {version} failed: {type(e).__name__}: {e}")
             for p in problems:
@@ -334,11 +340,12 @@ class WeightPublisher:
                              None if delta is None else len(delta), None if anchor is None else len(anchor),
                              time.perf_counter() - t0, h, problems)
 
-    def gc(self, keep_anchors: int = 2) -> Retention:
+    def gc(self, keep_anchors: int = 2, keep_seconds: float = 0.0) -> Retention:
         """Delete versions no joiner can still need.
 
         Keeps, along the chain from the pointer down, every version from the
-        ``keep_anchors``-th newest anchor up; deletes older versions and orphans below the
+        ``keep_anchors``-th newest anchor up, and further down every version published in the
+        last ``keep_seconds`` down to the anchor it descends from; deletes older versions and orphans below the
         pointer (a crash's uncommitted leftovers). Never touches versions above the pointer
         (a publish in progress), nor any key that is not this chain's layout (those are
         reported in ``Retention.skipped``). Manifests go before their payloads, so readers never
@@ -351,13 +358,13 @@ class WeightPublisher:
         skipped: list[str] = []
         if ptr is None:
             return Retention([], skipped)
-        keep, anchors = set(), 0
+        keep, anchors, now = set(), 0, time.time()
         m = sub._pinned(ptr.version, ptr.manifest_sha256, problems)
         while m is not None:
             keep.add(m.version)
             if m.anchor is not None:
                 anchors += 1
-                if anchors >= keep_anchors:
+                if anchors >= keep_anchors and now - m.created >= keep_seconds:
                     break
             if m.parent is None:
                 break
