@@ -78,3 +78,59 @@ def _toml(table: dict, prefix: str = "") -> str:
         if k not in inline:
             lines += ["", f"[{prefix}{k}]", _toml(v, f"{prefix}{k}.")]
     return "\n".join(lines).strip("\n") + "\n"
+
+
+_ARITHMETIC = """
+name = "{name}"
+seed = 1
+
+[model.tiny]
+vocab_size = 400
+hidden_size = 64
+num_layers = 1
+num_heads = 2
+num_kv_heads = 1
+intermediate_size = 128
+
+[env]
+module = "{module}"
+id = "example/Arithmetic-v0"
+kwargs = {{ size = 40 }}
+
+[warmstart]
+practice_steps = 2
+practice_worlds = 2
+steps = 2
+mix = {{ oracle = 0.5, guess = 0.5 }}
+batch_size = 8
+
+[rollout]
+group_size = 4
+groups_per_cohort = 2
+max_turn_tokens = 16
+max_episode_tokens = 128
+max_batch = 8
+
+[trainer]
+steps = 3
+groups_per_step = 2
+threads = 1
+reward_range = [0.0, 1.0]
+skip_zero_variance_groups = false
+
+[eval]
+every = 100
+num_questions = 4
+samples = 1
+
+[fleet]
+workers = 1
+"""
+
+
+def arithmetic_config(name: str) -> str:
+    """A few-step `stoa train` run of examples/custom_env.py's task (the fleet's smallest real run)."""
+    from pathlib import Path
+
+    module = Path(__file__).resolve().parents[1] / "examples" / "custom_env.py"
+    return _ARITHMETIC.format(name=name, module=module)

@@ -28,7 +28,7 @@ from stoa.transport.pulse import state_hash
 from stoa.transport.store import LocalStore
 from stoa.types import Episode, Segment, encode_episodes
 
-from helpers import tiny_fleet_config
+from helpers import arithmetic_config, tiny_fleet_config
 
 pytestmark = pytest.mark.slow
 
@@ -373,60 +373,11 @@ def test_poisoned_batches_are_quarantined_and_a_killed_trainer_trains_on(fleet):
     assert len(trained) == len(set(trained)) and not any(g.startswith("p-") for g in trained)
 
 
-ARITHMETIC = """
-name = "arith"
-seed = 1
-
-[model.tiny]
-vocab_size = 400
-hidden_size = 64
-num_layers = 1
-num_heads = 2
-num_kv_heads = 1
-intermediate_size = 128
-
-[env]
-module = "{module}"
-id = "example/Arithmetic-v0"
-kwargs = {{ size = 40 }}
-
-[warmstart]
-practice_steps = 2
-practice_worlds = 2
-steps = 2
-mix = {{ oracle = 0.5, guess = 0.5 }}
-batch_size = 8
-
-[rollout]
-group_size = 4
-groups_per_cohort = 2
-max_turn_tokens = 16
-max_episode_tokens = 128
-max_batch = 8
-
-[trainer]
-steps = 3
-groups_per_step = 2
-threads = 1
-reward_range = [0.0, 1.0]
-skip_zero_variance_groups = false
-
-[eval]
-every = 100
-num_questions = 4
-samples = 1
-
-[fleet]
-workers = 1
-"""
-
-
 def test_a_researchers_own_env_trains_end_to_end(tmp_path):
     """`stoa train` on examples/custom_env.py's task: the runtime builds a tiny model from the env's
     tokenizer texts, warm-starts it from its demonstrations and logs its own metrics."""
-    module = Path(__file__).resolve().parents[1] / "examples" / "custom_env.py"
     config = tmp_path / "arith.toml"
-    config.write_text(ARITHMETIC.format(module=module))
+    config.write_text(arithmetic_config("arith"))
     r = subprocess.run([sys.executable, "-m", "stoa", "train", str(config), "--runs", str(tmp_path / "runs")],
                        env=env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 from urllib.parse import urlparse
 
 import numpy as np
@@ -32,6 +31,9 @@ from stoa.transport.exchange import RolloutReader, RolloutWriter
 from stoa.transport.pulse import state_hash
 from stoa.transport.signing import generate_private_key
 from stoa.transport.store import LocalStore, S3Config, S3Store, StoreError
+
+from helpers import arithmetic_config
+
 
 @pytest.fixture(scope="module")
 def s3():
@@ -359,60 +361,11 @@ def test_follower_process_and_stoa_worker_follow_only(tmp_path):
     assert "join to version 1" in log and "sync to version 3" in log, log[-2000:]
 
 
-STOA_TRAIN_CONFIG = """
-name = "wan-demo"
-seed = 1
-
-[model.tiny]
-vocab_size = 400
-hidden_size = 64
-num_layers = 1
-num_heads = 2
-num_kv_heads = 1
-intermediate_size = 128
-
-[env]
-module = "{module}"
-id = "example/Arithmetic-v0"
-kwargs = {{ size = 40 }}
-
-[warmstart]
-practice_steps = 2
-practice_worlds = 2
-steps = 2
-mix = {{ oracle = 0.5, guess = 0.5 }}
-batch_size = 8
-
-[rollout]
-group_size = 4
-groups_per_cohort = 2
-max_turn_tokens = 16
-max_episode_tokens = 128
-max_batch = 8
-
-[trainer]
-steps = 3
-groups_per_step = 2
-threads = 1
-reward_range = [0.0, 1.0]
-skip_zero_variance_groups = false
-
-[eval]
-every = 100
-num_questions = 4
-samples = 1
-
-[fleet]
-workers = 1
-"""
-
-
 @pytest.mark.slow
 def test_stoa_train_over_s3(s3, tmp_path):
     """`stoa train CONFIG --store s3://...`: the local launcher's trainer and worker meet in S3."""
-    module = Path(__file__).resolve().parents[1] / "examples" / "custom_env.py"
     config = tmp_path / "demo.toml"
-    config.write_text(STOA_TRAIN_CONFIG.format(module=module))
+    config.write_text(arithmetic_config("wan-demo"))
     prefix = f"t-{uuid.uuid4().hex[:8]}"
     url = f"s3://{s3[3]}/{prefix}?endpoint={s3[0]}"
     env = dict(_env(), AWS_ACCESS_KEY_ID=s3[2][0], AWS_SECRET_ACCESS_KEY=s3[2][1], AWS_DEFAULT_REGION="us-east-1")
