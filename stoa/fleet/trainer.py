@@ -296,13 +296,17 @@ class Trainer:
                                             worker_id="eval")
         return self._eval_engine
 
+    def _int8_at(self, version: int, state: dict[str, np.ndarray]):
+        """The trainer's int8 engine holding ``version`` (loaded only when it holds another one;
+        versions never repeat within a run, so a version names one state)."""
+        engine = self._engine()
+        if engine.version != version:
+            engine.load_state(version, state)
+        return engine
+
     def _score_int8(self, version: int, episodes: list[Episode]) -> list[np.ndarray] | None:
         state = self._recent.get(version)
-        if state is None:
-            return None
-        engine = self._engine()
-        engine.load_state(version, state)
-        return engine.score(episodes)
+        return None if state is None else self._int8_at(version, state).score(episodes)
 
     def _attach_trust(self) -> None:
         from stoa.fleet.verify import ReplayCodec, Replayer
@@ -332,14 +336,14 @@ class Trainer:
         cfg, ev = self.cfg, self.cfg.eval
         assert self.state is not None
         t0 = time.time()
-        self._engine().load_state(self.version, self.state)
+        engine = self._int8_at(self.version, self.state)
         make_env = lambda: self._make_env(cfg.env.eval_split)
         n = min(ev.num_questions, len(make_env().unwrapped))
         requests = [RolloutRequest(i, f"eval-{i}", ev.samples) for i in range(n)]
         sampling = SamplingConfig(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                   max_turn_tokens=cfg.rollout.max_turn_tokens,
                                   max_episode_tokens=cfg.rollout.max_episode_tokens, seed=cfg.seed + 7919)
-        episodes = self._eval_engine.rollout(make_env, requests, sampling)
+        episodes = engine.rollout(make_env, requests, sampling)
         m = eval_metrics(episodes, ev.samples, self.success_metric, self.metric_types)
         m["eval/seconds"] = time.time() - t0
         if self.trust is not None and cfg.trust.audit and self.trust.audit.floor is None:
@@ -474,9 +478,8 @@ class Trainer:
         from stoa.fleet.mismatch import decompose
 
         assert self.state is not None
-        engine = self._engine()
-        engine.load_state(self.version, self.state)
-        return decompose(episodes, self.learner.logprobs(episodes, temperature=None), engine.score(episodes))
+        int8 = self._int8_at(self.version, self.state).score(episodes)
+        return decompose(episodes, self.learner.logprobs(episodes, temperature=None), int8)
 
     def _blame(self, taken: list[tuple[Batch, list[Episode]]], error: Exception) -> None:
         """A learner step failed: quarantine the batches whose episodes the learner cannot take, put
