@@ -83,11 +83,16 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
     return out
 
 
+def successes(episodes: list[Episode], success_metric: str | None) -> np.ndarray:
+    """1.0 for each episode that solved its item (the env's ``success_metric``, else reward > 0)."""
+    return np.array([bool(e.metrics.get(success_metric)) if success_metric else e.reward > 0 for e in episodes], float)
+
+
 def eval_metrics(episodes: list[Episode], samples: int, success_metric: str | None,
                  metric_types: dict[str, Any]) -> dict[str, float]:
     """pass@1 (mean success over every sample), pass@k (any of the k samples of an item), mean
     reward, and the mean of every declared numeric or bool metric of the evaluation episodes."""
-    ok = np.array([bool(e.metrics.get(success_metric)) if success_metric else e.reward > 0 for e in episodes], float)
+    ok = successes(episodes, success_metric)
     by_q: dict[str, list[float]] = {}
     for e, v in zip(episodes, ok):
         by_q.setdefault(e.group_id, []).append(v)
@@ -452,7 +457,7 @@ class Trainer:
         adv = np.asarray(adv, np.float32)
         keep = ~np.asarray(stats["zero_variance_mask"], bool) if tc.skip_zero_variance_groups else np.ones(len(adv), bool)
         lags = [self.version - e.policy_version for e in episodes]
-        ok = [bool(e.metrics.get(self.success_metric)) if self.success_metric else e.reward > 0 for e in episodes]
+        ok = successes(episodes, self.success_metric)
         rollout = {
             "reward/mean": float(rewards.mean()),
             "rollout/pass@1": float(np.mean(ok)),
