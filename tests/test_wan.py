@@ -318,6 +318,37 @@ def test_14_followers_reconnecting_at_once_keep_a_bounded_request_rate(s3):
 # --------------------------------------------------------------------------------------------
 
 
+class _Unreachable(LocalStore):
+    """A local store that can be switched off: every read raises StoreError while ``down``."""
+
+    down = False
+
+    def get(self, key, *a, **kw):
+        if self.down:
+            raise StoreError(f"unreachable: get {key!r}")
+        return super().get(key, *a, **kw)
+
+
+def test_follower_counts_failures_recovered_by_a_poll_that_found_nothing_new(tmp_path):
+    # The outage ends before the trainer publishes again: the first good poll finds the version it
+    # holds. Those failures are still reported, by the next record, and the backoff starts afresh.
+    store = _Unreachable(tmp_path / "store")
+    key = generate_private_key()
+    pub = WeightPublisher(store, "run", key)
+    state = synthetic_state(20_000, seed=1)
+    pub.publish(1, state)
+    f = Follower(store, "run", key.public_key(), FollowerConfig(poll_s=0.01, backoff_base_s=0.01, backoff_max_s=0.02))
+    f.run(until_version=1)
+    store.down = True
+    f.run(max_polls=3)
+    store.down = False
+    f.run(max_polls=1)  # a good poll at the same version: no record
+    assert len(f.failures) == 3 and len(f.records) == 1 and f._failed_in_row == 0
+    pub.publish(2, perturb_codes(state, 0.01, np.random.default_rng(1)))
+    f.run(until_version=2)
+    assert [r.failures for r in f.records] == [0, 3] and f.summary()["failures_recovered"] == 3
+
+
 def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1", HF_HUB_OFFLINE="1",
                 TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")

@@ -81,7 +81,8 @@ class SyncRecord:
     lag_s: float
     """``t_end`` minus the version's signed publish time (the publisher's clock)."""
     failures: int
-    """Failed attempts since the previous success, recovered by this one."""
+    """Failed attempts since the previous record, recovered by this one (a failure followed by a
+    poll that found nothing new is still counted here, in the next record)."""
     problems: int
     """Problems the subscriber detected and routed around in this sync."""
 
@@ -116,7 +117,8 @@ class Follower:
         self.records: list[SyncRecord] = []
         self.failures: list[_Failure] = []
         self.polls = 0
-        self._failed_in_row = 0  # any failure: reported as recovered by the next record
+        self._failed_in_row = 0  # failures in a row: drives the backoff, reset by any successful poll
+        self._unrecorded = 0  # failures since the last record: reported as recovered by the next one
         self._chain_failures = 0  # integrity/signature failures in a row: these lead to a rejoin
 
     def poll(self) -> SyncRecord | None:
@@ -147,9 +149,9 @@ class Follower:
             to_version=res.version, seconds=seconds, cpu_seconds=cpu, bytes_read=res.bytes_read,
             deltas=sum(1 for _, k in res.applied if k == "delta"), anchor=any(k == "anchor" for _, k in res.applied),
             lag_s=time.time() - res.manifest.created if getattr(res, "manifest", None) is not None else float("nan"),
-            failures=self._failed_in_row, problems=len(res.problems))
+            failures=self._unrecorded, problems=len(res.problems))
         self.version, self.state = res.version, res_state
-        self._failed_in_row = self._chain_failures = 0
+        self._failed_in_row = self._chain_failures = self._unrecorded = 0
         self.records.append(rec)
         for p in res.problems:
             log.warning("%s: %s", self.name, p)
@@ -174,6 +176,7 @@ class Follower:
                 wait = 0.0 if rec is not None else self.config.poll_s
             except SYNC_ERRORS as e:
                 self._failed_in_row += 1
+                self._unrecorded += 1
                 self._chain_failures = 0 if isinstance(e, StoreError) else self._chain_failures + 1
                 self.failures.append(_Failure(time.time(), f"{type(e).__name__}: {e}"))
                 cap = min(self.config.backoff_max_s, self.config.backoff_base_s * 2 ** min(self._failed_in_row - 1, 30))
