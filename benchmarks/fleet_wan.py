@@ -35,7 +35,11 @@ generate exactly as fast as the trainer consumes, so what the trainer waits for 
 and upload.
 
 Reported per link class: cold-join seconds (follower start to first verified version),
-per-version sync seconds p50/p95 (one successful ``sync`` call), bytes moved per follower,
+per-version sync seconds p50/p95 (one successful ``sync`` call: until the new weights are written
+and usable) and seconds until verified (until the signed state hash was checked; with ``--check
+background``, the default and what ``stoa worker`` does, the hash runs after the write, beside
+generation, and a worker uploads nothing made with those weights before it passed; with ``--check
+now`` both are the same), bytes moved per follower,
 versions behind HEAD (sampled every 0.25 s), failures recovered (follower-level) and faults the
 link injected; for the trainer, the idle fraction. ``--json PATH`` writes everything, with
 top-level keys for the synthetic model's 50 Mbit/s class.
@@ -220,7 +224,7 @@ def _follower_procs(specs: list[tuple[str, str]], url_for, public_hex: str, args
         procs.append((name, out, subprocess.Popen(
             [sys.executable, "-m", "stoa.fleet.follower", "--store", url_for(endpoint), "--run", "run",
              "--public-key", public_hex, "--name", name, "--poll", str(args.poll_s), "--duration", "3600",
-             "--read-timeout", str(S3_CFG["read_timeout_s"]), "--out", str(out)],
+             "--read-timeout", str(S3_CFG["read_timeout_s"]), "--check", args.check, "--out", str(out)],
             env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / f"{name}.log", "w"))))
     return procs
 
@@ -269,7 +273,7 @@ def run_mode(wl: Workload, mode: str, s3: SeaweedFS, bucket: str, args) -> dict:
                               anchor_if_delta_over=1e-12 if mode == "full" else 0.5)
         reader = RolloutReader(store(dc), "run")
         gens = [(f"gen{i}", links.endpoint(1 + i), Follower(store(links.endpoint(1 + i)), "run", key.public_key(),
-                                                             FollowerConfig(poll_s=0.2), name=f"gen{i}"))
+                                                             FollowerConfig(poll_s=0.2, check=args.check), name=f"gen{i}"))
                 for i in range(len(GENERATOR_LINKS))]
         publishes: list[dict] = []
 
@@ -291,7 +295,7 @@ def run_mode(wl: Workload, mode: str, s3: SeaweedFS, bucket: str, args) -> dict:
         specs = [(n, links.endpoint(first_follower + i)) for i, n in enumerate(names)]
         threads: list[threading.Thread] = []
         if args.in_process:
-            in_proc = [Follower(store(ep), "run", key.public_key(), FollowerConfig(poll_s=args.poll_s), name=n)
+            in_proc = [Follower(store(ep), "run", key.public_key(), FollowerConfig(poll_s=args.poll_s, check=args.check), name=n)
                        for n, ep in specs]
             started = time.time()
             threads += [threading.Thread(target=f.run, kwargs={"stop": stop, "duration_s": 3600}, daemon=True)
@@ -423,10 +427,12 @@ def run_mode(wl: Workload, mode: str, s3: SeaweedFS, bucket: str, args) -> dict:
             behind += list(head_at[ok] - held[k[ok] - 1])
         hist = {str(a): int(c) for a, c in zip(*np.unique(np.minimum(behind, 5), return_counts=True))} if behind else {}
         secs = [r["seconds"] for r in syncs]
+        vsecs = [r.get("verified_seconds", r["seconds"]) for r in syncs]
         out["classes"][cls] = {
             "followers": len(fs), "joined": sum(bool(f["records"]) for f in fs),
             "cold_join_s": joins, "cold_join_s_median": percentile(joins, 50),
             "sync_s_p50": percentile(secs, 50), "sync_s_p95": percentile(secs, 95), "syncs": len(syncs),
+            "verified_s_p50": percentile(vsecs, 50), "verified_s_p95": percentile(vsecs, 95),
             "sync_cpu_s_mean": float(np.mean([r["cpu_seconds"] for r in syncs])) if syncs else None,
             "bytes_per_follower": float(np.mean([sum(r["bytes_read"] for r in f["records"]) for f in fs])),
             "link_bytes_down": sum(ls["bytes_down"] for ls in lks),
@@ -462,7 +468,8 @@ def print_table(name: str, note: str, res: dict) -> None:
           f"{fmt(f['generator_cycle_sync_s_mean'])} s, upload {fmt(p['generator_cycle_upload_s_mean'])} / "
           f"{fmt(f['generator_cycle_upload_s_mean'])} s, generate {p['gen_s']:g} s; shaping: {p['shaping']}; "
           f"load average {p['load_average']:.1f} / {f['load_average']:.1f}")
-    head = ("class", "n", "cold join s P/F", "sync p50 s P/F", "sync p95 s P/F", "p95 full/PULSE", "sync CPU s P/F",
+    head = ("class", "n", "cold join s P/F", "sync p50 s P/F", "sync p95 s P/F", "p95 full/PULSE",
+            "verified p95 s P/F", "verified p95 full/PULSE", "sync CPU s P/F",
             "MB/follower P/F", "behind mean P/F", "behind hist PULSE", "behind hist full", "fail rec P/F", "faults P/F")
     print(" | ".join(head))
     print(" | ".join("---" for _ in head))
@@ -473,7 +480,9 @@ def print_table(name: str, note: str, res: dict) -> None:
         print(" | ".join([
             cls, str(a["followers"]), f"{fmt(a['cold_join_s_median'], 1)} / {fmt(b['cold_join_s_median'], 1)}",
             f"{fmt(a['sync_s_p50'])} / {fmt(b['sync_s_p50'])}", f"{fmt(a['sync_s_p95'])} / {fmt(b['sync_s_p95'])}",
-            ratio(b["sync_s_p95"], a["sync_s_p95"]), f"{fmt(a['sync_cpu_s_mean'])} / {fmt(b['sync_cpu_s_mean'])}",
+            ratio(b["sync_s_p95"], a["sync_s_p95"]), f"{fmt(a['verified_s_p95'])} / {fmt(b['verified_s_p95'])}",
+            ratio(b["verified_s_p95"], a["verified_s_p95"]),
+            f"{fmt(a['sync_cpu_s_mean'])} / {fmt(b['sync_cpu_s_mean'])}",
             f"{a['bytes_per_follower'] / 1e6:.1f} / {b['bytes_per_follower'] / 1e6:.1f}",
             f"{fmt(a['behind_mean'])} / {fmt(b['behind_mean'])}", json.dumps(a["behind_hist"]), json.dumps(b["behind_hist"]),
             f"{a['failures_recovered']} / {b['failures_recovered']}", f"{a['faults_injected']} / {b['faults_injected']}"]))
@@ -500,6 +509,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="synthetic,tiny")
     ap.add_argument("--classes", default="", help="only these follower link classes (comma-separated)")
     ap.add_argument("--per-class", type=int, default=0, help="followers per class (default: the fleet's mix)")
+    ap.add_argument("--check", choices=("background", "now"), default="background",
+                    help="how followers check each synced state's signed hash: beside (as stoa worker does; "
+                         "the sync seconds are until the weights are usable, the verified seconds until the hash "
+                         "passed) or before writing (both the same)")
     ap.add_argument("--in-process", action="store_true",
                     help="followers as threads and links in this process (they then share one interpreter lock)")
     ap.add_argument("--keep-anchors", type=int, default=None,
@@ -545,13 +558,17 @@ def main(argv: list[str] | None = None) -> int:
             sync_seconds_p50_pulse=p["sync_s_p50"], sync_seconds_p50_full=f["sync_s_p50"],
             sync_p95_ratio_full_over_pulse=(f["sync_s_p95"] / p["sync_s_p95"]
                                             if p["sync_s_p95"] and f["sync_s_p95"] else None),
+            verified_seconds_p95_pulse=p["verified_s_p95"], verified_seconds_p95_full=f["verified_s_p95"],
+            check=args.check,
             cold_join_seconds_pulse=p["cold_join_s_median"], cold_join_seconds_full=f["cold_join_s_median"],
             trainer_idle_fraction_pulse=syn["pulse"]["trainer_idle_fraction"],
             trainer_idle_fraction_full=syn["full"]["trainer_idle_fraction"],
             main_class=MAIN_CLASS, params=syn["params"],
         )
-        print(f"\n{MAIN_CLASS}, {syn['params'] / 1e6:.0f}M model: p95 sync PULSE {fmt(p['sync_s_p95'])} s vs full "
-              f"{fmt(f['sync_s_p95'])} s ({ratio(f['sync_s_p95'], p['sync_s_p95'])}); trainer idle PULSE "
+        print(f"\n{MAIN_CLASS}, {syn['params'] / 1e6:.0f}M model, check {args.check}: p95 sync PULSE "
+              f"{fmt(p['sync_s_p95'])} s vs full {fmt(f['sync_s_p95'])} s ({ratio(f['sync_s_p95'], p['sync_s_p95'])}); "
+              f"p95 until verified {fmt(p['verified_s_p95'])} s vs {fmt(f['verified_s_p95'])} s "
+              f"({ratio(f['verified_s_p95'], p['verified_s_p95'])}); trainer idle PULSE "
               f"{100 * results['trainer_idle_fraction_pulse']:.1f}% vs full {100 * results['trainer_idle_fraction_full']:.1f}%")
     print(f"Total {time.perf_counter() - t0:.0f} s; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs.")
     if args.json:

@@ -132,6 +132,37 @@ def test_fork_after_rollback_and_restart_never_serves_old_weights_under_a_new_la
     assert WeightSubscriber(store, RUN, key.public_key()).manifest(7).parent_manifest_sha256 is not None
 
 
+def test_a_background_check_writes_at_once_and_catches_a_damaged_held_state(tmp_path, key):
+    store = LocalStore(tmp_path)
+    a = make_chain(4)
+    pub = WeightPublisher(store, RUN, key, anchor_every=50, keep_anchors=None)
+    pub.publish(1, a[1])
+    sub = WeightSubscriber(store, RUN, key.public_key())
+    live = snapshot(sub.sync(None).state)
+    pub.publish(2, a[2])
+    r = sub.sync((1, live), apply_inplace=True, check="background")
+    assert r.version == 2 and r.inplace and r.applied == [(2, "delta")] and r.check is not None
+    assert r.check.wait() and r.check.seconds is not None and identical(live, a[2])
+
+    live["model.norm.weight"][0] += np.float32(1.0)  # the held weights rot after they verified
+    pub.publish(3, a[3])
+    r = sub.sync((2, live), apply_inplace=True, check="background")
+    assert r.version == 3 and r.check is not None  # the delta's payload verified: written at once
+    with pytest.raises(IntegrityError, match="not the signed"):
+        r.check.wait()
+    assert not same(live, a[3])
+    r = sub.sync((3, live), apply_inplace=True, check="background")  # the next sync repairs them
+    assert r.check is None and r.inplace and r.applied[0] == (1, "anchor") and identical(live, a[3])
+    assert any("re-checking the held state" in p for p in r.problems)
+
+    # A state this subscriber did not verify itself is checked before anything is written.
+    pub.publish(4, a[4])
+    r = WeightSubscriber(store, RUN, key.public_key()).sync((3, live), apply_inplace=True, check="background")
+    assert r.check is None and r.applied == [(4, "delta")] and identical(live, a[4])
+    with pytest.raises(ValueError, match="check must be"):
+        sub.sync((4, live), check="later")
+
+
 def test_manifests_are_cached_by_content_hash(tmp_path, key):
     states = make_chain(10)
     inner = LocalStore(tmp_path)

@@ -3,8 +3,8 @@
 A :class:`Follower` joins a run from its newest anchor and then applies every version the
 trainer publishes into a live numpy state, through exactly the production subscriber path
 (:class:`stoa.transport.chain.WeightSubscriber`: ``sync(None)`` to join, then
-``sync((version, state), apply_inplace=True)``, every object verified and the result checked
-against the signed state hash). It records what each sync cost, so a benchmark or a test can
+``sync((version, state), apply_inplace=True, check=...)``, every object verified and the result
+checked against the signed state hash, in the background by default as ``stoa worker`` does). It records what each sync cost, so a benchmark or a test can
 put many of them on emulated links (``stoa.testing.links``) beside real workers: 14 followers
 fit on two cores where 14 MLX workers would not.
 
@@ -48,8 +48,15 @@ class FollowerConfig:
     rejoin_after: int = 3
     """Consecutive chain failures (not store failures: an outage is waited out) after which the
     next attempt joins afresh from an anchor."""
+    check: str = "background"
+    """How a sync's result is checked against the signed state hash (``WeightSubscriber.sync``'s
+    ``check``): ``"background"`` (as ``stoa worker`` does: the weights are usable when written, the
+    hash runs beside; the follower then waits for it) or ``"now"`` (hashed before anything is
+    written)."""
 
     def __post_init__(self) -> None:
+        if self.check not in ("now", "background"):
+            raise ValueError("check must be 'now' or 'background'")
         if self.poll_s <= 0 or self.backoff_base_s <= 0 or self.backoff_max_s < self.backoff_base_s:
             raise ValueError("poll_s and backoff_base_s must be > 0 and backoff_max_s >= backoff_base_s")
         if self.rejoin_after < 1:
@@ -69,10 +76,13 @@ class SyncRecord:
     from_version: int | None
     to_version: int
     seconds: float
-    """Duration of the successful ``sync`` call."""
+    """Duration of the successful ``sync`` call: until the new weights were written and usable."""
+    verified_seconds: float
+    """From the start of the call until the state's hash check passed (``seconds`` when it was
+    checked before the call returned)."""
     cpu_seconds: float
-    """CPU time of the calling thread in that call (verification and applying; on a busy machine the
-    rest of ``seconds`` is network and waiting for a core)."""
+    """CPU time of the calling thread in that call plus the background check's (verification and
+    applying; on a busy machine the rest of ``verified_seconds`` is network and waiting for a core)."""
     bytes_read: int
     deltas: int
     """Deltas applied."""
@@ -134,8 +144,16 @@ class Follower:
             return None
         t0, w0, c0 = time.perf_counter(), time.time(), time.thread_time()
         have = None if rejoin else (self.version, self.state)
-        res = self.sub.sync(have, apply_inplace=not rejoin)
+        res = self.sub.sync(have, apply_inplace=not rejoin, check=self.config.check)
         seconds, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        if res.check is not None:
+            try:
+                res.check.wait()
+            except SYNC_ERRORS:
+                self.version = res.version  # the arrays hold a damaged state: the next sync repairs it
+                raise
+            cpu += res.check.cpu_seconds or 0.0
+        verified = time.perf_counter() - t0
         if res.version == self.version and not res.applied:
             self._failed_in_row = self._chain_failures = 0
             return None
@@ -146,7 +164,7 @@ class Follower:
             res_state = res.state
         rec = SyncRecord(
             kind="join" if rejoin else "sync", t_start=w0, t_end=time.time(), from_version=self.version,
-            to_version=res.version, seconds=seconds, cpu_seconds=cpu, bytes_read=res.bytes_read,
+            to_version=res.version, seconds=seconds, verified_seconds=verified, cpu_seconds=cpu, bytes_read=res.bytes_read,
             deltas=sum(1 for _, k in res.applied if k == "delta"), anchor=any(k == "anchor" for _, k in res.applied),
             lag_s=time.time() - res.manifest.created if getattr(res, "manifest", None) is not None else float("nan"),
             failures=self._unrecorded, problems=len(res.problems))
@@ -197,6 +215,7 @@ class Follower:
             "failures": len(self.failures),
             "failures_recovered": sum(r.failures for r in self.records),
             "sync_seconds": [r.seconds for r in syncs],
+            "verified_seconds": [r.verified_seconds for r in syncs],
         }
 
 
@@ -213,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     ap.add_argument("--until-version", type=int, default=None, help="stop once this version is held")
     ap.add_argument("--out", default=None, help="JSON-lines file for records (default stdout)")
+    ap.add_argument("--check", choices=("background", "now"), default="background",
+                    help="hash the synced state beside (as stoa worker does) or before writing it")
     ap.add_argument("--read-timeout", type=float, default=None, help="S3 read timeout in seconds (progress-based)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name} %(levelname)s %(message)s",
@@ -221,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
 
     s3 = S3Config(read_timeout_s=args.read_timeout) if args.read_timeout else S3Config()
     f = Follower(open_store(args.store, s3_config=s3), args.run, args.public_key,
-                 FollowerConfig(poll_s=args.poll), name=args.name)
+                 FollowerConfig(poll_s=args.poll, check=args.check), name=args.name)
     out = open(args.out, "a", buffering=1) if args.out else sys.stdout
     stop = threading.Event()
     import signal

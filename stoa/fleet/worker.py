@@ -33,7 +33,7 @@ import numpy as np
 
 from stoa.fleet.config import import_env_module
 from stoa.fleet.run import Heartbeat, fetch_run, write_heartbeat
-from stoa.transport.chain import SYNC_ERRORS, WeightSubscriber
+from stoa.transport.chain import SYNC_ERRORS, StateCheck, WeightSubscriber
 from stoa.transport.exchange import RolloutWriter, is_finished, read_progress
 from stoa.transport.identity import load_or_create_worker_key, read_roster
 from stoa.transport.signing import SignatureError
@@ -84,6 +84,7 @@ class Worker:
         self.host = socket.gethostname()
         self.engine: RolloutEngine | None = None
         self.sub: WeightSubscriber | None = None
+        self._check: StateCheck | None = None  # the background hash check of the weights last synced
         self._last_status, self._last_beat = "", 0.0
 
     def request_stop(self, *_: Any) -> None:
@@ -158,14 +159,19 @@ class Worker:
     def _sync(self, version: int | None = None) -> None:
         """Catch up to the head (or to ``version``, for a forced lag) between cohorts, writing verified
         deltas (or a newer anchor) into the live weights. A failed sync is retried with backoff; the
-        engine keeps the weights it had."""
+        engine keeps the weights it had.
+
+        Deltas are written as soon as their payloads verify; the signed hash of the resulting state
+        is checked in the background while the worker generates (``check="background"``), and
+        :meth:`_weights_verified` holds the cohort's upload until it passed."""
         assert self.engine is not None and self.sub is not None
         problems: list[str] = []
 
         def write(state: dict) -> tuple[int, list[str]]:
-            res = self.sub.sync((self.engine.version, state), apply_inplace=True, version=version)
+            res = self.sub.sync((self.engine.version, state), apply_inplace=True, version=version, check="background")
             self.sync_bytes += res.bytes_read
             problems.extend(res.problems)
+            self._check = res.check
             if not res.inplace:
                 raise RuntimeError(f"version {res.version} changes the weight layout; restart the worker")
             return res.version, res.changed_names
@@ -182,6 +188,21 @@ class Worker:
                 time.sleep(delay)
         for p in problems:
             log.warning("weight sync: %s", p)
+
+    def _weights_verified(self, version: int | None) -> bool:
+        """Whether the weights the last cohort was generated with passed their background hash
+        check (waiting for it). If not, they are repaired from the store (verified before writing)
+        and False tells the caller to drop that cohort."""
+        check, self._check = self._check, None
+        if check is None:
+            return True
+        try:
+            return check.wait()
+        except SYNC_ERRORS as e:
+            log.error("the weights of version %d did not verify after the in-place update (%s); dropping the "
+                      "cohort generated with them and repairing the weights from the store", check.version, e)
+            self._sync(version)
+            return False
 
     def run(self) -> int:
         from stoa.backends.engine import RolloutRequest, SamplingConfig
@@ -239,7 +260,7 @@ class Worker:
                 t0 = time.time()
                 episodes = self.finish_cohort(self.engine.rollout(make_env, requests, sampling))
                 dt = max(time.time() - t0, 1e-9)
-                if not episodes:
+                if not episodes or not self._weights_verified(self.engine.version if rc.lag else None):
                     continue
                 writer.upload(episodes, self.engine.version)
                 cohorts_at[self.engine.version] = cohorts_at.get(self.engine.version, 0) + 1

@@ -37,6 +37,11 @@ whose held state is ruled out, starts from the newest usable anchor. A payload w
 sha256 differs from the signed manifest is re-fetched once, then routed around (reported in
 ``SyncResult.problems``); the result is checked against the signed state hash before it
 replaces anything: deltas written into live arrays (``apply_inplace``) are verified first.
+With ``check="background"`` a follow-up sync of a verified held state writes the deltas (each
+payload already verified against its signed hash) at once and checks the signed state hash in a
+background thread (:class:`StateCheck`): the worker generates while the hash runs, and uploads
+nothing made with those weights until the check passed. A failed check re-plans the next sync from
+the store as for a state that is not what it claims.
 
 **Retention.** :meth:`WeightPublisher.gc` keeps the versions from the ``keep_anchors``-th newest
 anchor on the chain up to the pointer and deletes older versions and orphans (uncommitted
@@ -50,6 +55,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -77,6 +83,7 @@ __all__ = [
     "PointerError",
     "PublishResult",
     "Retention",
+    "StateCheck",
     "SyncResult",
     "WeightPublisher",
     "WeightSubscriber",
@@ -416,6 +423,10 @@ class SyncResult:
         manifest: the signed manifest of ``version`` (None when the held state was kept
             because the store's pointer is older than it).
         manifest_sha256: sha256 of that manifest object.
+        check: the state's hash check when it still runs in the background (``check="background"``
+            and deltas written in place); None when the state was verified before ``sync``
+            returned. Call ``check.wait()`` before using anything made with this state outside
+            the worker.
     """
 
     version: int
@@ -427,6 +438,7 @@ class SyncResult:
     problems: list[str] = field(default_factory=list)
     manifest: Manifest | None = None
     manifest_sha256: str | None = None
+    check: StateCheck | None = None
 
     @property
     def message(self) -> str:
@@ -434,6 +446,53 @@ class SyncResult:
         how = " + ".join(f"{k} {v}" for v, k in self.applied) if self.applied else "nothing to apply"
         text = f"at version {self.version} ({how}, {self.bytes_read} bytes read"
         return text + (f"; {len(self.problems)} problem(s): {_summary(self.problems, 2)})" if self.problems else ")")
+
+
+class StateCheck:
+    """The signed state hash of a state already written in place, computed in a background thread.
+
+    Created by ``WeightSubscriber.sync(..., check="background")``. The arrays must not be written
+    until the check is done (the subscriber's next sync waits for it first). hashlib releases the
+    interpreter lock while hashing, so the caller's thread runs on meanwhile.
+    """
+
+    def __init__(self, state: State, expect: str, version: int):
+        self.version, self._state, self._expect = version, state, expect
+        self.error: IntegrityError | None = None
+        self.seconds: float | None = None
+        """Wall seconds the hash took (None while it runs)."""
+        self.cpu_seconds: float | None = None
+        self._thread = threading.Thread(target=self._run, name=f"stoa-state-check-{version}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            got = pulse.state_hash(self._state)
+            if got != self._expect:
+                self.error = IntegrityError(
+                    f"the state written in place for version {self.version} hashes to {got[:12]}..., not the signed "
+                    f"{self._expect[:12]}... (the held state was not what it claimed, or was changed)")
+        except Exception as e:  # noqa: BLE001 - reported to whoever waits
+            self.error = IntegrityError(f"the state of version {self.version} could not be checked: "
+                                        f"{type(e).__name__}: {e}")
+        finally:
+            self.cpu_seconds, self.seconds = time.thread_time() - c0, time.perf_counter() - t0
+            self._state = None
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the check: True when it passed, False if ``timeout`` passed first; raises
+        :class:`IntegrityError` when the state does not match the signed hash."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return False
+        if self.error is not None:
+            raise self.error
+        return True
 
 
 class _Corrupt(Exception):
@@ -463,6 +522,7 @@ class WeightSubscriber:
         self._cache_bytes = 0
         self._best: Pointer | None = None  # newest pointer verified
         self._held: tuple[int, str] | None = None  # (version, manifest sha) of the state sync last returned
+        self._pending: StateCheck | None = None  # the background check of that state, if any
         self._read = 0
         self.last_problems: list[str] = []
         """Problems the last :meth:`head` met (an ignored or unreadable pointer)."""
@@ -595,13 +655,32 @@ class WeightSubscriber:
         return self._fetch(check_version(version))[0]
 
     # -- sync -------------------------------------------------------------------------------------
+    def _settle(self, problems: list[str]) -> None:
+        """Wait for the last background check; a held state that failed it is no longer trusted."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.wait()
+        except IntegrityError as e:
+            if self._held is not None and self._held[0] == pending.version:
+                self._held = None
+            problems.append(f"{e}; re-checking the held state against the store")
+
     def sync(self, have: tuple[int, State] | None = None, apply_inplace: bool = False,
-             version: int | None = None) -> SyncResult:
+             version: int | None = None, check: str = "now") -> SyncResult:
         """Bring ``have`` (``(version, state)``, or None for a new worker) to the newest version.
 
         ``version``: stop at this older version of the head's chain instead (a study's forced
         staleness, ``rollout.lag``); it is reached by the same verified route, and ignored when it
         is not older than the head.
+
+        ``check``: ``"now"`` verifies the result before anything is written. ``"background"``
+        (with ``apply_inplace``, from a held state this subscriber verified) writes deltas whose
+        payloads verified and returns at once, with the state hash still being computed in
+        ``SyncResult.check``; if that check fails the held state is damaged, and the next sync
+        (which waits for the check first) treats it as not what it claims: it is verified against
+        the store and replaced through an anchor if needed.
 
         Takes whichever route moves fewer bytes: the deltas after ``have``, or a newer anchor
         plus the deltas after it. Every object is verified (signature, size, sha256) before
@@ -618,11 +697,14 @@ class WeightSubscriber:
             PointerError: the pointer does not verify and no version was seen before.
             stoa.transport.store.StoreError: the store failed.
         """
+        if check not in ("now", "background"):
+            raise ValueError(f"check must be 'now' or 'background', not {check!r}")
         if have is not None:
             check_version(have[0], "held version")
             _check_state(have[1])
         self._read = 0
         problems: list[str] = []
+        self._settle(problems)
         banned: set[tuple[int, str]] = set()
         tried: set[str] = set()
         for _ in range(_SYNC_ATTEMPTS):
@@ -658,8 +740,9 @@ class WeightSubscriber:
                 banned.add((head, "have"))
             try:
                 anchor, deltas, chain = self._plan(target, ptr.manifest_sha256, have, held_sha, banned, problems)
-                res = self._execute(ptr, target, anchor, deltas, chain, have, apply_inplace, problems)
-                self._held = (res.version, ptr.manifest_sha256)
+                defer = check == "background" and held_sha is not None
+                res = self._execute(ptr, target, anchor, deltas, chain, have, apply_inplace, problems, defer)
+                self._held, self._pending = (res.version, ptr.manifest_sha256), res.check
                 return res
             except _Corrupt as e:
                 banned.add(e.route)
@@ -749,7 +832,7 @@ class WeightSubscriber:
 
     def _execute(self, ptr: Pointer, target: Manifest, anchor: int | None, deltas: list[int],
                  chain: dict[int, Manifest], have: tuple[int, State] | None, inplace: bool,
-                 problems: list[str]) -> SyncResult:
+                 problems: list[str], defer: bool = False) -> SyncResult:
         head, sha = ptr.version, ptr.manifest_sha256
         blobs = [self._payload(chain[v], "delta", problems) for v in deltas]  # all verified before any write
         applied: list[tuple[int, str]] = []
@@ -757,6 +840,13 @@ class WeightSubscriber:
             assert have is not None
             route: tuple[int, str] = (have[0], "have")
             claimed = " (the state passed in was not the version it claimed)"
+            if inplace and defer:  # payloads verified; the result is hashed in the background
+                try:
+                    changed = pulse.apply_deltas_inplace(have[1], blobs)
+                except pulse.PulseError as e:
+                    raise _Corrupt(route, f"deltas from held version {have[0]} do not apply: {e}") from None
+                return SyncResult(head, have[1], self._read, [(v, "delta") for v in deltas], changed, True,
+                                  problems, target, sha, StateCheck(have[1], target.state_hash, head))
             if inplace:
                 try:
                     changed = pulse.apply_deltas_verified(have[1], blobs, target.state_hash)

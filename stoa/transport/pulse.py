@@ -50,6 +50,7 @@ __all__ = [
     "PulseError",
     "apply_delta",
     "apply_delta_inplace",
+    "apply_deltas_inplace",
     "apply_deltas_verified",
     "decode_state",
     "encode_delta",
@@ -451,19 +452,32 @@ def _decode_delta(state: Mapping[str, np.ndarray], blob: bytes) -> list[tuple[st
 
 
 def apply_delta_inplace(state: dict[str, np.ndarray], blob: bytes) -> list[str]:
-    """Apply a delta by writing into ``state``'s arrays; returns the names that changed.
+    """Apply a delta by writing into ``state``'s arrays; returns the names that changed, sorted.
 
     The whole blob is decoded and validated before the first write, so a bad blob leaves
     ``state`` untouched. Changed arrays must be C-contiguous and writeable (a live MLX engine
     shares these buffers with its model).
     """
-    decoded = _decode_delta(state, blob)
-    for name, _, _ in decoded:
+    return apply_deltas_inplace(state, [blob])
+
+
+def apply_deltas_inplace(state: dict[str, np.ndarray], blobs: Sequence[bytes]) -> list[str]:
+    """Apply ``blobs`` in order by writing into ``state``'s arrays, without checking the result;
+    returns the names that changed, sorted.
+
+    Every blob is decoded and validated before the first write, so a bad blob leaves ``state``
+    untouched. The result is not hashed: the caller checks it (``WeightSubscriber`` does so in the
+    background with ``check="background"``), or uses :func:`apply_deltas_verified`.
+    """
+    decoded = [_decode_delta(state, blob) for blob in blobs]
+    names = sorted({name for entries in decoded for name, _, _ in entries})
+    for name in names:
         a = state[name]
         if not (a.flags.c_contiguous and a.flags.writeable):
             raise PulseError(f"{name!r}: in-place apply needs a C-contiguous, writeable array")
-    _write(state, decoded)
-    return [name for name, _, _ in decoded]
+    for entries in decoded:
+        _write(state, entries)
+    return names
 
 
 def apply_deltas_verified(state: dict[str, np.ndarray], blobs: Sequence[bytes], expect_hash: str) -> list[str]:
