@@ -110,8 +110,8 @@ class OtherModel(_Adversary):
         self._foreign = quantize_state(other)
         return super().make_engine(model_dir, self._foreign, version, rc)
 
-    def _sync(self) -> None:
-        head = self.sub.head() if self.sub is not None else None
+    def _sync(self, version: int | None = None) -> None:  # claims the version it would sync to
+        head = version if version is not None else self.sub.head() if self.sub is not None else None
         if head is not None and self.engine is not None:
             self.engine.load_state(head, self._foreign)
 
