@@ -40,7 +40,7 @@ Resumable: run it again and finished cells are kept. ``--json PATH`` writes
     python benchmarks/offpolicy.py --quick --json quick.json          # < 15 min on 2 cores
     python benchmarks/offpolicy.py --json study.json                  # the study: many CPU-hours
     python benchmarks/offpolicy.py --quick --lag-key trainer.max_lag  # before rollout.lag exists
-    python benchmarks/offpolicy.py --task arithmetic --quick          # a 140 s warm start + 4 short cells
+    python benchmarks/offpolicy.py --task arithmetic --quick          # 226 s on an idle 2-core machine (measured)
     python benchmarks/offpolicy.py --task arithmetic --lags 0 2 4 8 --seeds 0 1   # docs/offpolicy.md's grid
 """
 
