@@ -72,7 +72,7 @@ from stoa.fleet.follower import Follower, FollowerConfig
 from stoa.testing.links import SHAPING, LinkNet, LinkProfile
 from stoa.testing.seaweed import SeaweedFS
 from stoa.testing.synthetic import synthetic_episodes
-from stoa.transport.chain import WeightPublisher
+from stoa.transport.chain import SYNC_CHECKS, WeightPublisher
 from stoa.transport.exchange import RolloutReader, RolloutWriter
 from stoa.transport.quant import RequantPolicy, quantize_state
 from stoa.transport.signing import generate_private_key
@@ -509,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="synthetic,tiny")
     ap.add_argument("--classes", default="", help="only these follower link classes (comma-separated)")
     ap.add_argument("--per-class", type=int, default=0, help="followers per class (default: the fleet's mix)")
-    ap.add_argument("--check", choices=("background", "now"), default="background",
+    ap.add_argument("--check", choices=SYNC_CHECKS, default="background",
                     help="how followers check each synced state's signed hash: beside (as stoa worker does; "
                          "the sync seconds are until the weights are usable, the verified seconds until the hash "
                          "passed) or before writing (both the same)")

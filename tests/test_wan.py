@@ -347,6 +347,8 @@ def test_follower_counts_failures_recovered_by_a_poll_that_found_nothing_new(tmp
     pub.publish(2, perturb_codes(state, 0.01, np.random.default_rng(1)))
     f.run(until_version=2)
     assert [r.failures for r in f.records] == [0, 3] and f.summary()["failures_recovered"] == 3
+    with pytest.raises(ValueError, match="check must be one of"):
+        FollowerConfig(check="later")
 
 
 def _env() -> dict[str, str]:

@@ -4,9 +4,10 @@ A :class:`Follower` joins a run from its newest anchor and then applies every ve
 trainer publishes into a live numpy state, through exactly the production subscriber path
 (:class:`stoa.transport.chain.WeightSubscriber`: ``sync(None)`` to join, then
 ``sync((version, state), apply_inplace=True, check=...)``, every object verified and the result
-checked against the signed state hash, in the background by default as ``stoa worker`` does). It records what each sync cost, so a benchmark or a test can
-put many of them on emulated links (``stoa.testing.links``) beside real workers: 14 followers
-fit on two cores where 14 MLX workers would not.
+checked against the signed state hash, in the background by default as ``stoa worker`` does).
+It records what each sync cost, so a benchmark or a test can put many of them on emulated links
+(``stoa.testing.links``) beside real workers: 14 followers fit on two cores where 14 MLX workers
+would not.
 
 Use it in-process (``Follower(...).run(stop=event)`` in a thread), as a subprocess
 (``python -m stoa.fleet.follower --store URL --run RUN --public-key KEY --out records.jsonl``),
@@ -27,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from stoa.transport.chain import SYNC_ERRORS, WeightSubscriber
+from stoa.transport.chain import SYNC_CHECKS, SYNC_ERRORS, WeightSubscriber
 from stoa.transport.store import ObjectStore, StoreError
 
 __all__ = ["Follower", "FollowerConfig", "SyncRecord"]
@@ -55,8 +56,8 @@ class FollowerConfig:
     written)."""
 
     def __post_init__(self) -> None:
-        if self.check not in ("now", "background"):
-            raise ValueError("check must be 'now' or 'background'")
+        if self.check not in SYNC_CHECKS:
+            raise ValueError(f"check must be one of {SYNC_CHECKS}, not {self.check!r}")
         if self.poll_s <= 0 or self.backoff_base_s <= 0 or self.backoff_max_s < self.backoff_base_s:
             raise ValueError("poll_s and backoff_base_s must be > 0 and backoff_max_s >= backoff_base_s")
         if self.rejoin_after < 1:
@@ -164,7 +165,8 @@ class Follower:
             res_state = res.state
         rec = SyncRecord(
             kind="join" if rejoin else "sync", t_start=w0, t_end=time.time(), from_version=self.version,
-            to_version=res.version, seconds=seconds, verified_seconds=verified, cpu_seconds=cpu, bytes_read=res.bytes_read,
+            to_version=res.version, seconds=seconds, verified_seconds=verified, cpu_seconds=cpu,
+            bytes_read=res.bytes_read,
             deltas=sum(1 for _, k in res.applied if k == "delta"), anchor=any(k == "anchor" for _, k in res.applied),
             lag_s=time.time() - res.manifest.created if getattr(res, "manifest", None) is not None else float("nan"),
             failures=self._unrecorded, problems=len(res.problems))
@@ -232,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     ap.add_argument("--until-version", type=int, default=None, help="stop once this version is held")
     ap.add_argument("--out", default=None, help="JSON-lines file for records (default stdout)")
-    ap.add_argument("--check", choices=("background", "now"), default="background",
+    ap.add_argument("--check", choices=SYNC_CHECKS, default="background",
                     help="hash the synced state beside (as stoa worker does) or before writing it")
     ap.add_argument("--read-timeout", type=float, default=None, help="S3 read timeout in seconds (progress-based)")
     args = ap.parse_args(argv)

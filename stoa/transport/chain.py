@@ -77,6 +77,7 @@ from stoa.transport.signing import SignatureError, load_private_key, load_public
 from stoa.transport.store import KeyNotFound, ObjectStore, ObjectTooLarge, StoreError, validate_key
 
 __all__ = [
+    "SYNC_CHECKS",
     "SYNC_ERRORS",
     "ChainError",
     "IntegrityError",
@@ -110,6 +111,8 @@ class PointerError(ChainError, SignatureError):
 
 
 SYNC_ERRORS = (ChainError, StoreError)
+SYNC_CHECKS = ("now", "background")
+"""How :meth:`WeightSubscriber.sync` checks a result against the signed state hash (its ``check``)."""
 """What :meth:`WeightSubscriber.sync` / ``head`` raise when the store's contents or the store
 itself fail. None of them harms the held weights: keep serving them, retry with backoff, and
 after repeated failures re-join with ``sync(None)``."""
@@ -480,10 +483,6 @@ class StateCheck:
             self.cpu_seconds, self.seconds = time.thread_time() - c0, time.perf_counter() - t0
             self._state = None
 
-    @property
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the check: True when it passed, False if ``timeout`` passed first; raises
         :class:`IntegrityError` when the state does not match the signed hash."""
@@ -697,8 +696,8 @@ class WeightSubscriber:
             PointerError: the pointer does not verify and no version was seen before.
             stoa.transport.store.StoreError: the store failed.
         """
-        if check not in ("now", "background"):
-            raise ValueError(f"check must be 'now' or 'background', not {check!r}")
+        if check not in SYNC_CHECKS:
+            raise ValueError(f"check must be one of {SYNC_CHECKS}, not {check!r}")
         if have is not None:
             check_version(have[0], "held version")
             _check_state(have[1])

@@ -469,15 +469,26 @@ def apply_deltas_inplace(state: dict[str, np.ndarray], blobs: Sequence[bytes]) -
     untouched. The result is not hashed: the caller checks it (``WeightSubscriber`` does so in the
     background with ``check="background"``), or uses :func:`apply_deltas_verified`.
     """
+    decoded, changes = _decode_for_write(state, blobs)
+    for entries in decoded:
+        _write(state, entries)
+    return sorted(changes)
+
+
+def _decode_for_write(state: Mapping[str, np.ndarray], blobs: Sequence[bytes]
+                      ) -> tuple[list[list[tuple[str, np.ndarray, np.ndarray]]], dict[str, list[tuple[np.ndarray, np.ndarray]]]]:
+    """Decode every blob against ``state`` and check that each array it changes can be written in
+    place: (the decoded blobs in order, name -> its (selector, diffs) in order). Writes nothing."""
     decoded = [_decode_delta(state, blob) for blob in blobs]
-    names = sorted({name for entries in decoded for name, _, _ in entries})
-    for name in names:
+    changes: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for entries in decoded:
+        for name, sel, d in entries:
+            changes.setdefault(name, []).append((sel, d))
+    for name in changes:
         a = state[name]
         if not (a.flags.c_contiguous and a.flags.writeable):
             raise PulseError(f"{name!r}: in-place apply needs a C-contiguous, writeable array")
-    for entries in decoded:
-        _write(state, entries)
-    return names
+    return decoded, changes
 
 
 def apply_deltas_verified(state: dict[str, np.ndarray], blobs: Sequence[bytes], expect_hash: str) -> list[str]:
@@ -488,15 +499,7 @@ def apply_deltas_verified(state: dict[str, np.ndarray], blobs: Sequence[bytes], 
     before the first write, so on a bad blob or a hash mismatch (:class:`PulseError`) ``state``
     is untouched. Extra memory: the decoded deltas plus a copy of the largest changed tensor.
     """
-    decoded = [_decode_delta(state, blob) for blob in blobs]
-    changes: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
-    for entries in decoded:
-        for name, sel, d in entries:
-            changes.setdefault(name, []).append((sel, d))
-    for name in changes:
-        a = state[name]
-        if not (a.flags.c_contiguous and a.flags.writeable):
-            raise PulseError(f"{name!r}: in-place apply needs a C-contiguous, writeable array")
+    decoded, changes = _decode_for_write(state, blobs)
 
     class _After(Mapping):  # the state the deltas lead to, built one tensor at a time
         def __getitem__(self, name: str) -> np.ndarray:
