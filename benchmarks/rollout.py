@@ -120,7 +120,7 @@ def single_turn(eng, make_env, prompts, max_tokens, batch, repeats, stock=None):
     s = SamplingConfig(max_turn_tokens=max_tokens, stop_strings=(), seed=1)
     reqs = [RolloutRequest(i, f"p{i}", 1) for i in range(prompts)]
     probe = make_env()
-    toks = [eng._prompt_tokens(probe.reset(options={"index": i})[0]) for i in range(prompts)]
+    toks = [eng.codec.prompt_tokens(probe.reset(options={"index": i})[0]) for i in range(prompts)]
     kw = dict(max_tokens=max_tokens, sampler=make_sampler(temp=1.0), completion_batch_size=batch,
               prefill_batch_size=batch)
 

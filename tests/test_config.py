@@ -41,7 +41,9 @@ DEMO = ROOT / "examples" / "papersearch_tiny.toml"
     ({"trust.max_worker_shar": 0.5}, "trust.max_worker_shar"),
     ({"trust.max_worker_share": 0.0}, "max_worker_share"),
     ({"trust.replay": "yes"}, "trust.replay"),
-    ({"trust.audit_fraction": 2.0}, "audit_fraction"),
+    ({"trust.audit_fraction": 2.0}, "trust.audit_fraction"),
+    ({"trust.audit.fraction": 2.0}, "trust.audit.fraction"),
+    ({"trust.audit.spot_check_tolerance": 0.0}, "spot_check_tolerance"),
     ({"bogus": 1}, "bogus"),
 ])
 def test_a_bad_key_or_value_fails_at_load_naming_it(override, needle):

@@ -220,7 +220,7 @@ def test_kill_trainer_mid_step_and_resume(fleet):
     ck = sorted((fleet.run_dir / "checkpoints").glob("v*"))[-1]
     extra = json.loads((ck / "meta.json").read_text())["extra"]
     reader = RolloutReader(fleet.store, fleet.cfg.name)
-    reader.restore(extra["reader"])
+    reader.restore(extra["intake"]["reader"])
     waiting = {e.group_id for b in reader.poll() for e in b.episodes}
     assert uploaded_groups(fleet.store, fleet.cfg.name) <= set(trained) | dropped | waiting
     # Versions never repeat: the resumed trainer published past what the killed one had.

@@ -10,8 +10,8 @@ import json
 import numpy as np
 import pytest
 
-from stoa.fleet.audit import AuditConfig, LogprobAudit, TokenStats, episode_stats, spot_check
-from stoa.fleet.config import TrustConfig
+from stoa.fleet.trust.audit import AuditConfig, LogprobAudit, TokenStats, episode_stats, spot_check
+from stoa.fleet.trust import TrustConfig
 from stoa.fleet.trust import TrustGate, group_fingerprint, read_trust_report, scoped
 from stoa.transport.exchange import Batch, RolloutReader, RolloutWriter, rollout_key
 from stoa.transport.identity import (
@@ -157,12 +157,20 @@ def _batch(kid: str, worker: str, eps: list[Episode], seq: int = 0) -> Batch:
     return Batch(f"{RUN}/rollouts/{worker}/s{seq:012d}-v000000000000.episodes", worker, 0, eps, seq, kid)
 
 
+class _ListLedger:
+    def __init__(self, entries: list[dict]):
+        self.entries = entries
+
+    def write(self, **entry):
+        self.entries.append(entry)
+
+
 def test_copied_groups_are_refused_and_a_copier_is_banned(tmp_path):
     from stoa.transport.store import LocalStore
 
     ledger: list[dict] = []
     gate = TrustGate(TrustConfig(ban_after=2), LocalStore(tmp_path), RUN, generate_private_key(),
-                     ledger=lambda **e: ledger.append(e))
+                     ledger=_ListLedger(ledger))
     honest = [episodes("h", group=f"h{i}", seed=i) for i in range(5)]
 
     def copied(eps, group):
@@ -270,10 +278,12 @@ def test_the_gate_bans_forged_log_probs_before_any_is_trained(engine_and_episode
 
     engine, eps = engine_and_episodes
     learner = make_learner("torch", tiny_model, LearnerConfig(threads=1))
-    gate = TrustGate(TrustConfig(audit_fraction=0.5, random_spot_check=0.0), LocalStore(tmp_path), RUN,
-                     generate_private_key())
-    gate.attach(score_float=lambda e: learner.logprobs(e, temperature=None),
-                score_int8=lambda v, e: engine.score(e) if v == 0 else None)
+    class Version0:  # the int8 policy of version 0 only (the one these episodes claim)
+        def score(self, version, eps):
+            return engine.score(eps) if version == 0 else None
+
+    gate = TrustGate(TrustConfig(audit=AuditConfig(fraction=0.5, random_spot_check=0.0)), LocalStore(tmp_path), RUN,
+                     generate_private_key(), float_scorer=learner, int8=Version0())
     floor = gate.calibrate(eps, learner.logprobs(eps, temperature=None))
     assert 0 < floor < 0.05  # int8 rounding only: the same weights, float and int8
     for kid, how, part in (("zk", "zero", eps[:8]), ("sk", "shuffle", eps[8:])):

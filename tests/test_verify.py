@@ -1,4 +1,4 @@
-"""Replay verification (stoa.fleet.verify) on real MLX episodes and the synthetic search task (CPU or Metal)."""
+"""Replay verification (stoa.fleet.trust.replay) on real MLX episodes and the synthetic search task (CPU or Metal)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from stoa.envs.base import TextEnv  # noqa: E402
 from stoa.envs.check import EnvCheckError, check_env  # noqa: E402
 from stoa.envs.papersearch import answer_turn, search_turn  # noqa: E402
 from stoa.envs.synthetic import SyntheticConfig, generate, tokenizer_texts  # noqa: E402
-from stoa.fleet.verify import ReplayCodec, Replayer  # noqa: E402
+from stoa.fleet.trust.replay import Replayer  # noqa: E402
 from stoa.models.tiny import TinyConfig, build_tiny  # noqa: E402
 from stoa.types import Episode, Segment, decode_episodes, encode_episodes  # noqa: E402
 
@@ -38,7 +38,7 @@ def engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def replayer(engine):
-    return Replayer(make_env, ReplayCodec.from_engine(engine), max_turn_tokens=MAX_TURN, max_episode_tokens=MAX_EPISODE)
+    return Replayer(make_env, engine.codec, max_turn_tokens=MAX_TURN, max_episode_tokens=MAX_EPISODE)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def scripted(engine, index: int, turns: list[str]) -> Episode:
             break
         segs.append(Segment("env", np.array(engine.encode(obs))))
     metrics = {**metrics, "turns": n, "truncated": not term, "finish_reason": "terminated" if term else "truncated"}
-    return Episode(np.array(engine._prompt_tokens(prompt)), segs, reward, metrics, env_id="stoa/SyntheticSearch-v0",
+    return Episode(np.array(engine.codec.prompt_tokens(prompt)), segs, reward, metrics, env_id="stoa/SyntheticSearch-v0",
                    group_id="s", item_index=index)
 
 
@@ -168,5 +168,5 @@ def test_check_env_holds_replayable_envs_to_it():
 
 
 def test_a_non_replayable_task_is_reported_not_replayed(engine):
-    r = Replayer(_DeclaredEnv, ReplayCodec.from_engine(engine), max_turn_tokens=8, max_episode_tokens=64)
+    r = Replayer(_DeclaredEnv, engine.codec, max_turn_tokens=8, max_episode_tokens=64)
     assert r.replayable is False

@@ -101,6 +101,8 @@ __all__ = [
     "RolloutRequest",
     "RolloutStats",
     "SamplingConfig",
+    "TextCodec",
+    "TurnRule",
     "make_engine",
 ]
 
@@ -206,6 +208,57 @@ class EngineConfig:
             raise ValueError(f"sampler={self.sampler!r} must be auto, host or device")
 
 
+@dataclass(frozen=True)
+class TurnRule:
+    """Where a model turn ends (the module docstring's rule), as one function that the engine's
+    rollout loop and the trainer's replay (``stoa.fleet.trust.replay``) both call."""
+
+    eos_ids: frozenset[int]
+    stops: tuple[str, ...]
+    stop_ids: frozenset[int]
+    """Tokens after which a stop string can complete (:meth:`TextCodec.stop_candidates`)."""
+    decode: Callable[[Sequence[int]], str]
+    max_turn_tokens: int
+    max_episode_tokens: int
+
+    def end(self, turn: Sequence[int], length: int) -> str | None:
+        """Why the turn ends at its last token, or None. ``length``: the episode's tokens so far,
+        that token included. First match wins: ``"eos"``, ``"max_episode_tokens"``, ``"stop"``,
+        ``"max_turn_tokens"``."""
+        tok = turn[-1]
+        if tok in self.eos_ids:
+            return "eos"
+        if length >= self.max_episode_tokens:
+            return "max_episode_tokens"
+        if tok in self.stop_ids and any(s in self.decode(turn) for s in self.stops):
+            return "stop"
+        if len(turn) >= self.max_turn_tokens:
+            return "max_turn_tokens"
+        return None
+
+
+@dataclass(frozen=True)
+class TextCodec:
+    """How an engine turns text into tokens and back (see "Episode layout"): everything a replay
+    of its episodes must reproduce, so a second engine brings its own and replay follows it."""
+
+    prompt_tokens: Callable[[str], list[int]]
+    """The chat template applied to ``[{"role": "user", "content": prompt}]`` with the generation prompt."""
+    encode: Callable[[str], list[int]]
+    """An observation's tokens (no special tokens added, none parsed from the text)."""
+    decode: Callable[[Sequence[int]], str]
+    """A turn's text (special tokens kept)."""
+    eos_ids: frozenset[int]
+    """Tokens that end an episode."""
+    stop_candidates: Callable[[tuple[str, ...]], frozenset[int]]
+    """Tokens whose text holds the last character of a stop string (a superset is correct, only slower)."""
+
+    def turn_rule(self, stops: tuple[str, ...], max_turn_tokens: int, max_episode_tokens: int) -> TurnRule:
+        stops = tuple(stops)
+        return TurnRule(self.eos_ids, stops, self.stop_candidates(stops) if stops else frozenset(), self.decode,
+                        max_turn_tokens, max_episode_tokens)
+
+
 @dataclass
 class RolloutStats:
     """What the last :meth:`RolloutEngine.rollout` call did (for logs and benchmarks)."""
@@ -252,9 +305,14 @@ class RolloutEngine(Protocol):
             codes as uint8, scales, biases, unquantized tensors). Treat it as read-only; change
             weights through :meth:`load_state` / :meth:`apply_delta`.
         worker_id: stamped on every episode (``Episode.worker_id``); given at construction.
+        codec: the engine's :class:`TextCodec` (prompt template, observation encoding, turn
+            decoding, EOS and stop-token candidates); replay uses it to rebuild episodes.
     """
 
     version: int
+
+    @property
+    def codec(self) -> TextCodec: ...
 
     @property
     def worker_id(self) -> str: ...

@@ -17,6 +17,7 @@ A run config has a top-level ``name`` and ``seed`` and one table per component::
     [eval]       # held-out evaluation
     [fleet]      # the local launcher (`stoa train`): how many workers
     [trust]      # which worker keys may upload, and how their episodes are verified
+    [trust.audit]  # the log-prob audit and its spot-checks (stoa.fleet.trust.audit.AuditConfig)
 
 Every section is typed and checked when the file is read: an unknown key, a value of the wrong
 type or out of range is a :class:`ConfigError` naming the key's path (a typo must not surface
@@ -43,6 +44,7 @@ from typing import Any, Literal
 from stoa.algos import Objective
 from stoa.backends.learner import LearnerConfig
 from stoa.backends.megatron.options import MegatronOptions
+from stoa.fleet.trust.gate import TrustConfig
 from stoa.models.tiny import TinyConfig
 
 __all__ = [
@@ -286,55 +288,6 @@ class FleetConfig:
 
     def __post_init__(self) -> None:
         _check(self.workers >= 0 and self.worker_threads >= 1, "fleet.workers >= 0 and worker_threads >= 1")
-
-
-@dataclass(frozen=True)
-class TrustConfig:
-    """Who may upload rollouts and how the trainer checks what they upload (``docs/trust.md``)."""
-
-    mode: Literal["open", "enrolled"] = "open"
-    """``open``: any worker key, bound to its worker id on first use; ``enrolled``: only keys
-    enrolled in the run's signed roster (``stoa enroll``)."""
-    replay: bool = True
-    """Replay every episode through the trainer's own environment before training on it (tasks
-    that declare ``replayable``); a mismatch rejects the batch."""
-    audit: bool = True
-    """Score a sample of every batch with the learner, keep per-worker log-prob statistics, and
-    spot-check suspicious workers with the int8 engine; a confirmed mismatch bans the worker."""
-    audit_fraction: float = 0.25
-    """Fraction of each batch's episodes the audit scores (at least one)."""
-    spot_check_episodes: int = 4
-    """Episodes of a suspicious batch re-scored by the int8 engine."""
-    random_spot_check: float = 0.02
-    """Probability that an unsuspicious batch is spot-checked anyway."""
-    episode_factor: float = 8.0
-    """An episode is suspicious above this many times its staleness bucket's honest mean |log pi - log mu|."""
-    worker_mads: float = 6.0
-    """A worker is suspicious this many MADs (floored at the int8 calibration) above the fleet median."""
-    min_tokens: int = 200
-    """Audited tokens a worker needs in a staleness bucket before its running mean counts."""
-    spot_check_tolerance: float = 0.1
-    """A token mismatches when the int8 re-score and the claimed log mu differ by more (nats)."""
-    spot_check_max_frac: float = 0.05
-    """An episode fails the spot-check when more than this fraction of its model tokens mismatch."""
-    ban_after: int = 2
-    """Rejected batches from one key (replay, duplicate, invalid, ...) before it is banned; 0 = never."""
-    max_worker_share: float = 1.0
-    """Most of one optimizer step's groups that may come from one worker key (1.0 = no cap)."""
-    max_hashes: int = 16384
-    """Accepted batch and group hashes remembered to refuse copies (bounded memory, checkpointed;
-    a copy older than ``trainer.max_lag`` versions is dropped as stale anyway)."""
-
-    def __post_init__(self) -> None:
-        _check(0 < self.audit_fraction <= 1 and 0 <= self.random_spot_check <= 1,
-               "trust.audit_fraction must lie in (0, 1] and trust.random_spot_check in [0, 1]")
-        _check(self.spot_check_episodes >= 1 and self.min_tokens >= 1 and self.ban_after >= 0,
-               "trust.spot_check_episodes >= 1, min_tokens >= 1, ban_after >= 0")
-        _check(self.episode_factor > 1 and self.worker_mads > 0 and self.spot_check_tolerance > 0
-               and 0 <= self.spot_check_max_frac < 1,
-               "trust.episode_factor > 1, worker_mads > 0, spot_check_tolerance > 0, 0 <= spot_check_max_frac < 1")
-        _check(0 < self.max_worker_share <= 1, "trust.max_worker_share must lie in (0, 1]")
-        _check(self.max_hashes >= 1, "trust.max_hashes must be >= 1")
 
 
 @dataclass(frozen=True)

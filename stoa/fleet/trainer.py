@@ -28,7 +28,6 @@ learner calls are mirrored to the other ranks (:mod:`stoa.fleet.distributed`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -40,13 +39,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from stoa.fleet.admission import batch_problem, episode_metric_means
 from stoa.fleet.config import RunConfig, import_env_module
+from stoa.fleet.intake import Intake, Taken
 from stoa.fleet.metrics import MetricsSink
+from stoa.fleet.policies import HeldPolicies
 from stoa.fleet.run import publish_run, read_heartbeats
-from stoa.fleet.trust import TrustGate, scoped
-from stoa.transport.chain import WeightPublisher
-from stoa.transport.exchange import Batch, RolloutReader, mark_finished, write_progress
+from stoa.fleet.trust import Ledger, episode_metric_means
+from stoa.transport.chain import PublishResult, WeightPublisher
+from stoa.transport.exchange import mark_finished
 from stoa.transport.signing import SignatureError, read_signed, sign_document
 from stoa.transport.store import ObjectStore
 from stoa.types import Episode
@@ -109,12 +109,7 @@ def eval_metrics(episodes: list[Episode], samples: int, success_metric: str | No
 class _Counters:
     episodes_trained: int = 0
     groups_trained: int = 0
-    dropped_stale_groups: int = 0
-    dropped_reused_groups: int = 0
-    dropped_malformed_groups: int = 0
     zero_variance_groups: int = 0
-    future_version_batches: int = 0
-    rejected_batches: int = 0
     failed_steps: int = 0
     staleness: dict[str, int] = field(default_factory=dict)
 
@@ -144,17 +139,11 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(cfg.to_json() + "\n")
         self.sink = MetricsSink(self.run_dir)
-        self.ledger_path = self.run_dir / "ledger.jsonl"
+        self.ledger = Ledger(self.run_dir / "ledger.jsonl", lambda: {"rl_step": self.rl_step, "version": self.version})
         self.counters = _Counters()
-        self.pool: list[tuple[Batch, dict[str, list[Episode]]]] = []
-        self.held: list[Batch] = []  # batches the trust gate will review again (contested groups)
-        self.used_groups: set[str] = set()
         self.version = 0
         self.rl_step = 0
         self.state: dict[str, np.ndarray] | None = None
-        self._recent: dict[int, dict[str, np.ndarray]] = {}  # int8 states a spot-check may need
-        self._eval_engine = None
-        self.trust: TrustGate | None = None
         self._t0 = time.time()
 
     # -- helpers ------------------------------------------------------------------------------
@@ -163,12 +152,6 @@ class Trainer:
         if self.on_row:
             self.on_row(row)
         return row
-
-    def _ledger(self, **entry: Any) -> None:
-        with open(self.ledger_path, "a") as f:
-            f.write(json.dumps({"rl_step": self.rl_step, "version": self.version, **entry}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
 
     def _make_env(self, split: str, **over: Any):
         import stoa.envs
@@ -192,27 +175,24 @@ class Trainer:
         task = self._make_env(cfg.env.train_split).unwrapped
         self.metric_types = dict(task.metric_types)
         self.success_metric = task.success_metric
+        self.publisher = WeightPublisher(self.store, self.run_name, self.key, anchor_every=cfg.pulse.anchor_every)
+        checkpoint = self._checkpoint_to_resume()  # refuses a second start of a live run before writing anything
         self._log("event", event="started", headline=list(task.headline_metrics), success_metric=self.success_metric)
         self.model_dir = prepare_model(cfg, self.run_dir)
         publish_run(self.store, self.run_name, cfg, self.model_dir, self.key)
         options = dataclasses.asdict(cfg.learner.megatron) if cfg.learner.kind == "megatron" else {}
         build = self.ranks.make_learner if self.ranks else make_learner  # all ranks build theirs with rank 0
         self.learner = build(cfg.learner.kind, self.model_dir, self._learner_config(), **options)
-        self.trust = TrustGate(cfg.trust, self.store, self.run_name, self.key, ledger=self._ledger, seed=cfg.seed)
-        self.trust.refresh(force=True)
-        self.reader = RolloutReader(self.store, self.run_name, vocab_size=self.learner.vocab_size,
-                                    admit=self.trust.admit, require_seal=True, max_hashes=cfg.trust.max_hashes)
-        self.publisher = WeightPublisher(self.store, self.run_name, self.key, anchor_every=cfg.pulse.anchor_every)
-        resumed = self._maybe_resume()
-        if not resumed:
-            if cfg.warmstart.steps or cfg.warmstart.practice_steps:
-                self.warm_start()
-            self.learner.reset_optimizer(self._learner_config())
-            head = self.publisher.head()  # --resume without a checkpoint: start over, but never reuse a version
-            self.version = 0 if head is None else head + 1
-            self._publish()
+        self.policies = HeldPolicies(self.model_dir, cfg.rollout, cfg.trainer.max_lag)
+        extra = self._resume(checkpoint) if checkpoint else self._start()
+        self.intake = Intake(cfg, self.store, self.key, vocab_size=self.learner.vocab_size,
+                             metric_types=self.metric_types, ledger=self.ledger, float_scorer=self.learner,
+                             int8=self.policies, make_env=lambda: self._make_env(cfg.env.train_split),
+                             event=lambda **row: self._log("event", **row))
+        if extra is not None:
+            self.intake.restore(extra["intake"])
+        else:
             self.evaluate()
-        self._attach_trust()
         while self.rl_step < cfg.trainer.steps:
             if not self.step():
                 if self.ranks:
@@ -222,106 +202,33 @@ class Trainer:
             self.evaluate()
         self.checkpoint()
         mark_finished(self.store, self.run_name, self.key, self.version)
-        summary = self._log("event", event="finished", seconds=time.time() - self._t0, **asdict(self.counters))
+        summary = self._log("event", event="finished", seconds=time.time() - self._t0, **asdict(self.counters),
+                            **asdict(self.intake.counters))
         self.sink.close()
         return summary
 
-    def warm_start(self) -> None:
-        """Practice in sibling tasks, then this task's habit (see ``WarmstartConfig``)."""
-        from transformers import AutoTokenizer
+    def _start(self) -> None:
+        """A fresh run: the warm start (if any), then the first version published."""
+        from stoa.fleet.warmstart import warm_start
 
-        from stoa.fleet.warmstart import Demonstrations, answer_only, final_turn_probability
+        self.ledger.cut(None)  # nothing of an earlier attempt survives without a checkpoint
+        if self.cfg.warmstart.steps or self.cfg.warmstart.practice_steps:
+            warm_start(self.cfg, self.learner, self.model_dir, self._make_env,
+                       lambda **over: self.learner.reset_optimizer(self._learner_config(**over)),
+                       lambda **row: self._log("warmstart", **row))
+        self.learner.reset_optimizer(self._learner_config())
+        head = self.publisher.head()  # --resume without a checkpoint: start over, but never reuse a version
+        self.version = 0 if head is None else head + 1
+        self._publish()
 
-        ws, env_cfg = self.cfg.warmstart, self.cfg.env
-        tok = AutoTokenizer.from_pretrained(str(self.model_dir))
-        demos = Demonstrations(lambda: self._make_env(env_cfg.train_split), tok, env_cfg.id)
-        for style in [ws.practice_style, *ws.mix]:
-            if style not in demos.styles:
-                raise ValueError(f"warmstart: {env_cfg.id} has no demonstration style {style!r}; it has {demos.styles}")
-        held = Demonstrations(lambda: self._make_env(env_cfg.eval_split), tok, env_cfg.id)
-        rng = np.random.default_rng([self.cfg.seed, 17])
-        check = [e for e in (held.episode(int(i), ws.practice_style, rng) for i in rng.permutation(len(held))[:64]) if e]
-        self.learner.reset_optimizer(self._learner_config(lr=ws.lr, schedule="constant", warmup_steps=20,
-                                                          threads=ws.threads or self.cfg.trainer.threads))
-        worlds: list[Demonstrations] = []
-        if ws.practice_steps or ws.practice_answer_only:
-            for k in range(1, ws.practice_worlds + 1):
-                over = demos.env.unwrapped.practice_kwargs(k)
-                if over is None:
-                    raise ValueError(f"warmstart: {env_cfg.id} has no sibling tasks (practice_kwargs); "
-                                     "set warmstart.practice_steps = 0 and practice_answer_only = 0")
-                worlds.append(Demonstrations(lambda over=over: self._make_env(env_cfg.train_split, **over), tok,
-                                             env_cfg.id))
-        t0 = last_report = time.time()
-        losses: list[float] = []
-        total = ws.practice_steps + ws.steps
-        for s in range(1, total + 1):
-            if s <= ws.practice_steps:
-                phase = "practice"
-                batch = [worlds[w].sample(ws.practice_style, rng) for w in rng.integers(len(worlds), size=ws.batch_size)]
-            else:
-                phase = "habit"
-                batch = demos.batch(ws.batch_size, ws.mix, rng)
-                batch += [answer_only(worlds[w].sample(ws.practice_style, rng))
-                          for w in rng.integers(len(worlds), size=ws.practice_answer_only)] if worlds else []
-            losses.append(self.learner.sft_step(batch)["loss"])
-            row = {"step": s, "of": total, "phase": phase, "loss": float(np.mean(losses)), "seconds": time.time() - t0}
-            if (ws.check_every and s % ws.check_every == 0) or s in (ws.practice_steps, total):
-                p = final_turn_probability(self.learner.logprobs(check), check)
-                self._log("warmstart", **row, **{"warmstart/p_final_turn": p})
-                log.info("warm start %d/%d (%s): loss %.3f, p(final turn) of held-out %s demonstrations %.2f",
-                         s, total, phase, row["loss"], ws.practice_style, p)
-                losses, last_report = [], time.time()
-            elif time.time() - last_report >= 10:  # a heartbeat for non-TTY watchers; no held-out check
-                self._log("warmstart", **row)
-                last_report = time.time()
-
-    def _publish(self) -> Any:
+    def _publish(self, **metadata: Any) -> PublishResult:
+        """Quantize the learner's weights to int8, hold them for spot-checks, publish them as ``self.version``."""
         from stoa.transport.quant import quantize_state
 
         weights = self.learner.export_weights(self.cfg.pulse.dtype)
         self.state = quantize_state(weights, previous=self.state)
-        self._keep_state()
-        return self.publisher.publish(self.version, self.state, {"rl_step": self.rl_step})
-
-    def _keep_state(self) -> None:
-        """Keep the int8 states a worker may still claim (staleness gate), for spot-checks."""
-        self._recent[self.version] = self.state
-        for v in [v for v in self._recent if v < self.version - self.cfg.trainer.max_lag]:
-            del self._recent[v]
-
-    def _engine(self):
-        """The trainer's int8 engine (evaluation, replay's tokenizer, spot-checks), built once."""
-        from stoa.backends.engine import EngineConfig, make_engine
-
-        if self._eval_engine is None:
-            rc = self.cfg.rollout
-            self._eval_engine = make_engine(self.model_dir, rc.engine, state=self.state, version=self.version,
-                                            mode=rc.engine_mode, config=EngineConfig(max_batch=rc.max_batch),
-                                            worker_id="eval")
-        return self._eval_engine
-
-    def _int8_at(self, version: int, state: dict[str, np.ndarray]):
-        """The trainer's int8 engine holding ``version`` (loaded only when it holds another one;
-        versions never repeat within a run, so a version names one state)."""
-        engine = self._engine()
-        if engine.version != version:
-            engine.load_state(version, state)
-        return engine
-
-    def _score_int8(self, version: int, episodes: list[Episode]) -> list[np.ndarray] | None:
-        state = self._recent.get(version)
-        return None if state is None else self._int8_at(version, state).score(episodes)
-
-    def _attach_trust(self) -> None:
-        from stoa.fleet.verify import ReplayCodec, Replayer
-
-        rc = self.cfg.rollout
-        replayer = Replayer(lambda: self._make_env(self.cfg.env.train_split), ReplayCodec.from_engine(self._engine()),
-                            max_turn_tokens=rc.max_turn_tokens, max_episode_tokens=rc.max_episode_tokens)
-        assert self.trust is not None
-        self.trust.attach(replayer=replayer, score_float=lambda eps: self.learner.logprobs(eps, temperature=None),
-                          score_int8=self._score_int8)
+        self.policies.keep(self.version, self.state)
+        return self.publisher.publish(self.version, self.state, {"rl_step": self.rl_step, **metadata})
 
     def _evaluated(self, version: int) -> bool:
         """Whether ``version``'s evaluation is in the store *and* verifies under the run's key."""
@@ -339,9 +246,8 @@ class Trainer:
         from stoa.backends.engine import RolloutRequest, SamplingConfig
 
         cfg, ev = self.cfg, self.cfg.eval
-        assert self.state is not None
         t0 = time.time()
-        engine = self._int8_at(self.version, self.state)
+        engine = self.policies.engine_at(self.version)
         make_env = lambda: self._make_env(cfg.env.eval_split)
         n = min(ev.num_questions, len(make_env().unwrapped))
         requests = [RolloutRequest(i, f"eval-{i}", ev.samples) for i in range(n)]
@@ -351,9 +257,9 @@ class Trainer:
         episodes = engine.rollout(make_env, requests, sampling)
         m = eval_metrics(episodes, ev.samples, self.success_metric, self.metric_types)
         m["eval/seconds"] = time.time() - t0
-        if self.trust is not None and cfg.trust.audit and self.trust.audit.floor is None:
+        if cfg.trust.audit.enabled and self.intake.audit_floor is None:
             # The audit's floor: these int8 episodes scored by the float weights they were quantized from.
-            m["trust/audit_floor"] = self.trust.calibrate(episodes, self.learner.logprobs(episodes, temperature=None))
+            m["trust/audit_floor"] = self.intake.calibrate(episodes, self.learner.logprobs(episodes, temperature=None))
         self.store.put(f"{self.run_name}/eval/v{self.version:012d}.json", sign_document("eval", {
             "run": self.run_name, "version": self.version, "metrics": m}, self.key))
         self._log("eval", **m)
@@ -362,96 +268,53 @@ class Trainer:
         return m
 
     # -- RL -----------------------------------------------------------------------------------
-    def _reject(self, batch: Batch, reason: str, category: str = "invalid") -> None:
-        """Quarantine a batch (recorded in the reader's state, so a restart never retries it)."""
-        self.reader.quarantine(batch, reason)
-        self.counters.rejected_batches += 1
-        if self.trust is not None:
-            self.trust.reject(batch.key_id, batch.worker_id, category, reason, len(batch.episodes))
-        self._ledger(rejected=batch.key, reason=reason[:500])
-        log.warning("quarantined %s: %s", batch.key, reason)
+    def step(self) -> bool:
+        """One RL step if enough groups are ready; returns whether a step was taken.
 
-    def _poll(self) -> None:
-        cfg = self.cfg
-        assert self.trust is not None
-        self.trust.refresh()
-        batches = self.reader.poll()
-        self.trust.record_rejections(self.reader.last_report.rejected)
-        if batches:  # what was taken, per worker (signed): workers throttle on it (rollout.max_outstanding)
-            write_progress(self.store, self.run_name, self.reader.progress(), self.key)
-        admitted: list[Batch] = []
-        for batch in batches:
-            if batch.version > self.version:
-                self._reject(batch, f"policy version {batch.version} is newer than the trainer's "
-                                    f"{self.version}: not produced by this run's weights")
-                self.counters.future_version_batches += 1
-                continue
-            try:
-                why = batch_problem(batch.episodes, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                    group_size=cfg.rollout.group_size, reward_range=cfg.trainer.reward_range,
-                                    env_id=cfg.env.id, metric_types=self.metric_types)
-            except Exception as e:  # whatever a stranger's batch breaks, it is the batch's fault
-                why = f"checking the batch failed: {type(e).__name__}: {e}"
-            if why:
-                self._reject(batch, why)
-                continue
-            admitted.append(batch)
-        # Identity, replay, copies and the log-prob audit (stoa.fleet.trust), then the pool.
-        admitted, self.held = self.held + admitted, []
-        for batch, verdict in zip(admitted, self.trust.review(admitted, self.version)):
-            if verdict is not None and verdict[0] == "hold":  # a contested group: judged again next poll
-                self.held.append(batch)
-                continue
-            if verdict is not None:
-                self._reject(batch, verdict[1], verdict[0])
-                continue
-            groups: dict[str, list[Episode]] = {}
-            for ep in batch.episodes:
-                groups.setdefault(ep.group_id, []).append(ep)
-            self.pool.append((batch, groups))
-        for kid in self.trust.take_new_bans():  # a banned key's queued batches are never trained on
-            for batch, _ in [(b, g) for b, g in self.pool if b.key_id == kid]:
-                self.pool = [(b, g) for b, g in self.pool if b.key != batch.key]
-                self._reject(batch, f"worker key {kid} was banned: {self.trust.records[kid].banned[:300]}", "banned")
+        Nothing a worker uploaded can make this raise: a batch that fails a check, or on which
+        the learner fails, is quarantined with the reason and training goes on."""
+        taken = self.intake.take(self.version)
+        if taken is None:
+            return False
+        t0 = time.time()
+        try:
+            rollout, learn = self._learn(taken)
+        except Exception as e:
+            log.warning("learner step failed (%s: %s); finding the batch to blame", type(e).__name__, e)
+            self.intake.blame(taken, e)
+            self.counters.failed_steps += 1
+            return False
+        self.intake.trained(taken)
+        self._count(taken, rollout)
+        self.rl_step += 1
+        self.version += 1
+        pub = self._publish()
+        self.ledger.write(trained=[g[0].group_id for g in taken.groups],
+                          policy_versions=sorted({e.policy_version for e in taken.episodes}))
+        beats, _ = read_heartbeats(self.store, self.run_name)
+        now = time.time()
+        self._log("train", rl_step=self.rl_step, **rollout, **learn,
+                  **{"pulse/bytes": pub.bytes_written, "pulse/full_bytes": pub.full_state_bytes,
+                     "pulse/anchor": pub.kind == "anchor", "pulse/seconds": pub.seconds,
+                     "time/step_s": now - t0, "time/elapsed_s": now - self._t0,
+                     "throughput/episodes_per_s": self.counters.episodes_trained / (now - self._t0),
+                     "fleet/workers_alive": sum(now - b.time < 30 and b.status != "stopped" for b in beats)},
+                  **self.intake.metrics())
+        self.intake.write_report(self.version)
+        if self.version % self.cfg.eval.every == 0 and self.rl_step < self.cfg.trainer.steps:
+            self.evaluate()
+        if self.rl_step % self.cfg.trainer.checkpoint_every == 0 and self.rl_step < self.cfg.trainer.steps:
+            self.checkpoint()
+        return True
 
-    def _take_groups(self) -> list[tuple[Batch, list[Episode]]] | None:
-        """``groups_per_step`` eligible groups (with their batch), oldest first, or None if not enough yet."""
-        tc, G = self.cfg.trainer, self.cfg.rollout.group_size
-        chosen: list[tuple[int, str]] = []
-        dropped: dict[str, list[str]] = {"reused": [], "stale": [], "malformed": []}
-        cap, per_key = self.trust.max_groups(tc.groups_per_step) if self.trust else tc.groups_per_step, Counter()
-        for b_i, (batch, groups) in enumerate(self.pool):
-            for gid, eps in list(groups.items()):
-                sgid = scoped(batch.key_id, gid)  # group ids live in their sender's namespace
-                why = ("reused" if sgid in self.used_groups else "stale" if self.version - batch.version > tc.max_lag
-                       else "malformed" if len(eps) != G or len({e.sample_index for e in eps}) != G else None)
-                if why:
-                    dropped[why].append(sgid)
-                    del groups[gid]
-                elif len(chosen) < tc.groups_per_step and per_key[batch.key_id] < cap:
-                    chosen.append((b_i, gid))
-                    per_key[batch.key_id] += 1
-        self.counters.dropped_reused_groups += len(dropped["reused"])
-        self.counters.dropped_stale_groups += len(dropped["stale"])
-        self.counters.dropped_malformed_groups += len(dropped["malformed"])
-        if any(dropped.values()):
-            self._ledger(dropped={k: v for k, v in dropped.items() if v})
-        if len(chosen) < tc.groups_per_step:
-            self.pool = [(b, g) for b, g in self.pool if g]
-            return None
-        out = [(self.pool[b_i][0], self.pool[b_i][1].pop(gid)) for b_i, gid in chosen]
-        self.pool = [(b, g) for b, g in self.pool if g]
-        return out
+    def _learn(self, taken: Taken) -> tuple[dict[str, Any], dict]:
+        """Advantages and one learner step over ``taken``; returns (rollout metrics, learner metrics).
 
-    def _learn(self, taken: list[tuple[Batch, list[Episode]]]) -> tuple[list[list[Episode]], dict[str, Any], dict]:
-        """Advantages and one learner step over ``taken``; returns (groups, rollout metrics, learner metrics).
-
-        Raises whatever the learner raises (the caller finds the batch to blame)."""
+        Raises whatever the learner raises (the caller has the intake find the batch to blame)."""
         from stoa.algos.advantages import group_advantages
 
         tc = self.cfg.trainer
-        groups = [[dataclasses.replace(e, group_id=scoped(b.key_id, e.group_id)) for e in g] for b, g in taken]
-        episodes = [e for g in groups for e in g]
+        episodes = taken.episodes
         rewards = np.array([e.reward for e in episodes], np.float32)
         adv, stats = group_advantages(rewards, [e.group_id for e in episodes], kind=tc.advantage)
         adv = np.asarray(adv, np.float32)
@@ -475,98 +338,24 @@ class Trainer:
         if keep.any():
             sel = [e for e, k in zip(episodes, keep) if k]
             learn = self.learner.train_step(sel, adv[keep], objective=self.cfg.objective)
-        return groups, rollout, learn
+        return rollout, learn
+
+    def _count(self, taken: Taken, rollout: dict[str, Any]) -> None:
+        for k, n in rollout.items():
+            if k.startswith("staleness/lag"):
+                lag = k[len("staleness/lag"):]
+                self.counters.staleness[lag] = self.counters.staleness.get(lag, 0) + n
+        self.counters.zero_variance_groups += rollout.pop("groups/zero_variance")
+        self.counters.episodes_trained += len(taken.episodes)
+        self.counters.groups_trained += len(taken.groups)
 
     def _mismatch(self, episodes: list[Episode]) -> dict[str, float]:
         """The int8 and staleness parts of the behaviour/trainer gap (``stoa.fleet.mismatch``):
         score the step's episodes with the float learner and with the int8 policy of this version."""
         from stoa.fleet.mismatch import decompose
 
-        assert self.state is not None
-        int8 = self._int8_at(self.version, self.state).score(episodes)
+        int8 = self.policies.engine_at(self.version).score(episodes)
         return decompose(episodes, self.learner.logprobs(episodes, temperature=None), int8)
-
-    def _blame(self, taken: list[tuple[Batch, list[Episode]]], error: Exception) -> None:
-        """A learner step failed: quarantine the batches whose episodes the learner cannot take, put
-        the other groups back, or (if no batch alone fails) quarantine every batch of the step."""
-        by_batch: dict[str, tuple[Batch, list[list[Episode]]]] = {}
-        for batch, g in taken:
-            by_batch.setdefault(batch.key, (batch, []))[1].append(g)
-        guilty = []
-        for key, (batch, groups) in by_batch.items():
-            try:
-                lps = self.learner.logprobs([e for g in groups for e in g])
-                if not all(np.isfinite(lp).all() for lp in lps):
-                    raise ValueError("non-finite trainer log-probs")
-            except Exception as e:
-                guilty.append((batch, f"the learner cannot take it: {type(e).__name__}: {e}"))
-        if not guilty:
-            guilty = [(b, f"a learner step over this and {len(by_batch) - 1} other batch(es) failed: "
-                          f"{type(error).__name__}: {error}") for b, _ in by_batch.values()]
-        bad = {b.key for b, _ in guilty}
-        for batch, reason in guilty:
-            self.pool = [(b, g) for b, g in self.pool if b.key != batch.key]
-            self._reject(batch, reason[:2000])
-        # The innocent groups go back to the front of the pool, as they were.
-        back: dict[str, tuple[Batch, dict[str, list[Episode]]]] = {}
-        for batch, g in taken:
-            if batch.key not in bad:
-                back.setdefault(batch.key, (batch, {}))[1][g[0].group_id] = g
-        self.pool = list(back.values()) + self.pool
-        self.counters.failed_steps += 1
-
-    def step(self) -> bool:
-        """One RL step if enough groups are ready; returns whether a step was taken.
-
-        Nothing a worker uploaded can make this raise: a batch that fails a check, or on which
-        the learner fails, is quarantined with the reason and training goes on."""
-        tc = self.cfg.trainer
-        self._poll()
-        taken = self._take_groups()
-        if taken is None:
-            return False
-        t0 = time.time()
-        try:
-            groups, rollout, learn = self._learn(taken)
-        except Exception as e:
-            log.warning("learner step failed (%s: %s); finding the batch to blame", type(e).__name__, e)
-            self._blame(taken, e)
-            return False
-        episodes = [e for g in groups for e in g]
-        for g in groups:
-            self.used_groups.add(g[0].group_id)
-        for batch, g in taken:
-            self.trust.trained(batch, len(g))
-        for k, n in rollout.items():
-            if k.startswith("staleness/lag"):
-                lag = k[len("staleness/lag"):]
-                self.counters.staleness[lag] = self.counters.staleness.get(lag, 0) + n
-        self.counters.zero_variance_groups += rollout.pop("groups/zero_variance")
-        self.counters.episodes_trained += len(episodes)
-        self.counters.groups_trained += len(groups)
-        self.rl_step += 1
-        self.version += 1
-        pub = self._publish()
-        self._ledger(trained=[g[0].group_id for g in groups],
-                     policy_versions=sorted({e.policy_version for e in episodes}))
-        beats, _ = read_heartbeats(self.store, self.run_name)
-        now = time.time()
-        self._log("train", rl_step=self.rl_step, **rollout, **learn,
-                  **{"pulse/bytes": pub.bytes_written, "pulse/full_bytes": pub.full_state_bytes,
-                     "pulse/anchor": pub.kind == "anchor", "pulse/seconds": pub.seconds,
-                     "time/step_s": now - t0, "time/elapsed_s": now - self._t0,
-                     "throughput/episodes_per_s": self.counters.episodes_trained / (now - self._t0),
-                     "fleet/workers_alive": sum(now - b.time < 30 and b.status != "stopped" for b in beats),
-                     "dropped/stale_groups": self.counters.dropped_stale_groups,
-                     "dropped/reused_groups": self.counters.dropped_reused_groups,
-                     "dropped/quarantined_batches": self.reader.quarantined,
-                     "dropped/rejected_batches": self.counters.rejected_batches}, **self.trust.metrics())
-        self.trust.write_report(self.version)
-        if self.version % self.cfg.eval.every == 0 and self.rl_step < tc.steps:
-            self.evaluate()
-        if self.rl_step % tc.checkpoint_every == 0 and self.rl_step < tc.steps:
-            self.checkpoint()
-        return True
 
     # -- checkpoints --------------------------------------------------------------------------
     def checkpoint(self) -> Path:
@@ -576,62 +365,37 @@ class Trainer:
         path = ckdir / f"v{self.version:012d}"
         if path.exists():
             return path
-        pending = [b for b, g in self.pool if g] + self.held
-        pending_groups = {scoped(b.key_id, gid) for b, g in self.pool for gid in g}
-        pending_used = sorted(gid for b, _ in self.pool for gid in {scoped(b.key_id, e.group_id) for e in b.episodes}
-                              if gid in self.used_groups and gid not in pending_groups)
-        reader_state = self.reader.state(pending=pending)
-        extra = {"version": self.version, "rl_step": self.rl_step, "reader": reader_state,
-                 "used_groups": pending_used, "counters": asdict(self.counters),
-                 "trust": self.trust.state() if self.trust else {}}
+        intake = self.intake.state()
+        extra = {"version": self.version, "rl_step": self.rl_step, "counters": asdict(self.counters), "intake": intake}
         self.learner.save_checkpoint(path, extra)
-        self._ledger(checkpoint=path.name)
+        self.ledger.write(checkpoint=path.name)
         for old in sorted(ckdir.glob("v*"))[:-2]:
             shutil.rmtree(old, ignore_errors=True)
-        self.reader.prune(reader_state)
+        self.intake.prune(intake)
         return path
 
-    def _cut_ledger(self, checkpoint: str | None) -> None:
-        """Forget ledger lines written after ``checkpoint``'s marker (all of them for None): that training was lost."""
-        if not self.ledger_path.exists():
-            return
-        lines = self.ledger_path.read_text().splitlines(keepends=True)
-        keep = len(lines) if checkpoint is not None else 0
-        for i, line in enumerate(lines):
-            try:
-                if json.loads(line).get("checkpoint") == checkpoint:
-                    keep = i + 1
-            except json.JSONDecodeError:
-                break
-        tmp = self.ledger_path.with_suffix(".tmp")
-        tmp.write_text("".join(lines[:keep]))
-        tmp.replace(self.ledger_path)
-
-    def _maybe_resume(self) -> bool:
+    def _checkpoint_to_resume(self) -> Path | None:
+        """The newest checkpoint when resuming; refuses (before anything is written) a start
+        without ``--resume`` of a run that already has published weights."""
         ckdir = self.run_dir / "checkpoints"
         cks = sorted(p for p in ckdir.glob("v*") if p.is_dir()) if ckdir.exists() else []
-        if not (self.resume and cks):
-            if self.publisher.head() is not None and not self.resume:
-                raise RuntimeError(f"run {self.run_name!r} already has published weights in this store; "
-                                   "pass --resume to continue it, or choose another run name")
-            self._cut_ledger(None)  # nothing of an earlier attempt survives without a checkpoint
-            return False
-        extra = self.learner.load_checkpoint(cks[-1])
-        self._cut_ledger(cks[-1].name)
-        self.reader.restore(extra["reader"])
-        self.used_groups = set(extra["used_groups"])
-        if self.trust is not None and extra.get("trust"):
-            self.trust.restore(extra["trust"])
+        if self.resume and cks:
+            return cks[-1]
+        if not self.resume and self.publisher.head() is not None:
+            raise RuntimeError(f"run {self.run_name!r} already has published weights in this store; "
+                               "pass --resume to continue it, or choose another run name")
+        return None
+
+    def _resume(self, checkpoint: Path) -> dict[str, Any]:
+        """Load ``checkpoint`` and publish its weights as the version after the store's head."""
+        extra = self.learner.load_checkpoint(checkpoint)
+        self.ledger.cut(checkpoint.name)
         self.rl_step = extra["rl_step"]
         self.counters = _Counters(**extra["counters"])
         head = self.publisher.head()
         # Versions published after the checkpoint came from steps now lost; never reuse their numbers.
         self.version = max(extra["version"], head if head is not None else 0) + 1
-        from stoa.transport.quant import quantize_state
-
-        self.state = quantize_state(self.learner.export_weights(self.cfg.pulse.dtype))
-        self._keep_state()
-        self.publisher.publish(self.version, self.state, {"rl_step": self.rl_step, "resumed_from": extra["version"]})
-        self._log("event", event="resumed", checkpoint=cks[-1].name, rl_step=self.rl_step)
-        log.info("resumed from %s at RL step %d; publishing as version %d", cks[-1].name, self.rl_step, self.version)
-        return True
+        self._publish(resumed_from=extra["version"])
+        self._log("event", event="resumed", checkpoint=checkpoint.name, rl_step=self.rl_step)
+        log.info("resumed from %s at RL step %d; publishing as version %d", checkpoint.name, self.rl_step, self.version)
+        return extra

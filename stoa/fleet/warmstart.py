@@ -16,14 +16,22 @@ behaviour log-probs are 0 (they are not samples of any policy; SFT ignores them)
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from stoa.types import Episode, Segment
 
-__all__ = ["Demonstrations", "final_turn_probability", "answer_only"]
+if TYPE_CHECKING:
+    from stoa.fleet.config import RunConfig
+
+__all__ = ["Demonstrations", "answer_only", "final_turn_probability", "warm_start"]
+
+log = logging.getLogger("stoa.trainer")
 
 
 class Demonstrations:
@@ -115,3 +123,55 @@ def final_turn_probability(logprobs: Sequence[np.ndarray], episodes: Sequence[Ep
         n = len(ep.segments[-1].tokens)
         probs.append(float(np.exp(lp[-n:].astype(np.float64).sum())))
     return float(np.mean(probs)) if probs else 0.0
+
+
+def warm_start(cfg: RunConfig, learner: Any, model_dir: Path, make_env: Callable[..., Any],
+               reset_optimizer: Callable[..., None], log_row: Callable[..., Any]) -> None:
+    """Practice in sibling tasks, then this task's habit (``[warmstart]``, ``WarmstartConfig``).
+
+    ``make_env(split, **overrides)`` builds the run's environment; ``reset_optimizer(**over)``
+    resets the learner's optimizer with the run's learner config changed by ``over``; every
+    progress row goes to ``log_row(**fields)``."""
+    from transformers import AutoTokenizer
+
+    ws, env_cfg = cfg.warmstart, cfg.env
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    demos = Demonstrations(lambda: make_env(env_cfg.train_split), tok, env_cfg.id)
+    for style in [ws.practice_style, *ws.mix]:
+        if style not in demos.styles:
+            raise ValueError(f"warmstart: {env_cfg.id} has no demonstration style {style!r}; it has {demos.styles}")
+    held = Demonstrations(lambda: make_env(env_cfg.eval_split), tok, env_cfg.id)
+    rng = np.random.default_rng([cfg.seed, 17])
+    check = [e for e in (held.episode(int(i), ws.practice_style, rng) for i in rng.permutation(len(held))[:64]) if e]
+    reset_optimizer(lr=ws.lr, schedule="constant", warmup_steps=20, threads=ws.threads or cfg.trainer.threads)
+    worlds: list[Demonstrations] = []
+    if ws.practice_steps or ws.practice_answer_only:
+        for k in range(1, ws.practice_worlds + 1):
+            over = demos.env.unwrapped.practice_kwargs(k)
+            if over is None:
+                raise ValueError(f"warmstart: {env_cfg.id} has no sibling tasks (practice_kwargs); "
+                                 "set warmstart.practice_steps = 0 and practice_answer_only = 0")
+            worlds.append(Demonstrations(lambda over=over: make_env(env_cfg.train_split, **over), tok, env_cfg.id))
+    t0 = last_report = time.time()
+    losses: list[float] = []
+    total = ws.practice_steps + ws.steps
+    for s in range(1, total + 1):
+        if s <= ws.practice_steps:
+            phase = "practice"
+            batch = [worlds[w].sample(ws.practice_style, rng) for w in rng.integers(len(worlds), size=ws.batch_size)]
+        else:
+            phase = "habit"
+            batch = demos.batch(ws.batch_size, ws.mix, rng)
+            batch += [answer_only(worlds[w].sample(ws.practice_style, rng))
+                      for w in rng.integers(len(worlds), size=ws.practice_answer_only)] if worlds else []
+        losses.append(learner.sft_step(batch)["loss"])
+        row = {"step": s, "of": total, "phase": phase, "loss": float(np.mean(losses)), "seconds": time.time() - t0}
+        if (ws.check_every and s % ws.check_every == 0) or s in (ws.practice_steps, total):
+            p = final_turn_probability(learner.logprobs(check), check)
+            log_row(**row, **{"warmstart/p_final_turn": p})
+            log.info("warm start %d/%d (%s): loss %.3f, p(final turn) of held-out %s demonstrations %.2f",
+                     s, total, phase, row["loss"], ws.practice_style, p)
+            losses, last_report = [], time.time()
+        elif time.time() - last_report >= 10:  # a heartbeat for non-TTY watchers; no held-out check
+            log_row(**row)
+            last_report = time.time()

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from stoa.backends.engine import (
-    EngineBusyError, EngineConfig, EngineError, RolloutRequest, RolloutStats, SamplingConfig,
+    EngineBusyError, EngineConfig, EngineError, RolloutRequest, RolloutStats, SamplingConfig, TextCodec,
 )
 from stoa.backends.mlx import fast
 from stoa.backends.mlx import weights as W
@@ -169,6 +169,10 @@ class MLXEngine:
         return pulse.state_hash(self._state)
 
     # -- text -----------------------------------------------------------------------------------
+    @property
+    def codec(self) -> TextCodec:
+        return TextCodec(self.prompt_tokens, self.encode, self.decode, self.eos_ids, self.stop_candidates)
+
     def encode(self, text: str) -> list[int]:
         """Observation tokens: no BOS/EOS added, special-token strings not parsed as control tokens."""
         return list(self._hf.encode(text, add_special_tokens=False, split_special_tokens=True))
@@ -176,14 +180,14 @@ class MLXEngine:
     def decode(self, tokens: Sequence[int]) -> str:
         return self._hf.decode(list(tokens), skip_special_tokens=False)
 
-    def _prompt_tokens(self, prompt: str) -> list[int]:
+    def prompt_tokens(self, prompt: str) -> list[int]:
         if not getattr(self._tok, "has_chat_template", True):
             raise EngineError(f"{self.hf_dir} has no chat template; the engine needs one to build prompts")
         ids = self._tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                             tokenize=True)
         return [int(t) for t in ids]
 
-    def _stop_candidates(self, stops: tuple[str, ...]) -> frozenset[int]:
+    def stop_candidates(self, stops: tuple[str, ...]) -> frozenset[int]:
         """Tokens whose text holds the last character of a stop string: only after one of them can
         a stop string complete, so only then is the turn decoded and searched."""
         if stops not in self._stop_cache:

@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
-from stoa.backends.engine import EngineError, RolloutRequest, RolloutStats, SamplingConfig
+from stoa.backends.engine import EngineError, RolloutRequest, RolloutStats, SamplingConfig, TurnRule
 from stoa.backends.mlx.sampling import episode_key, uniforms
 from stoa.types import Episode, Segment
 
@@ -79,7 +79,7 @@ class Cohort:
         self.free_envs = envs  # idle environments; every episode resets the one it takes
         self.results: dict[tuple[int, int], Episode] = {}
         self.stops: tuple[str, ...] | None = sampling.stop_strings
-        self.stop_ids: frozenset[int] = frozenset()
+        self.rule: TurnRule | None = None
         self.prompt_cache: dict[str, list[int]] = {}
 
     # -- episode life cycle -------------------------------------------------------------------
@@ -87,15 +87,15 @@ class Cohort:
         env = self.free_envs.pop() if self.free_envs else self.make_env()
         if self.stops is None:
             self.stops = tuple(getattr(env.unwrapped, "stop_strings", ()) or ())
-        if not self.stop_ids and self.stops:
-            self.stop_ids = self.e._stop_candidates(self.stops)
+        if self.rule is None:
+            self.rule = self.e.codec.turn_rule(self.stops, self.s.max_turn_tokens, self.s.max_episode_tokens)
         key = episode_key(self.seed, req.group_id, int(req.index), sample)
         prompt_text, _ = env.reset(seed=key & 0x7FFFFFFF, options={"index": int(req.index)})
         if not isinstance(prompt_text, str):
             raise EngineError(f"env.reset returned a {type(prompt_text).__name__} prompt, expected str")
         tokens = self.prompt_cache.get(prompt_text)
         if tokens is None:
-            tokens = self.prompt_cache[prompt_text] = self.e._prompt_tokens(prompt_text)
+            tokens = self.prompt_cache[prompt_text] = self.e.prompt_tokens(prompt_text)
         if len(tokens) > self.s.max_episode_tokens - 1:
             raise EngineError(f"request {r} (index {req.index}): prompt of {len(tokens)} tokens leaves no room "
                               f"under max_episode_tokens={self.s.max_episode_tokens}")
@@ -103,17 +103,6 @@ class Cohort:
         ep = _Ep(r, req, sample, key, env, getattr(spec, "id", "") or "", tokens, len(tokens))
         ep.feed, ep.pending = tokens[:-1], tokens[-1]
         return ep
-
-    def _turn_end(self, ep: _Ep, tok: int) -> str | None:
-        if tok in self.e.eos_ids:
-            return "eos"
-        if ep.length >= self.s.max_episode_tokens:
-            return "max_episode_tokens"
-        if tok in self.stop_ids and any(s in self.e.decode(ep.turn) for s in self.stops):
-            return "stop"
-        if len(ep.turn) >= self.s.max_turn_tokens:
-            return "max_turn_tokens"
-        return None
 
     def _end_turn(self, ep: _Ep, why: str) -> list[int] | None:
         """Close the turn, step the env; the observation's tokens, or None when the episode ended."""
@@ -240,7 +229,7 @@ class Cohort:
             ep.turn.append(t)
             ep.turn_lp.append(float(lps[i]))
             ep.length += 1
-            why = self._turn_end(ep, t)
+            why = self.rule.end(ep.turn, ep.length)  # type: ignore[union-attr]
             if why is None:
                 ep.pending = t
                 keep.append(i)

@@ -1,20 +1,22 @@
 """The trainer's gate for untrusted workers: identity, verification, audit, accounting and bans.
 
-One :class:`TrustGate` per trainer. In the order a batch meets it:
+One :class:`TrustGate` per trainer, owned by its :class:`stoa.fleet.intake.Intake`. In the order a
+batch meets it:
 
 1. **Identity** (:meth:`TrustGate.admit`, the rollout reader's callback): the batch's seal names
    a key; the roster (``stoa.transport.identity``) says whether that key may upload as that
    worker id. ``[trust] mode = "enrolled"``: only enrolled keys; ``"open"``: any key, bound to
    its worker id on first use. Banned keys and impersonations are refused.
 2. **Review** (:meth:`TrustGate.review`, after the run's own bounds in
-   ``stoa.fleet.admission``): replay every episode (:mod:`stoa.fleet.verify`); refuse groups
-   whose tokens were already taken from another key (a copy); score a sample with the learner
-   and audit its log-probs (:mod:`stoa.fleet.audit`), spot-checking suspicious ones with the
-   int8 engine. A failed check rejects the whole batch with the reason.
+   :mod:`stoa.fleet.trust.admission`): replay every episode (:mod:`stoa.fleet.trust.replay`);
+   refuse groups whose tokens were already taken from another key (a copy); score a sample with
+   the learner and audit its log-probs (:mod:`stoa.fleet.trust.audit`), spot-checking suspicious
+   ones with the int8 policy of the claimed version. A failed check rejects the whole batch with
+   the reason.
 3. **Accounting**: per key, batches accepted and rejected (by category), episodes trained,
    audit statistics, spot-checks, ban. A key is banned when a spot-check confirms forged
    log-probs, or after ``ban_after`` rejected batches; the ban goes into the signed roster and
-   the trainer's ledger, and the trainer drops the key's queued batches.
+   the ledger (:mod:`stoa.fleet.trust.ledger`), and the intake drops the key's queued batches.
 
 Groups are scoped to the key that sealed them (:func:`scoped`), so one worker's group ids never
 collide with another's, and :meth:`TrustGate.max_groups` caps one key's share of a step.
@@ -31,22 +33,22 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
-from stoa.fleet.audit import AuditConfig, LogprobAudit, episode_stats, spot_check
+from stoa.fleet.trust.audit import AuditConfig, LogprobAudit, episode_stats, spot_check
 from stoa.transport.identity import Ban, BatchSeal, Roster, WorkerEntry, read_roster, write_roster
 from stoa.transport.signing import SignatureError, read_signed, sign_document
 from stoa.transport.store import ObjectStore, StoreError
 
 if TYPE_CHECKING:
-    from stoa.fleet.config import TrustConfig
-    from stoa.fleet.verify import Replayer
+    from stoa.fleet.trust.ledger import Ledger
+    from stoa.fleet.trust.replay import Replayer
     from stoa.transport.exchange import Batch, Rejection
     from stoa.types import Episode
 
-__all__ = ["TrustGate", "WorkerRecord", "read_trust_report", "scoped"]
+__all__ = ["FloatScorer", "Int8Scorer", "TrustConfig", "TrustGate", "WorkerRecord", "read_trust_report", "scoped"]
 
 log = logging.getLogger("stoa.trust")
 
@@ -58,6 +60,52 @@ _ROSTER_REFRESH_S = 2.0
 _REPORT_EVERY_S = 2.0
 _MAX_REPORT_WORKERS = 2048
 _MAX_HOLDS = 20
+
+
+@dataclass(frozen=True)
+class TrustConfig:
+    """Who may upload rollouts and how the trainer checks what they upload (``[trust]``; ``docs/trust.md``)."""
+
+    mode: Literal["open", "enrolled"] = "open"
+    """``open``: any worker key, bound to its worker id on first use; ``enrolled``: only keys
+    enrolled in the run's signed roster (``stoa enroll``)."""
+    replay: bool = True
+    """Replay every episode through the trainer's own environment before training on it (tasks
+    that declare ``replayable``); a mismatch rejects the batch."""
+    audit: AuditConfig = AuditConfig()
+    """The log-prob audit and its spot-checks (``[trust.audit]``)."""
+    ban_after: int = 2
+    """Rejected batches from one key (replay, duplicate, invalid, ...) before it is banned; 0 = never."""
+    max_worker_share: float = 1.0
+    """Most of one optimizer step's groups that may come from one worker key (1.0 = no cap)."""
+    max_hashes: int = 16384
+    """Accepted batch and group hashes remembered to refuse copies (bounded memory, checkpointed;
+    a copy older than ``trainer.max_lag`` versions is dropped as stale anyway)."""
+
+    def __post_init__(self) -> None:
+        if self.ban_after < 0:
+            raise ValueError("trust.ban_after must be >= 0")
+        if not 0 < self.max_worker_share <= 1:
+            raise ValueError("trust.max_worker_share must lie in (0, 1]")
+        if self.max_hashes < 1:
+            raise ValueError("trust.max_hashes must be >= 1")
+
+
+class FloatScorer(Protocol):
+    """The trainer's float policy (a :class:`stoa.backends.learner.Learner` is one)."""
+
+    def logprobs(self, episodes: Sequence[Episode], temperature: float | None = 1.0) -> list[np.ndarray]:
+        """Per-episode log-probs aligned with ``Episode.tokens()`` (``temperature=None``: each episode's own)."""
+        ...
+
+
+class Int8Scorer(Protocol):
+    """The int8 policies workers sampled from (:class:`stoa.fleet.policies.HeldPolicies` is one)."""
+
+    def score(self, version: int, episodes: Sequence[Episode]) -> list[np.ndarray] | None:
+        """Prefill log-probs of ``version``'s int8 policy, aligned with ``Episode.tokens()``; None
+        when that version's weights are no longer held."""
+        ...
 
 
 def scoped(key_id: str, group_id: str) -> str:
@@ -105,18 +153,25 @@ def group_fingerprint(episodes: Sequence[Episode]) -> str | None:
 
 
 class TrustGate:
-    """See the module docstring. ``ledger(**entry)`` appends to the trainer's ledger.
+    """See the module docstring.
 
-    Attach the checks once the trainer has its learner and engine (:meth:`attach`); until then
-    (and for what is not attached) the review skips them.
+    Args:
+        cfg: the run's ``[trust]`` section.
+        store, run, private_key: where the roster and the report live, and the run's signing key.
+        ledger: where bans are recorded (None: nowhere, for tests).
+        replayer: replays episodes through the run's environment (None, or ``cfg.replay`` off, or
+            a task that is not replayable: no replay).
+        float_scorer: the learner, for the audit's log pi (None or ``cfg.audit.enabled`` off: no audit).
+        int8: the held int8 policies, for spot-checks (None: suspicion is logged, never confirmed).
+        seed: seeds which episodes are audited and when a random spot-check comes.
     """
 
     def __init__(self, cfg: TrustConfig, store: ObjectStore, run: str, private_key: Any, *,
-                 ledger: Callable[..., None] = lambda **_: None, seed: int = 0):
+                 ledger: Ledger | None = None, replayer: Replayer | None = None,
+                 float_scorer: FloatScorer | None = None, int8: Int8Scorer | None = None, seed: int = 0):
         self.cfg, self.store, self.run, self.key = cfg, store, run, private_key
         self.ledger = ledger
-        self.audit = LogprobAudit(AuditConfig(cfg.episode_factor, cfg.worker_mads, cfg.min_tokens,
-                                              cfg.spot_check_tolerance, cfg.spot_check_max_frac))
+        self.audit = LogprobAudit(cfg.audit)
         self.records: dict[str, WorkerRecord] = {}
         self.anonymous: dict[str, dict[str, int]] = {}
         self.fingerprints: dict[str, str] = {}  # group fingerprint -> key id, oldest first
@@ -130,21 +185,11 @@ class TrustGate:
         self._holds: dict[str, int] = {}  # batch key -> polls it was held for a contested group
         self.seconds = {"replay": 0.0, "audit": 0.0, "spot_check": 0.0}
         self.counts = {"spot_checks": 0, "episodes_replayed": 0, "episodes_audited": 0}
-        self.replayer: Replayer | None = None
-        self.score_float: Callable[[list[Episode]], list[np.ndarray]] | None = None
-        self.score_int8: Callable[[int, list[Episode]], list[np.ndarray] | None] | None = None
-
-    def attach(self, *, replayer: Replayer | None = None,
-               score_float: Callable[[list[Episode]], list[np.ndarray]] | None = None,
-               score_int8: Callable[[int, list[Episode]], list[np.ndarray] | None] | None = None) -> None:
-        """The checks that need the trainer's environment, learner and int8 engine."""
-        if replayer is not None and self.cfg.replay:
-            if replayer.replayable:
-                self.replayer = replayer
-            else:
-                log.warning("the task is not replayable (TextEnv.replayable = False): episodes are audited only")
-        if self.cfg.audit:
-            self.score_float, self.score_int8 = score_float, score_int8
+        if replayer is not None and cfg.replay and not replayer.replayable:
+            log.warning("the task is not replayable (TextEnv.replayable = False): episodes are audited only")
+        self.replayer = replayer if cfg.replay and replayer is not None and replayer.replayable else None
+        self.float_scorer = float_scorer if cfg.audit.enabled else None
+        self.int8 = int8 if cfg.audit.enabled else None
 
     # -- identity ---------------------------------------------------------------------------------
     def refresh(self, force: bool = False) -> None:
@@ -243,7 +288,8 @@ class TrustGate:
         self._roster_dirty = True
         self._new_bans.append(kid)
         self.audit.forget(kid)
-        self.ledger(banned=kid, worker=rec.worker_id, reason=reason[:500])
+        if self.ledger is not None:
+            self.ledger.write(banned=kid, worker=rec.worker_id, reason=reason[:500])
         log.warning("banned worker %s (key %s): %s", rec.worker_id, kid, reason)
         self.refresh(force=True)
         self.write_report(force=True)
@@ -283,7 +329,7 @@ class TrustGate:
                 verdicts[i] = self._guarded(self._replay, b)
         self._fingerprint(batches, verdicts)
         for i, b in enumerate(batches):
-            if verdicts[i] is None and self.score_float is not None:
+            if verdicts[i] is None and self.float_scorer is not None:
                 verdicts[i] = self._guarded(self._audit, b, trainer_version)
         for b, v in zip(batches, verdicts):
             if v is None or v[0] != "hold":
@@ -371,10 +417,10 @@ class TrustGate:
 
     def _audit(self, b: Batch, trainer_version: int) -> tuple[str, str] | None:
         eps = b.episodes
-        n = max(1, math.ceil(self.cfg.audit_fraction * len(eps)))
+        n = max(1, math.ceil(self.cfg.audit.fraction * len(eps)))
         pick = sorted(self._rng.choice(len(eps), size=min(n, len(eps)), replace=False).tolist())
         t0 = time.perf_counter()
-        lps = self.score_float([eps[i] for i in pick])  # type: ignore[misc]
+        lps = self.float_scorer.logprobs([eps[i] for i in pick], temperature=None)  # type: ignore[union-attr]
         self.seconds["audit"] += time.perf_counter() - t0
         self.counts["episodes_audited"] += len(pick)
         staleness = trainer_version - b.version
@@ -382,7 +428,7 @@ class TrustGate:
         suspicious = [(i, why) for i, st in zip(pick, stats) if (why := self.audit.episode_verdict(staleness, st))]
         why_worker = self.audit.worker_verdict(b.key_id, extra=(staleness, stats))
         verdict = None
-        if suspicious or why_worker or self._rng.random() < self.cfg.random_spot_check:
+        if suspicious or why_worker or self._rng.random() < self.cfg.audit.random_spot_check:
             reason = suspicious[0][1] if suspicious else why_worker or "random spot-check"
             verdict = self._spot_check(b, [i for i, _ in suspicious], reason)
         if verdict is None:  # what passed (a spot-check, if any) shapes the worker's statistics and the fleet's range
@@ -391,13 +437,13 @@ class TrustGate:
         return verdict
 
     def _spot_check(self, b: Batch, first: list[int], reason: str) -> tuple[str, str] | None:
-        if self.score_int8 is None:
+        if self.int8 is None:
             return None
         rest = [i for i in self._rng.permutation(len(b.episodes)).tolist() if i not in first]
-        pick = (first + rest)[: self.cfg.spot_check_episodes]
+        pick = (first + rest)[: self.cfg.audit.spot_check_episodes]
         eps = [b.episodes[i] for i in pick]
         t0 = time.perf_counter()
-        scored = self.score_int8(b.version, eps)
+        scored = self.int8.score(b.version, eps)
         if scored is None:
             log.info("cannot spot-check %s (%s): version %d's weights are no longer kept", b.key, reason, b.version)
             return None

@@ -18,45 +18,24 @@ turns). :class:`Replayer` rebuilds an episode exactly as the rollout engine buil
 
 Any difference is a reason string; nothing here raises for a malformed episode. The text codec
 (chat template, observation encoding, turn decoding, EOS and stop-token candidates) is the
-engine's own (:meth:`ReplayCodec.from_engine`), so replay and rollout tokenize with one code
-path. Model tokens are never re-tokenized; their log-probabilities are the audit's business
-(:mod:`stoa.fleet.audit`).
+engine's own (``engine.codec``, part of the engine contract in :mod:`stoa.backends.engine`),
+and a turn ends by the same :class:`~stoa.backends.engine.TurnRule` the engine's rollout loop
+calls, so replay and rollout share one code path. Model tokens are never re-tokenized; their log-probabilities are the audit's business
+(:mod:`stoa.fleet.trust.audit`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from stoa.backends.engine import TextCodec
 from stoa.types import Episode
 
-__all__ = ["ReplayCodec", "Replayer"]
+__all__ = ["Replayer"]
 
 _MAX_SHOWN = 60
-
-
-@dataclass(frozen=True)
-class ReplayCodec:
-    """How the rollout engine turns text into tokens and back (what replay must reproduce)."""
-
-    prompt_tokens: Callable[[str], list[int]]
-    """The chat template applied to ``[{"role": "user", "content": prompt}]`` with the generation prompt."""
-    encode: Callable[[str], list[int]]
-    """An observation's tokens (no special tokens added, none parsed from the text)."""
-    decode: Callable[[Sequence[int]], str]
-    """A turn's text."""
-    eos_ids: frozenset[int]
-    """Tokens that end an episode."""
-    stop_candidates: Callable[[tuple[str, ...]], frozenset[int]]
-    """Tokens after which the engine looks for a stop string in the turn's text."""
-
-    @classmethod
-    def from_engine(cls, engine: Any) -> ReplayCodec:
-        """The codec of an MLX rollout engine (``stoa.backends.mlx.MLXEngine``): its own methods."""
-        return cls(engine._prompt_tokens, engine.encode, engine.decode, frozenset(engine.eos_ids),
-                   engine._stop_candidates)
 
 
 def _shown(x: Any) -> str:
@@ -76,20 +55,20 @@ class Replayer:
 
     Args:
         make_env: builds the run's training environment (the split workers draw from).
-        codec: the engine's text codec (:meth:`ReplayCodec.from_engine`).
+        codec: the engine's text codec (``engine.codec``, :class:`stoa.backends.engine.TextCodec`).
         max_turn_tokens: the run's ``rollout.max_turn_tokens``.
         max_episode_tokens: the run's ``rollout.max_episode_tokens``.
         stop_strings: the run's stop strings; None uses the environment's.
     """
 
-    def __init__(self, make_env: Callable[[], Any], codec: ReplayCodec, *, max_turn_tokens: int,
+    def __init__(self, make_env: Callable[[], Any], codec: TextCodec, *, max_turn_tokens: int,
                  max_episode_tokens: int, stop_strings: tuple[str, ...] | None = None, prompt_cache: int = 4096):
         self.env = make_env()
         u = self.env.unwrapped
         self.replayable = bool(getattr(u, "replayable", True))
-        self.codec, self.max_turn, self.max_episode = codec, max_turn_tokens, max_episode_tokens
-        self.stops = tuple(stop_strings if stop_strings is not None else getattr(u, "stop_strings", ()) or ())
-        self.stop_ids = codec.stop_candidates(self.stops) if self.stops else frozenset()
+        self.codec = codec
+        stops = tuple(stop_strings if stop_strings is not None else getattr(u, "stop_strings", ()) or ())
+        self.rule = codec.turn_rule(stops, max_turn_tokens, max_episode_tokens)
         self.n_items = len(u)
         self._prompts: dict[int, list[int]] = {}
         self._prompt_cache = prompt_cache
@@ -120,19 +99,6 @@ class Replayer:
             self._prompts[item] = tokens
         return tokens
 
-    def _turn_end(self, turn: list[int], length: int) -> str | None:
-        """The engine's rule (``stoa.backends.mlx.rollout.Cohort._turn_end``) after ``turn``'s last token."""
-        tok = turn[-1]
-        if tok in self.codec.eos_ids:
-            return "eos"
-        if length >= self.max_episode:
-            return "max_episode_tokens"
-        if tok in self.stop_ids and any(s in self.codec.decode(turn) for s in self.stops):
-            return "stop"
-        if len(turn) >= self.max_turn:
-            return "max_turn_tokens"
-        return None
-
     def _check(self, ep: Episode) -> str | None:
         item = ep.item_index
         if item is None:
@@ -153,7 +119,7 @@ class Replayer:
             turn = seg.tokens.tolist()
             why = None
             for k in range(len(turn)):
-                why = self._turn_end(turn[:k + 1], length + k + 1)
+                why = self.rule.end(turn[:k + 1], length + k + 1)
                 if why is not None and k < len(turn) - 1:
                     return f"segment {j}: the turn runs past its end ({why} at token {k} of {len(turn)})"
             if why is None:
@@ -173,7 +139,7 @@ class Replayer:
                 finish = why
                 break
             obs_tokens = [int(t) for t in self.codec.encode(obs)] if obs else []
-            if length + len(obs_tokens) + 1 > self.max_episode:
+            if length + len(obs_tokens) + 1 > self.rule.max_episode_tokens:
                 finish = "max_episode_tokens"
                 break
             if obs_tokens:

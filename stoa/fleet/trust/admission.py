@@ -8,7 +8,7 @@ an extreme value would crash the step (and, still pending after a restart, crash
 
 What is *not* checked here: that the reward and the metrics are the ones the environment would
 give for these tokens, that the behaviour log-probs are the ones the claimed policy version
-gives, and who the worker is. :mod:`stoa.fleet.trust` checks those next (``docs/trust.md``).
+gives, and who the worker is. :mod:`stoa.fleet.trust.gate` checks those next (``docs/trust.md``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 
-from stoa.envs.base import metric_problem
 from stoa.types import Episode
 
 __all__ = ["ENGINE_METRIC_TYPES", "batch_problem", "episode_metric_means"]
@@ -40,6 +39,8 @@ def batch_problem(episodes: Sequence[Episode], *, temperature: float, top_p: flo
     declared metric of the task (and the engine's own) of its declared type; the task's id; a
     ``sample_index`` inside the group. Group completeness is judged later, per group.
     """
+    from stoa.envs.base import metric_problem  # the environments' package imports gymnasium
+
     lo, hi = reward_range
     types = {**metric_types, **ENGINE_METRIC_TYPES}
     for i, ep in enumerate(episodes):

@@ -81,18 +81,38 @@ def episode_stats(trainer_logprobs: np.ndarray, ep: Episode) -> TokenStats:
 
 @dataclass(frozen=True)
 class AuditConfig:
-    """Thresholds of the audit (``[trust]`` fields of the run config)."""
+    """The log-prob audit: how much is scored, what is suspicious, when a spot-check confirms
+    (``[trust.audit]`` of the run config)."""
 
+    enabled: bool = True
+    """Score a sample of every batch with the learner, keep per-worker log-prob statistics, and
+    spot-check suspicious workers with the int8 engine; a confirmed mismatch bans the worker."""
+    fraction: float = 0.25
+    """Fraction of each batch's episodes the audit scores (at least one)."""
+    spot_check_episodes: int = 4
+    """Episodes of a suspicious batch re-scored by the int8 engine."""
+    random_spot_check: float = 0.02
+    """Probability that an unsuspicious batch is spot-checked anyway."""
     episode_factor: float = 8.0
-    """An episode is suspicious above this many times its bucket's honest reference."""
+    """An episode is suspicious above this many times its staleness bucket's honest mean |log pi - log mu|."""
     worker_mads: float = 6.0
-    """A worker is suspicious this many MADs (floored at the calibration floor) above the fleet median."""
+    """A worker is suspicious this many MADs (floored at the int8 calibration) above the fleet median."""
     min_tokens: int = 200
-    """Tokens a worker needs in a bucket before its running mean counts (for it and the fleet)."""
+    """Audited tokens a worker needs in a staleness bucket before its running mean counts."""
     spot_check_tolerance: float = 0.1
-    """A token mismatches when the int8 re-score differs from the claimed log mu by more (nats)."""
+    """A token mismatches when the int8 re-score and the claimed log mu differ by more (nats)."""
     spot_check_max_frac: float = 0.05
     """An episode fails the spot-check when more than this fraction of its model tokens mismatch."""
+
+    def __post_init__(self) -> None:
+        if not (0 < self.fraction <= 1 and 0 <= self.random_spot_check <= 1):
+            raise ValueError("trust.audit.fraction must lie in (0, 1] and trust.audit.random_spot_check in [0, 1]")
+        if not (self.spot_check_episodes >= 1 and self.min_tokens >= 1):
+            raise ValueError("trust.audit.spot_check_episodes and trust.audit.min_tokens must be >= 1")
+        if not (self.episode_factor > 1 and self.worker_mads > 0 and self.spot_check_tolerance > 0
+                and 0 <= self.spot_check_max_frac < 1):
+            raise ValueError("trust.audit: episode_factor > 1, worker_mads > 0, spot_check_tolerance > 0 and "
+                             "0 <= spot_check_max_frac < 1")
 
 
 class LogprobAudit:

@@ -1,0 +1,71 @@
+"""The trainer's int8 policies: the states workers may still claim, and one engine to run them.
+
+Workers sample from int8 weights of some published version at most ``trainer.max_lag`` behind.
+The trainer needs the same int8 policy to evaluate a version, to split the behaviour/trainer
+gap into its int8 and staleness parts, to spot-check a worker's claimed log-probs at the version
+it claims, and for replay's text codec. :class:`HeldPolicies` keeps the states of the versions
+that can still be claimed and one rollout engine (built on first use) that it loads with
+whichever of them is asked for; versions never repeat within a run, so a version names one state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from stoa.backends.engine import RolloutEngine, TextCodec
+    from stoa.fleet.config import RolloutConfig
+    from stoa.types import Episode
+
+__all__ = ["HeldPolicies"]
+
+
+class HeldPolicies:
+    """Args:
+        model_dir: the run's Hugging Face folder (config and tokenizer; its weights are not used).
+        rollout: the run's ``[rollout]`` (engine backend, mode, batch).
+        max_lag: versions behind the newest that a worker may still claim (``trainer.max_lag``).
+    """
+
+    def __init__(self, model_dir: Path, rollout: RolloutConfig, max_lag: int):
+        self.model_dir, self.rollout, self.max_lag = Path(model_dir), rollout, max_lag
+        self._states: dict[int, dict[str, np.ndarray]] = {}
+        self._engine: RolloutEngine | None = None
+
+    def keep(self, version: int, state: dict[str, np.ndarray]) -> None:
+        """Hold ``version``'s state; forget the ones more than ``max_lag`` behind it."""
+        self._states[version] = state
+        for v in [v for v in self._states if v < version - self.max_lag]:
+            del self._states[v]
+
+    def held(self, version: int) -> bool:
+        return version in self._states
+
+    def engine_at(self, version: int) -> RolloutEngine:
+        """The engine holding ``version`` (loaded only when it holds another one). KeyError if not held."""
+        state = self._states[version]
+        if self._engine is None:
+            from stoa.backends.engine import EngineConfig, make_engine
+
+            rc = self.rollout
+            self._engine = make_engine(self.model_dir, rc.engine, state=state, version=version, mode=rc.engine_mode,
+                                       config=EngineConfig(max_batch=rc.max_batch), worker_id="eval")
+        elif self._engine.version != version:
+            self._engine.load_state(version, state)
+        return self._engine
+
+    def score(self, version: int, episodes: Sequence[Episode]) -> list[np.ndarray] | None:
+        """Prefill log-probs of ``version``'s int8 policy, or None when it is no longer held."""
+        return self.engine_at(version).score(episodes) if version in self._states else None
+
+    @property
+    def codec(self) -> TextCodec:
+        """The engine's text codec (builds the engine from the newest held state on first use)."""
+        if self._engine is None:
+            self.engine_at(max(self._states))
+        assert self._engine is not None
+        return self._engine.codec
