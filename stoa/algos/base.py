@@ -299,6 +299,22 @@ def mismatch_metrics(p: Prepared | ObjectiveInputs) -> dict[str, torch.Tensor]:
     }
 
 
+def gate_metrics(p: Prepared, high: torch.Tensor, low: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What a token gate did, for objectives that mask tokens (DPPO, IcePop): ``gate/masked_frac``,
+    ``gate/masked_high_frac``, ``gate/masked_low_frac`` (over counted tokens) and the k3 mismatch
+    ``mismatch/kl_kept`` / ``mismatch/kl_masked`` on the tokens kept and masked. ``high`` and
+    ``low`` are the bool masks of counted tokens the gate dropped on each side."""
+    gated = high | low
+    dt, kl = p.log_ratio.dtype, k3(p.log_ratio)
+    return {
+        "gate/masked_frac": masked_mean(gated.to(dt), p.counted),
+        "gate/masked_high_frac": masked_mean(high.to(dt), p.counted),
+        "gate/masked_low_frac": masked_mean(low.to(dt), p.counted),
+        "mismatch/kl_kept": masked_mean(kl, p.counted & ~gated),
+        "mismatch/kl_masked": masked_mean(kl, gated),
+    }
+
+
 def common_metrics(p: Prepared) -> dict[str, torch.Tensor]:
     """Metrics every objective reports: token count, mismatch (:func:`mismatch_metrics`), ratio
     range, entropy proxy."""

@@ -143,7 +143,7 @@ def loss(inputs: ObjectiveInputs, config: Config) -> tuple[torch.Tensor, dict[st
     """DPPO loss and metrics (see the module docstring for the rule and metric names)."""
     import torch
 
-    from stoa.algos.base import aggregate, common_metrics, k3, masked_mean, prepare, to_floats
+    from stoa.algos.base import aggregate, common_metrics, gate_metrics, masked_mean, prepare, to_floats
 
     p = prepare(inputs)
     high, low = gate_masks(p, config)
@@ -166,10 +166,5 @@ def loss(inputs: ObjectiveInputs, config: Config) -> tuple[torch.Tensor, dict[st
     per_token = torch.where(kept, per_token, 0)
     out = aggregate(per_token, p.counted, config.aggregation,
                     max_tokens_norm=config.max_tokens_norm, normalizer=inputs.normalizer)
-    kl = k3(p.log_ratio)
-    m["gate/masked_frac"] = masked_mean(gated.to(dt), p.counted)
-    m["gate/masked_high_frac"] = masked_mean(high.to(dt), p.counted)
-    m["gate/masked_low_frac"] = masked_mean(low.to(dt), p.counted)
-    m["mismatch/kl_kept"] = masked_mean(kl, kept)
-    m["mismatch/kl_masked"] = masked_mean(kl, gated)
+    m.update(gate_metrics(p, high, low))
     return out, to_floats(m)

@@ -57,7 +57,7 @@ def loss(inputs: ObjectiveInputs, config: Config) -> tuple[torch.Tensor, dict[st
     """IcePop loss and metrics (see the module docstring)."""
     import torch
 
-    from stoa.algos.base import aggregate, common_metrics, k3, masked_mean, prepare, to_floats
+    from stoa.algos.base import aggregate, common_metrics, gate_metrics, prepare, to_floats
 
     p = prepare(inputs)
     log_hi = math.log(config.ratio_high) if math.isfinite(config.ratio_high) else math.inf
@@ -68,11 +68,4 @@ def loss(inputs: ObjectiveInputs, config: Config) -> tuple[torch.Tensor, dict[st
     per_token = torch.where(kept, -p.adv * p.log_ratio.exp() * p.lp, 0)
     out = aggregate(per_token, p.counted, config.aggregation,
                     max_tokens_norm=config.max_tokens_norm, normalizer=inputs.normalizer)
-    dt, kl = p.log_ratio.dtype, k3(p.log_ratio)
-    m = common_metrics(p)
-    m["gate/masked_frac"] = masked_mean(gated.to(dt), p.counted)
-    m["gate/masked_high_frac"] = masked_mean(high.to(dt), p.counted)
-    m["gate/masked_low_frac"] = masked_mean(low.to(dt), p.counted)
-    m["mismatch/kl_kept"] = masked_mean(kl, kept)
-    m["mismatch/kl_masked"] = masked_mean(kl, gated)
-    return out, to_floats(m)
+    return out, to_floats({**common_metrics(p), **gate_metrics(p, high, low)})

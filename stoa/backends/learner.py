@@ -62,8 +62,8 @@ if TYPE_CHECKING:
     from stoa.algos import Objective
     from stoa.types import Episode
 
-__all__ = ["BACKENDS", "Learner", "LearnerConfig", "LearnerError", "check_episodes", "lr_at", "make_learner",
-           "read_checkpoint_meta"]
+__all__ = ["BACKENDS", "Counters", "Learner", "LearnerConfig", "LearnerError", "check_episodes", "checkpoint_extra",
+           "durable_rename", "fsync_file", "lr_at", "make_learner", "read_checkpoint_meta"]
 
 BACKENDS: dict[str, str] = {
     "torch": "stoa.backends.torch",
@@ -181,6 +181,56 @@ def read_checkpoint_meta(path: Path, fmt: str) -> dict[str, Any]:
     if not isinstance(meta, dict) or meta.get("format") != fmt:
         raise LearnerError(f"{path} is not a {fmt} checkpoint")
     return meta
+
+
+def checkpoint_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
+    """The caller's ``extra`` as plain JSON data (what ``meta.json`` stores), or a LearnerError."""
+    import json
+
+    try:
+        return json.loads(json.dumps(extra or {}, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise LearnerError(f"extra is not JSON-serializable: {e}") from None
+
+
+def fsync_file(path: Path) -> None:
+    """Flush one written file to stable storage."""
+    import os
+
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def durable_rename(tmp: Path, path: Path) -> None:
+    """Rename a complete (fsynced) checkpoint folder into place and make the rename durable where
+    the OS allows it (fsync of the parent folder)."""
+    import contextlib
+    import os
+
+    os.rename(tmp, path)
+    with contextlib.suppress(OSError):
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class Counters:
+    """The counters every learner keeps (a base class of the backends' learners)."""
+
+    _step: int = 0
+    _version: int = 0
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (``train_step`` and ``sft_step``), restored by ``load_checkpoint``."""
+        return self._step
+
+    @property
+    def version(self) -> int:
+        """Weight updates applied, the number the trainer publishes weights under."""
+        return self._version
 
 
 def lr_at(config: LearnerConfig, step: int) -> float:

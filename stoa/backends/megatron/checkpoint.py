@@ -12,10 +12,8 @@ layout (refused with a message naming both otherwise).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,7 +23,7 @@ import torch.distributed as dist
 from megatron.core import tensor_parallel
 from safetensors.torch import load_file, save_file
 
-from stoa.backends.learner import LearnerError, read_checkpoint_meta
+from stoa.backends.learner import LearnerError, checkpoint_extra, durable_rename, fsync_file, read_checkpoint_meta
 
 if TYPE_CHECKING:
     from .learner import MegatronLearner
@@ -66,10 +64,7 @@ def rank_tensors(ln: MegatronLearner) -> dict[str, torch.Tensor]:
 
 
 def save(ln: MegatronLearner, path: Path, extra: dict[str, Any] | None) -> None:
-    try:
-        extra_json = json.loads(json.dumps(extra or {}, allow_nan=False))
-    except (TypeError, ValueError) as e:
-        raise LearnerError(f"extra is not JSON-serializable: {e}") from None
+    extra_json = checkpoint_extra(extra)
     if path.exists():  # every rank sees the same filesystem, so all raise or none does
         raise LearnerError(f"checkpoint path {path} already exists")
     rank = dist.get_rank()
@@ -79,20 +74,14 @@ def save(ln: MegatronLearner, path: Path, extra: dict[str, Any] | None) -> None:
         tmp.mkdir(parents=True)
     _barrier()
     save_file(rank_tensors(ln), str(tmp / f"rank{rank:05d}.safetensors"))
-    _fsync(tmp / f"rank{rank:05d}.safetensors")
+    fsync_file(tmp / f"rank{rank:05d}.safetensors")
     _barrier()
     if rank == 0:
         meta = {"format": FORMAT, "backend": "megatron", "arch": dataclasses.asdict(ln.arch), "layout": layout(ln),
                 "step": ln.step, "version": ln.version, "config": dataclasses.asdict(ln.config), "extra": extra_json}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
-        _fsync(tmp / "meta.json")
-        os.rename(tmp, path)
-        with contextlib.suppress(OSError):  # make the rename durable where the OS allows it
-            fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        fsync_file(tmp / "meta.json")
+        durable_rename(tmp, path)
     _barrier()
 
 
@@ -166,7 +155,3 @@ def _barrier() -> None:
     if dist.get_world_size() > 1:
         dist.barrier()
 
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())

@@ -48,7 +48,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from safetensors import safe_open
 
 from stoa.algos import Objective
-from stoa.backends.learner import LearnerConfig, LearnerError, check_episodes, lr_at
+from stoa.backends.learner import Counters, LearnerConfig, LearnerError, check_episodes, lr_at
 from stoa.backends.packing import plan_micro_batches
 from stoa.backends.torch.objective import ObjectiveBatch
 from stoa.types import Episode
@@ -142,7 +142,7 @@ def _deal(sizes: Sequence[int], ranks: int) -> list[list[int]]:
 # -- the learner ----------------------------------------------------------------------------------
 
 
-class MegatronLearner:
+class MegatronLearner(Counters):
     """A megatron-core GPT trained by one optimizer step per batch (see the module docstring)."""
 
     def __init__(self, hf_dir: str | Path, config: LearnerConfig = LearnerConfig(),
@@ -300,18 +300,9 @@ class MegatronLearner:
                     raise LearnerError(f"{where}: {name} has shape {tuple(state[name].shape)}, expected {tuple(p.shape)}")
                 p.copy_(state[name])
 
-    # -- counters ------------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
         return self.arch.vocab_size
-
-    @property
-    def step(self) -> int:
-        return self._step
-
-    @property
-    def version(self) -> int:
-        return self._version
 
     # -- optimizer -----------------------------------------------------------------------------
     def _make_optimizer(self):

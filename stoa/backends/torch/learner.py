@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import shutil
 import time
 import uuid
@@ -20,7 +19,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from stoa.algos import Objective
-from stoa.backends.learner import LearnerConfig, LearnerError, check_episodes, lr_at, read_checkpoint_meta
+from stoa.backends.learner import (
+    Counters, LearnerConfig, LearnerError, check_episodes, checkpoint_extra, durable_rename, fsync_file, lr_at,
+    read_checkpoint_meta,
+)
 from stoa.backends.packing import MicroBatch, build_micro_batches
 from stoa.backends.torch import attention
 from stoa.backends.torch.objective import ObjectiveBatch
@@ -48,7 +50,7 @@ def _device(config: LearnerConfig) -> torch.device:
     return torch.device(config.device)
 
 
-class TorchLearner:
+class TorchLearner(Counters):
     """A Hugging Face causal LM with float32 master weights, trained one packed batch per step."""
 
     def __init__(self, hf_dir: str | Path, config: LearnerConfig = LearnerConfig()) -> None:
@@ -95,18 +97,9 @@ class TorchLearner:
         self._version = 0
         self._optimizer = self._make_optimizer()
 
-    # -- counters ------------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
         return int(self.model.get_input_embeddings().weight.shape[0])
-
-    @property
-    def step(self) -> int:
-        return self._step
-
-    @property
-    def version(self) -> int:
-        return self._version
 
     # -- optimizer -----------------------------------------------------------------------------
     def _make_optimizer(self) -> torch.optim.AdamW:
@@ -337,10 +330,7 @@ class TorchLearner:
         path = Path(path)
         if path.exists():
             raise LearnerError(f"checkpoint path {path} already exists")
-        try:
-            extra_json = json.loads(json.dumps(extra or {}, allow_nan=False))
-        except (TypeError, ValueError) as e:
-            raise LearnerError(f"extra is not JSON-serializable: {e}") from None
+        extra_json = checkpoint_extra(extra)
         names = {id(p): n for n, p in self._params.items()}
         opt: dict[str, torch.Tensor] = {}
         for p, state in self._optimizer.state.items():
@@ -370,18 +360,11 @@ class TorchLearner:
             save_file(rng, str(tmp / "rng.safetensors"))
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
             for f in tmp.iterdir():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-            os.rename(tmp, path)
+                fsync_file(f)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        with contextlib.suppress(OSError):  # make the rename durable where the OS allows it
-            fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        durable_rename(tmp, path)
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         path = Path(path)
