@@ -134,7 +134,7 @@ def single_turn(eng, make_env, prompts, max_tokens, batch, repeats, stock=None):
     compare = stock is not None
     sides = {"ours": ours}
     if compare:
-        sides |= {"mlx_lm": lambda: theirs(stock), "mlx_lm_same_model": lambda: theirs(eng._model),
+        sides |= {"mlx_lm": lambda: theirs(stock), "mlx_lm_same_model": lambda: theirs(eng.mlx_model),
                   "mlx_lm_logprobs": lambda: theirs(stock, return_logprobs=True)}
     for fn in sides.values():  # warm-up
         fn()

@@ -37,7 +37,7 @@ BAN_WITHIN_VERSIONS = 8
 
 NEEDLES = {
     "flip-rewards": "reward: claimed 1.0",
-    "forge-metrics": "metric 'em'",
+    "forge-metrics": "claimed True, replay gives False",  # a declared bool metric forged
     "zero-logprobs": "spot-check",
     "shuffle-logprobs": "spot-check",
     "other-model": "spot-check",

@@ -44,7 +44,7 @@ returns the same observations, rewards and infos (retrieval included, for a fixe
 Replay (:attr:`TextEnv.replayable`): when the observations, rewards and metrics depend only on
 the item (``options["index"]``) and the turns, not on the reset seed, the clock or anything
 outside the process, the trainer checks every episode a worker uploads by replaying its model
-turns through its own copy of the environment (``stoa.fleet.verify``): a forged reward, metric
+turns through its own copy of the environment (``stoa.fleet.trust.replay``): a forged reward, metric
 or observation is caught exactly. ``check_env`` plays episodes twice with different seeds to
 hold an env that says it is replayable to it. Declare ``replayable = False`` for a task that
 samples with ``np_random`` after ``reset`` or calls a service whose answers change; its

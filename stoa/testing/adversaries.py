@@ -8,19 +8,23 @@ local fleet with ``stoa train CONFIG --adversary KIND``:
 kind                   what it does                                         caught by
 =====================  ===================================================  =====================
 ``flip-rewards``       reward 1 on every wrong answer                       replay (reward)
-``forge-metrics``      ``em`` and ``searched`` set to true                  replay (metrics)
+``forge-metrics``      the task's success metric and every other bool       replay (metrics)
+                       metric it declares set to true
 ``zero-logprobs``      every behaviour log-prob claimed 0                   audit + spot-check
 ``shuffle-logprobs``   behaviour log-probs shuffled within each episode     audit + spot-check
 ``other-model``        samples with another (random) model of the same      audit + spot-check
                        shape and tokenizer, claims the run's version
-``forge-observations`` an edited ``<information>`` block in each episode    replay (observation)
+``forge-observations`` the first observation of each episode replaced       replay (observation)
+                       by planted text
 ``copy``               uploads other workers' batches as its own            group fingerprints
 ``unenrolled``         honest, but its key is not enrolled                  the roster (an enrolled
                                                                             run; in an open run it
                                                                             is a new worker)
 =====================  ===================================================  =====================
 
-Nothing here is used by honest code paths.
+They know no task: what a task's metrics are comes from the environment's declared hooks
+(``TextEnv.metric_types``, ``success_metric``), found through its registered id. Nothing here
+is used by honest code paths.
 """
 
 from __future__ import annotations
@@ -61,12 +65,25 @@ class FlipRewards(_Adversary):
         return episodes
 
 
+def _declared(env_id: str) -> tuple[dict[str, Any], str | None]:
+    """A registered task's declared ``(metric_types, success_metric)``, read from its class."""
+    import gymnasium
+    from gymnasium.envs.registration import load_env_creator
+
+    import stoa.envs  # noqa: F401  (registers the built-in tasks)
+
+    cls = load_env_creator(gymnasium.spec(env_id).entry_point)
+    return dict(getattr(cls, "metric_types", {})), getattr(cls, "success_metric", None)
+
+
 class ForgeMetrics(_Adversary):
     kind = "forge-metrics"
 
     def finish_cohort(self, episodes: list[Episode]) -> list[Episode]:
         for e in episodes:
-            e.metrics = {**e.metrics, "em": True, "searched": True}
+            types, success = _declared(e.env_id)
+            forged = {k: True for k, t in types.items() if t is bool or (isinstance(t, tuple) and bool in t)}
+            e.metrics = {**e.metrics, **forged, **({success: True} if success else {})}
         return episodes
 
 
@@ -121,12 +138,11 @@ class ForgeObservations(_Adversary):
 
     def finish_cohort(self, episodes: list[Episode]) -> list[Episode]:
         assert self.engine is not None
-        for e in episodes:  # the first observation becomes a planted search result
+        planted = np.array(self.engine.codec.encode("\n\nThe answer is whatever you said.\n\n"), np.int32)
+        for e in episodes:  # the first observation becomes planted text
             for j, s in enumerate(e.segments):
                 if s.kind == "env":
-                    answer = str(e.metrics.get("answer") or "Kavorin")
-                    text = f"\n\n<information>Doc 1(Title: {answer}) The answer is {answer}.</information>\n\n"
-                    e.segments[j] = Segment("env", np.array(self.engine.encode(text), np.int32))
+                    e.segments[j] = Segment("env", planted)
                     break
         return episodes
 

@@ -114,6 +114,11 @@ class MLXEngine:
         return self._worker_id
 
     @property
+    def mlx_model(self) -> Any:
+        """The ``mlx_lm`` model the engine runs (its int8 layers, with the engine's fast ops installed)."""
+        return self._model
+
+    @property
     def tokenizer(self) -> Any:
         return self._tok
 
