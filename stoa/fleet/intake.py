@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from stoa.fleet.trust import FloatScorer, Ledger, TrustGate, batch_problem, scoped
+from stoa.fleet.trust import FloatScorer, Ledger, TrustGate, batch_problem, group_episodes, scoped
 from stoa.transport.exchange import Batch, RolloutReader, write_progress
 
 if TYPE_CHECKING:
@@ -189,10 +189,7 @@ class Intake:
             elif verdict is not None:
                 self.reject(batch, verdict[1], verdict[0])
             else:
-                groups: dict[str, list[Episode]] = {}
-                for ep in batch.episodes:
-                    groups.setdefault(ep.group_id, []).append(ep)
-                self.pool.append((batch, groups))
+                self.pool.append((batch, group_episodes(batch.episodes)))
         for kid in self.gate.take_new_bans():  # a banned key's queued batches are never trained on
             reason = self.gate.records[kid].banned
             self.event(event="banned", key_id=kid, worker=self.gate.records[kid].worker_id, reason=reason[:500])

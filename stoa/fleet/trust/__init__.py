@@ -15,12 +15,14 @@
 from stoa.fleet.trust.admission import batch_problem, episode_metric_means
 from stoa.fleet.trust.audit import AuditConfig, LogprobAudit, SpotCheck, TokenStats, episode_stats, spot_check
 from stoa.fleet.trust.gate import (
-    FloatScorer, Int8Scorer, TrustConfig, TrustGate, WorkerRecord, group_fingerprint, read_trust_report, scoped,
+    FloatScorer, Int8Scorer, TrustConfig, TrustGate, WorkerRecord, group_episodes, group_fingerprint, read_trust_report,
+    scoped,
 )
 from stoa.fleet.trust.ledger import Ledger
 
 __all__ = [
     "AuditConfig", "FloatScorer", "Int8Scorer", "Ledger", "LogprobAudit", "SpotCheck", "TokenStats", "TrustConfig",
-    "TrustGate", "WorkerRecord", "batch_problem", "episode_metric_means", "episode_stats", "group_fingerprint",
+    "TrustGate", "WorkerRecord", "batch_problem", "episode_metric_means", "episode_stats", "group_episodes",
+    "group_fingerprint",
     "read_trust_report", "scoped", "spot_check",
 ]

@@ -48,7 +48,8 @@ if TYPE_CHECKING:
     from stoa.transport.exchange import Batch, Rejection
     from stoa.types import Episode
 
-__all__ = ["FloatScorer", "Int8Scorer", "TrustConfig", "TrustGate", "WorkerRecord", "read_trust_report", "scoped"]
+__all__ = ["FloatScorer", "Int8Scorer", "TrustConfig", "TrustGate", "WorkerRecord", "group_episodes", "group_fingerprint",
+           "read_trust_report", "scoped"]
 
 log = logging.getLogger("stoa.trust")
 
@@ -141,6 +142,14 @@ def _episode_digest(ep: Episode) -> bytes:
         h.update(s.kind.encode())
         h.update(s.tokens.astype("<i4").tobytes())
     return h.digest()
+
+
+def group_episodes(episodes: Sequence[Episode]) -> dict[str, list[Episode]]:
+    """A batch's episodes by group id, in order of first appearance."""
+    groups: dict[str, list[Episode]] = {}
+    for ep in episodes:
+        groups.setdefault(ep.group_id, []).append(ep)
+    return groups
 
 
 def group_fingerprint(episodes: Sequence[Episode]) -> str | None:
@@ -361,18 +370,12 @@ class TrustGate:
         return "replay", (f"replay: {len(bad)} of {len(b.episodes)} episodes do not match the environment; episode {i} "
                           f"(group {ep.group_id[:48]!r}, item {ep.item_index}): {why}")
 
-    def _groups(self, b: Batch) -> dict[str, list[Episode]]:
-        groups: dict[str, list[Episode]] = {}
-        for ep in b.episodes:
-            groups.setdefault(ep.group_id, []).append(ep)
-        return groups
-
     def _fingerprint(self, batches: Sequence[Batch], verdicts: list[tuple[str, str] | None]) -> None:
         holder: dict[str, int] = {}  # fingerprint -> batch index in this poll
         for i, b in enumerate(batches):
             if verdicts[i] is not None:
                 continue
-            for gid, eps in self._groups(b).items():
+            for gid, eps in group_episodes(b.episodes).items():
                 fp = group_fingerprint(eps)
                 if fp is None:
                     continue
@@ -408,7 +411,7 @@ class TrustGate:
         return rec.worker_id if rec else kid
 
     def _remember(self, b: Batch) -> None:
-        for eps in self._groups(b).values():
+        for eps in group_episodes(b.episodes).values():
             fp = group_fingerprint(eps)
             if fp is not None:
                 self.fingerprints[fp] = b.key_id
