@@ -215,6 +215,46 @@ def test_identical_samples_are_no_copy_and_groups_live_in_their_senders_namespac
     assert gate.max_groups(8) == 4 and gate.max_groups(1) == 1
 
 
+def test_which_episodes_are_audited_is_not_predictable_from_the_run_config():
+    """Audit picks and random spot-checks used to come from an RNG seeded by the run's seed, which
+    is in the world-readable config: a forger could forge exactly the episodes never scored."""
+
+    class Picks:  # an honest-looking scorer that remembers what it was asked to score
+        def __init__(self):
+            self.asked: list[tuple[str, int]] = []
+
+        def logprobs(self, eps, temperature=1.0):
+            out = []
+            for e in eps:
+                self.asked.append((e.group_id, e.sample_index))
+                lp = np.zeros(len(e.tokens()), np.float32)
+                lp[e.loss_mask()] = e.behavior_logprobs()[e.loss_mask()]
+                out.append(lp)
+            return out
+
+    runs = []
+    for _ in range(2):  # two trainers of one run, built as the intake builds its gate
+        scorer = Picks()
+        gate = TrustGate(TrustConfig(), None, RUN, generate_private_key(), float_scorer=scorer)
+        for i in range(20):
+            assert gate.review([_batch("k", "w", episodes("w", group=f"g{i}", n=8, seed=i), i)], 0) == [None]
+        runs.append(scorer.asked)
+    assert len(runs[0]) == len(runs[1]) == 40 and runs[0] != runs[1]
+
+
+def test_a_full_ban_list_never_crashes_the_trainer(tmp_path):
+    from stoa.transport.identity import _MAX_ROSTER, Ban
+    from stoa.transport.store import LocalStore
+
+    gate = TrustGate(TrustConfig(), LocalStore(tmp_path), RUN, generate_private_key())
+    for i in range(_MAX_ROSTER):
+        gate.roster = gate.roster.with_ban(f"{i:016x}", Ban("x", "old", 0.0, 0))
+    cheat = generate_private_key()
+    kid = key_id(cheat.public_key())
+    gate.ban(kid, "forged log-probs")  # raised ValueError("the ban list is full") out of the trainer before
+    assert gate.is_banned(kid) and "banned" in gate.admit(_seal(cheat, "cheat"))
+
+
 # -- the audit -----------------------------------------------------------------------------------
 
 
@@ -269,6 +309,36 @@ def test_spot_checks_pass_honest_episodes_and_confirm_forged_log_probs(engine_an
     for how in ("zero", "shuffle"):
         bad = spot_check(engine.score, _forged(eps, how))
         assert bad.confirmed and bad.failed >= len(eps) // 2 and "do not match" in bad.detail, (how, bad)
+
+
+def test_no_share_of_an_episodes_tokens_may_carry_forged_log_probs(engine_and_episodes):
+    """A forger who rewrites under 5% of an episode's behaviour log-probs (the likeliest tokens,
+    claimed 3 nats less likely: a 20x importance weight on each) used to pass: an episode failed
+    only when more than 5% of its tokens were off."""
+    import stoa.envs
+    from stoa.backends.engine import RolloutRequest, SamplingConfig
+
+    engine, _ = engine_and_episodes
+    make_env = lambda: stoa.envs.make("stoa/SyntheticSearch-v0", num_entities=20, num_test_facts=5)  # noqa: E731
+    long = [e for e in engine.rollout(make_env, [RolloutRequest(i, f"l-{i}", 4) for i in range(6)],
+                                      SamplingConfig(max_turn_tokens=40, max_episode_tokens=400, seed=3))
+            if e.num_model_tokens >= 40]
+    assert len(long) >= 4
+    forged = copy.deepcopy(long)
+    for e in forged:
+        model = [s for s in e.segments if s.kind == "model"]
+        flat = np.concatenate([s.logprobs for s in model])
+        k = max(1, int(0.04 * len(flat)))
+        flat[np.argsort(flat)[::-1][:k]] -= 3.0
+        at = 0
+        for s in model:
+            s.logprobs = flat[at:at + len(s.tokens)].astype(np.float32)
+            at += len(s.tokens)
+        assert k < 0.05 * len(flat)
+    assert not spot_check(engine.score, forged, AuditConfig(spot_check_max_frac=0.05)).confirmed  # the old rule
+    result = spot_check(engine.score, forged)
+    assert result.confirmed and result.failed == len(forged), result.detail
+    assert not spot_check(engine.score, long).confirmed  # honest episodes still pass, token by token
 
 
 def test_the_gate_bans_forged_log_probs_before_any_is_trained(engine_and_episodes, tiny_model, tmp_path):

@@ -94,7 +94,7 @@ class Intake:
         replayer = (Replayer(make_env, int8.codec, max_turn_tokens=rc.max_turn_tokens,
                              max_episode_tokens=rc.max_episode_tokens) if cfg.trust.replay else None)
         self.gate = TrustGate(cfg.trust, store, cfg.name, private_key, ledger=ledger, replayer=replayer,
-                              float_scorer=float_scorer, int8=int8, seed=cfg.seed)
+                              float_scorer=float_scorer, int8=int8)
         self.gate.refresh(force=True)
         self.reader = RolloutReader(store, cfg.name, vocab_size=vocab_size, admit=self.gate.admit, require_seal=True,
                                     max_hashes=cfg.trust.max_hashes)

@@ -172,12 +172,15 @@ class TrustGate:
             a task that is not replayable: no replay).
         float_scorer: the learner, for the audit's log pi (None or ``cfg.audit.enabled`` off: no audit).
         int8: the held int8 policies, for spot-checks (None: suspicion is logged, never confirmed).
-        seed: seeds which episodes are audited and when a random spot-check comes.
+        seed: only for tests that need the same choices twice. By default which episodes are
+            audited and when a random spot-check comes are drawn from the operating system's
+            entropy, so nothing public (the run's seed is in its world-readable config) predicts them.
     """
 
     def __init__(self, cfg: TrustConfig, store: ObjectStore, run: str, private_key: Any, *,
                  ledger: Ledger | None = None, replayer: Replayer | None = None,
-                 float_scorer: FloatScorer | None = None, int8: Int8Scorer | None = None, seed: int = 0):
+                 float_scorer: FloatScorer | None = None, int8: Int8Scorer | None = None,
+                 seed: int | None = None):
         self.cfg, self.store, self.run, self.key = cfg, store, run, private_key
         self.ledger = ledger
         self.audit = LogprobAudit(cfg.audit)
@@ -187,7 +190,7 @@ class TrustGate:
         self.roster = Roster(run)
         self._round = 0
         self.version = 0
-        self._rng = np.random.default_rng([seed, 0x7257])
+        self._rng = np.random.default_rng(seed)  # None: fresh OS entropy
         self._roster_read = self._report_written = 0.0
         self._roster_dirty = False
         self._new_bans: list[str] = []
@@ -288,13 +291,17 @@ class TrustGate:
             self.reject(r.key_id or "", r.worker_id or "", r.category, r.reason)
 
     def ban(self, kid: str, reason: str, version: int = -1) -> None:
+        """Ban a key: the records refuse it at once; the signed roster tells the worker. Never raises."""
         rec = self.records.get(kid) or self._record(kid, "")
         if rec.banned:
             return
         rec.banned = reason[:500]
-        self.roster = self.roster.with_ban(kid, Ban(rec.worker_id, reason[:256], time.time(),
-                                                    version if version >= 0 else self.version))
-        self._roster_dirty = True
+        try:
+            self.roster = self.roster.with_ban(kid, Ban(rec.worker_id, reason[:256], time.time(),
+                                                        version if version >= 0 else self.version))
+            self._roster_dirty = True
+        except ValueError as e:  # a full ban list: the records (checkpointed) still refuse the key
+            log.warning("key %s is banned, but the roster cannot list it (%s)", kid, e)
         self._new_bans.append(kid)
         self.audit.forget(kid)
         if self.ledger is not None:
