@@ -405,3 +405,55 @@ def test_every_adversary_keeps_the_workers_method_signatures():
             if callable(fn) and callable(base) and not name.startswith("__"):
                 params = lambda f: [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]  # noqa: E731
                 assert params(fn) == params(base), (kind, name)
+
+
+def test_after_a_restart_a_claimed_version_is_rebuilt_from_the_chain_or_the_batch_refused(tiny_model, tmp_path):
+    """After --resume the trainer held no int8 state of the versions before the restart, and a
+    flagged batch claiming one was accepted unchecked: forged log-probs trained after every restart."""
+    import stoa.envs
+    from stoa.backends.engine import RolloutRequest, SamplingConfig, make_engine
+    from stoa.fleet.config import RolloutConfig
+    from stoa.fleet.policies import HeldPolicies
+    from stoa.testing.synthetic import perturb_codes
+    from stoa.transport.chain import WeightPublisher
+    from stoa.transport.store import LocalStore
+
+    store, key, rng = LocalStore(tmp_path / "store"), generate_private_key(), np.random.default_rng(0)
+    states = {0: {k: v.copy() for k, v in make_engine(tiny_model, "mlx").state.items()}}
+    pub = WeightPublisher(store, RUN, key, anchor_every=50)
+    pub.publish(0, states[0])
+    for v in (1, 2, 3):
+        states[v] = perturb_codes(states[v - 1], 0.05, rng)
+        pub.publish(v, states[v])
+    at1 = make_engine(tiny_model, "mlx", state=states[1], version=1)
+    make_env = lambda: stoa.envs.make("stoa/SyntheticSearch-v0", num_entities=20, num_test_facts=5)  # noqa: E731
+    eps = at1.rollout(make_env, [RolloutRequest(i, f"w-{i}", 2) for i in range(4)],
+                      SamplingConfig(max_turn_tokens=8, max_episode_tokens=160, seed=2))
+    # The restarted trainer holds only the version it resumed as.
+    restarted = HeldPolicies(tiny_model, RolloutConfig(), max_lag=2, chain=pub.subscriber)
+    restarted.keep(3, states[3])
+    for a, b in zip(restarted.score(1, eps), at1.score(eps)):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+    assert restarted.score(0, eps) is None  # older than max_lag: not claimable, never rebuilt
+
+    forged = _forged(eps, "zero")
+    for e in forged:
+        e.policy_version = 0
+    gate = TrustGate(TrustConfig(audit=AuditConfig(random_spot_check=1.0)), LocalStore(tmp_path / "s2"), RUN,
+                     generate_private_key(), float_scorer=_Echo(), int8=restarted)
+    (verdict,) = gate.review([_batch("fk", "f", forged, 1)], 3)
+    assert verdict is not None and verdict[0] == "unverifiable", verdict
+    gate.reject("fk", "f", *verdict, episodes=len(forged))  # what the intake does with a verdict
+    assert not gate.is_banned("fk") and gate.records["fk"].strikes == 0  # refused, not struck: maybe not its fault
+
+
+class _Echo:
+    """A float policy that agrees with every claim (so only the spot-check decides)."""
+
+    def logprobs(self, eps, temperature=1.0):
+        out = []
+        for e in eps:
+            lp = np.zeros(len(e.tokens()), np.float32)
+            lp[e.loss_mask()] = e.behavior_logprobs()[e.loss_mask()]
+            out.append(lp)
+        return out

@@ -454,9 +454,9 @@ class TrustGate:
         eps = [b.episodes[i] for i in pick]
         t0 = time.perf_counter()
         scored = self.int8.score(b.version, eps)
-        if scored is None:
-            log.info("cannot spot-check %s (%s): version %d's weights are no longer kept", b.key, reason, b.version)
-            return None
+        if scored is None:  # never accepted unchecked: a forger would claim exactly such a version
+            return "unverifiable", (f"{reason}; the spot-check cannot be made: version {b.version}'s int8 weights "
+                                    "are neither held nor rebuildable from the weight chain")
         result = spot_check(lambda _: scored, eps, self.audit.config)
         self.seconds["spot_check"] += time.perf_counter() - t0
         self.counts["spot_checks"] += 1
