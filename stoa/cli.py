@@ -361,6 +361,25 @@ def status(
     show_status(open_store(store), run, public_key)
 
 
+@app.command("export")
+def export(
+    checkpoint: Annotated[Path, typer.Argument(help="A checkpoint folder (runs/<name>/checkpoints/v...) or a run folder (its newest checkpoint).")],
+    out: Annotated[Path, typer.Argument(help="New folder to write the Hugging Face model into.")],
+    model: Annotated[Optional[Path], typer.Option(help="The Hugging Face folder the run started from (default: found from the run folder).")] = None,
+    dtype: Annotated[str, typer.Option(help="Weights dtype: auto (the starting model's), float32, bfloat16 or float16.")] = "auto",
+) -> None:
+    """Write a trained checkpoint (torch or Megatron learner) as a Hugging Face folder: config.json,
+    model.safetensors and the tokenizer, loadable by transformers and mlx_lm."""
+    from stoa.backends.export import ExportError, export_checkpoint
+
+    try:
+        path = export_checkpoint(checkpoint, out, model_dir=model, dtype=dtype)  # type: ignore[arg-type]
+    except ExportError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {path} (load it with transformers' from_pretrained or mlx_lm.load)")
+
+
 def main() -> None:
     """Console entry point."""
     app(prog_name="stoa")
