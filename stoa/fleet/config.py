@@ -47,8 +47,8 @@ from stoa.models.tiny import TinyConfig
 
 __all__ = [
     "ConfigError", "EnvConfig", "EvalConfig", "FleetConfig", "LearnerSection", "ModelConfig", "PulseConfig",
-    "RolloutConfig", "RunConfig", "TrainerConfig", "TrustConfig", "UnresolvedObjective", "WarmstartConfig", "import_env_module",
-    "load_config",
+    "RolloutConfig", "RunConfig", "TrainerConfig", "TrustConfig", "UnresolvedObjective", "WarmstartConfig",
+    "check_runnable", "import_env_module", "load_config",
 ]
 
 
@@ -82,7 +82,8 @@ class EnvConfig:
     """Keyword arguments for ``gymnasium.make`` shared by train and eval (the task validates them)."""
     module: str = ""
     """Imported before the env is made, on the trainer and on every worker, so that it can register
-    ``id``: a module name, or a ``.py`` file path (relative to the working directory)."""
+    ``id``: a module name, or a ``.py`` file path (a relative one is read from the config file's
+    folder and recorded absolute). For one machine; a fleet installs the env as a package."""
     train_split: str = "train"
     """Split the workers draw prompts from."""
     eval_split: str = "test"
@@ -512,16 +513,53 @@ def import_env_module(env: EnvConfig) -> None:
             return
         loader = importlib.util.spec_from_file_location(name, path)
         if loader is None or not path.exists():
-            raise ConfigError(f"env.module {spec!r}: no such file")
+            raise ConfigError(f"env.module {spec!r}: no such file (a relative path is read from the config "
+                              "file's folder)")
         module = importlib.util.module_from_spec(loader)
         sys.modules[name] = module
         loader.loader.exec_module(module)  # type: ignore[union-attr]
     else:
-        importlib.import_module(spec)
+        try:
+            importlib.import_module(spec)
+        except ModuleNotFoundError as e:
+            if e.name and spec.startswith(e.name):
+                raise ConfigError(f"env.module {spec!r}: no module named {e.name!r} (install its package, "
+                                  "or give a .py file)") from None
+            raise
+
+
+def check_runnable(cfg: RunConfig) -> None:
+    """What ``stoa train --check`` verifies beyond the config's own types and bounds: ``env.module``
+    imports, ``env.id`` is registered, and ``model.path`` (if set) is a Hugging Face folder.
+
+    Raises:
+        ConfigError: naming the key and what to set.
+    """
+    import difflib
+
+    import_env_module(cfg.env)
+    import gymnasium
+
+    import stoa.envs  # noqa: F401 - registers the built-in ids
+
+    if cfg.env.id not in gymnasium.registry:
+        known = sorted(k for k, spec in gymnasium.registry.items()  # gymnasium's own ids are no text envs
+                       if "/" in k and not str(spec.entry_point).startswith("gymnasium."))
+        close = difflib.get_close_matches(cfg.env.id, known, 1)
+        raise ConfigError(f"env.id {cfg.env.id!r} is not registered" + (f": did you mean {close[0]!r}?" if close else "")
+                          + " Set env.module to the module (or .py file) that registers it; known ids: "
+                          + ", ".join(known))
+    if cfg.model.path and not (Path(cfg.model.path).expanduser() / "config.json").is_file():
+        raise ConfigError(f"model.path {cfg.model.path!r} is not a Hugging Face folder (no config.json): "
+                          "give a local folder with config.json, safetensors and tokenizer, or leave it "
+                          "empty for a tiny model")
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Read a TOML run config; ``overrides`` maps dotted keys (``"trainer.steps"``) to values."""
+    """Read a TOML run config; ``overrides`` maps dotted keys (``"trainer.steps"``) to values.
+
+    A relative ``env.module`` ``.py`` path is made absolute against the config file's folder (one
+    given in ``overrides``, against the working directory)."""
     with open(path, "rb") as f:
         try:
             data = tomllib.load(f)
@@ -535,4 +573,10 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {dotted}: {p} is not a table")
         node[leaf] = value
+    env = data.get("env")
+    module = env.get("module") if isinstance(env, dict) else None
+    if isinstance(module, str) and module.endswith(".py") and not Path(module).expanduser().is_absolute():
+        # A file named in the config is read beside the config; one given with --set, from here.
+        base = Path.cwd() if "env.module" in (overrides or {}) else Path(path).resolve().parent
+        env["module"] = str(base / module)
     return RunConfig.from_dict(data)
