@@ -384,12 +384,39 @@ def status(
     store: Annotated[str, typer.Option(help="Object store: a path, file://..., or s3://bucket/prefix.")],
     run: Annotated[str, typer.Option(help="Run name.")],
     public_key: Annotated[Optional[str], typer.Option(help="The run's public key, to verify eval results.")] = None,
+    json_: Annotated[bool, typer.Option("--json", help="Print everything known as JSON (per worker: heartbeat and trust record, full reasons).")] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="Refresh until the run finishes (with --json: one JSON object per line).")] = False,
+    every: Annotated[float, typer.Option(help="Seconds between refreshes with --watch.")] = 5.0,
 ) -> None:
-    """Show the fleet: workers and their last heartbeat, versions, lag, throughput, evaluations."""
+    """Show the fleet: workers and their last heartbeat, versions, lag, throughput, trust, evaluations."""
     from stoa.fleet.status import show_status
     from stoa.transport.store import open_store
 
-    show_status(open_store(store), run, public_key)
+    if every <= 0:
+        raise typer.BadParameter("--every must be > 0")
+    key = _public_key(public_key) if public_key else None
+    try:
+        show_status(open_store(store, create=False), run, key, as_json=json_, watch=every if watch else None)
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
+
+
+@app.command("report")
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A run folder: runs/<name> of `stoa train`, or a `stoa trainer` --run-dir.")],
+    store: Annotated[Optional[str], typer.Option(help="The run's object store, for the trust section (default: <run_dir>/store if there).")] = None,
+) -> None:
+    """Write plots, summary.json and summary.md for a run folder (also a trainer-only run's) and print the summary."""
+    from stoa.fleet.local import write_report
+    from stoa.transport.store import open_store
+
+    if store is None and (run_dir / "store").is_dir():
+        store = str(run_dir / "store")
+    try:
+        write_report(run_dir, open_store(store, create=False) if store else None)
+    except FileNotFoundError as e:
+        raise UserError(str(e), 2) from None
+    typer.echo((run_dir / "summary.md").read_text(), nl=False)
 
 
 @app.command("export")
@@ -448,8 +475,8 @@ def explain(e: BaseException) -> tuple[str, int] | None:
         return f"{e}: the bucket does not exist; create it, or fix the bucket name in --store", 1
     if names & {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ConnectionRefusedError"}:
         return f"cannot reach the store: {e} (check the endpoint in --store and your network)", 1
-    if type(e).__name__ in ("StoreError", "KeyNotFound", "SignatureError", "PointerError", "SealError", "RankFailed",
-                            "LearnerError", "RetrieverError"):
+    if type(e).__name__ in ("StoreError", "KeyNotFound", "RunNotFound", "SignatureError", "PointerError", "SealError",
+                            "RankFailed", "LearnerError", "RetrieverError"):
         return str(e), 1
     return None
 
