@@ -28,11 +28,8 @@ is written as JSON beside the run (``<run>/config.json`` in the store) and read 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
 import json
 import math
-import sys
 import tomllib
 import types
 import typing
@@ -84,6 +81,10 @@ class EnvConfig:
     """Imported before the env is made, on the trainer and on every worker, so that it can register
     ``id``: a module name, or a ``.py`` file path (a relative one is read from the config file's
     folder and recorded absolute). For one machine; a fleet installs the env as a package."""
+    package: str = ""
+    """``"name==version"`` of the installed package that declares ``id`` (entry-point group
+    ``stoa.envs``): filled in when the config is loaded, checked where it is written, and a worker
+    with another version refuses the run. Empty for ids not from a package."""
     train_split: str = "train"
     """Split the workers draw prompts from."""
     eval_split: str = "test"
@@ -502,30 +503,34 @@ def _build_value(cls: type, name: str, value: Any, where: str) -> Any:
 
 
 def import_env_module(env: EnvConfig) -> None:
-    """Import ``env.module`` (a module name or a ``.py`` path) so that it registers its env id."""
+    """Make ``env.id`` available: check that the installed package is the version the run names
+    (``env.package``), then import ``env.module`` (a module name or a ``.py`` path), which
+    registers the id.
+
+    Raises:
+        ConfigError: the package is missing or another version, or the module is not there.
+    """
+    from stoa.plugins import import_module_or_file, installed_env
+
+    if env.package:
+        found = installed_env(env.id)
+        if found is None or found.requirement != env.package:
+            have = f"this machine has {found.requirement}" if found else "it is not installed here"
+            raise ConfigError(f"env {env.id!r} of this run comes from the package {env.package}, {have}: "
+                              f"pip install {env.package!r}")
     spec = env.module
     if not spec:
         return
-    if spec.endswith(".py"):
-        path = Path(spec).expanduser().resolve()
-        name = f"stoa_env_{path.stem}"
-        if name in sys.modules:
-            return
-        loader = importlib.util.spec_from_file_location(name, path)
-        if loader is None or not path.exists():
+    try:
+        import_module_or_file(spec)
+    except ModuleNotFoundError as e:
+        if spec.endswith(".py") and e.name == spec:
             raise ConfigError(f"env.module {spec!r}: no such file (a relative path is read from the config "
-                              "file's folder)")
-        module = importlib.util.module_from_spec(loader)
-        sys.modules[name] = module
-        loader.loader.exec_module(module)  # type: ignore[union-attr]
-    else:
-        try:
-            importlib.import_module(spec)
-        except ModuleNotFoundError as e:
-            if e.name and spec.startswith(e.name):
-                raise ConfigError(f"env.module {spec!r}: no module named {e.name!r} (install its package, "
-                                  "or give a .py file)") from None
-            raise
+                              "file's folder)") from None
+        if e.name and spec.startswith(e.name):
+            raise ConfigError(f"env.module {spec!r}: no module named {e.name!r} (install its package, "
+                              "or give a .py file)") from None
+        raise
 
 
 def check_runnable(cfg: RunConfig) -> None:
@@ -558,8 +563,9 @@ def check_runnable(cfg: RunConfig) -> None:
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Read a TOML run config; ``overrides`` maps dotted keys (``"trainer.steps"``) to values.
 
-    A relative ``env.module`` ``.py`` path is made absolute against the config file's folder (one
-    given in ``overrides``, against the working directory)."""
+    A relative ``.py`` path in ``env.module`` or ``objective.kind`` (``"my_obj.py:loss"``) is made
+    absolute against the config file's folder (one given in ``overrides``, against the working
+    directory). ``env.package`` is filled in from the installed package that declares ``env.id``."""
     with open(path, "rb") as f:
         try:
             data = tomllib.load(f)
@@ -573,10 +579,39 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {dotted}: {p} is not a table")
         node[leaf] = value
+    here = Path(path).resolve().parent
     env = data.get("env")
-    module = env.get("module") if isinstance(env, dict) else None
-    if isinstance(module, str) and module.endswith(".py") and not Path(module).expanduser().is_absolute():
+    if isinstance(env, dict):
         # A file named in the config is read beside the config; one given with --set, from here.
-        base = Path.cwd() if "env.module" in (overrides or {}) else Path(path).resolve().parent
-        env["module"] = str(base / module)
+        if "module" in env:
+            env["module"] = _beside(env["module"], Path.cwd() if "env.module" in (overrides or {}) else here)
+        _record_package(env)
+    objective = data.get("objective")
+    if isinstance(objective, dict) and isinstance(objective.get("kind"), str):
+        file, sep, fn = objective["kind"].rpartition(":")
+        if sep and file.endswith(".py"):
+            given = "objective" in (overrides or {}) or "objective.kind" in (overrides or {})
+            objective["kind"] = f"{_beside(file, Path.cwd() if given else here)}:{fn}"
     return RunConfig.from_dict(data)
+
+
+def _beside(spec: Any, base: Path) -> Any:
+    """A relative ``.py`` path made absolute against ``base``; anything else unchanged."""
+    if isinstance(spec, str) and spec.endswith(".py") and not Path(spec).expanduser().is_absolute():
+        return str((base / spec).resolve())
+    return spec
+
+
+def _record_package(env: dict[str, Any]) -> None:
+    """Fill ``env.package`` from the installed package that declares ``env.id`` (or check it)."""
+    from stoa.plugins import installed_env
+
+    env_id = env.get("id", EnvConfig.id)
+    found = installed_env(env_id) if isinstance(env_id, str) else None
+    if found is None or env.get("module"):
+        return
+    if not env.get("package"):
+        env["package"] = found.requirement
+    elif env["package"] != found.requirement:
+        raise ConfigError(f"env.package is {env['package']!r} but this machine has {found.requirement} "
+                          f"for {env_id!r}: pip install {env['package']!r}, or update env.package")
