@@ -17,7 +17,8 @@ Use it from a run config, the path read from the config file's folder::
     kind = "cispo_objective.py:loss"
     eps_high = 0.28
 
-``examples/cispo_vs_dppo.toml`` compares it with DPPO under forced staleness (``stoa sweep``).
+``examples/sweeps/cispo_vs_dppo.toml`` compares it with DPPO under forced staleness
+(``stoa sweep``).
 Metrics: the common ones and ``ratio/clipped_high_frac`` / ``ratio/clipped_low_frac``.
 """
 

@@ -61,6 +61,9 @@ ROOT_GROUP = typer.main.get_command(app)
 def _resolve(tokens: list[str]):
     """The click command a token list names, and the tokens after its name."""
     cmd, rest = ROOT_GROUP, list(tokens)
+    root_options = {o for p in ROOT_GROUP.params for o in p.opts}
+    while rest and rest[0] in root_options:  # `stoa --verbose status ...`
+        rest.pop(0)
     while hasattr(cmd, "commands") and rest and rest[0] in cmd.commands:
         cmd = cmd.commands[rest.pop(0)]
     return cmd, rest

@@ -99,8 +99,9 @@ def test_a_run_config_names_an_objective_by_file(tmp_path):
     (tmp_path / "cispo.py").write_text(CISPO.read_text())
     cfg = load_config(tmp_path / "run.toml")
     assert cfg.objective.name == f"{tmp_path / 'cispo.py'}:loss" and cfg.objective.config.eps_high == 0.2
-    r = subprocess.run([sys.executable, "-m", "stoa", "sweep", str(ROOT / "examples" / "cispo_vs_dppo.toml"),
-                        "--dry-run"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    sweep = ROOT / "examples" / "sweeps" / "cispo_vs_dppo.toml"
+    r = subprocess.run([sys.executable, "-m", "stoa", "sweep", str(sweep), "--dry-run"], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.count("cispo-lag") == 4, r.stderr
 
 

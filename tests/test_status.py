@@ -92,3 +92,12 @@ def test_cli_json_and_missing_store_or_run(tmp_path):
     r = _stoa("status", "--store", str(store.root), "--run", "demo2")
     assert r.returncode == 1 and "no run 'demo2'" in r.stderr and "runs there: demo" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_watch_streams_json_lines_until_the_run_finishes(tmp_path):
+    store, run = _run(tmp_path)
+    store.put(f"{run}/finished.json", b"{}")  # unverified read: any marker counts for display
+    r = _stoa("status", "--store", str(store.root), "--run", run, "--json", "--watch", "--every", "0.1")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["state"] == "finished"

@@ -525,8 +525,8 @@ def import_env_module(env: EnvConfig) -> None:
         import_module_or_file(spec)
     except ModuleNotFoundError as e:
         if spec.endswith(".py") and e.name == spec:
-            raise ConfigError(f"env.module {spec!r}: no such file (a relative path is read from the config "
-                              "file's folder)") from None
+            raise ConfigError(f"env.module {spec!r}: no such file (a relative path in a config file is read "
+                              "from the file's folder, one given with --set from the working directory)") from None
         if e.name and spec.startswith(e.name):
             raise ConfigError(f"env.module {spec!r}: no module named {e.name!r} (install its package, "
                               "or give a .py file)") from None

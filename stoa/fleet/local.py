@@ -334,8 +334,8 @@ def _plain_line(r: dict[str, Any], headline: list[str]) -> str | None:
                 f" gate {r.get('gate/masked_frac', 0):.4f} lag {r['staleness/mean']:.2f}"
                 f" delta {r['pulse/bytes'] / 1e3:.1f}kB workers {r.get('fleet/workers_alive', 0)}")
     if r.get("kind") == "event" and r.get("event") != "started":
-        rest = " ".join(f"{clean(k)}={clean(v, 300)}" for k, v in sorted(r.items())
-                        if k not in ("kind", "event", "time", "version"))
+        rest = " ".join(f"{clean(k)}={clean(f'{v:.4g}' if isinstance(v, float) else v, 300)}"
+                        for k, v in sorted(r.items()) if k not in ("kind", "event", "time", "version"))
         return f"{t} event {clean(r.get('event'))} v{r.get('version')}" + (f" {rest}" if rest else "")
     return None
 
