@@ -255,9 +255,9 @@ def train(
     from stoa.fleet.local import train_local
 
     try:
+        cfg = load_config(config, _parse_sets(set_))
+        check_runnable(cfg)  # before any process starts: an unknown env id or model folder is one line
         if check:
-            cfg = load_config(config, _parse_sets(set_))
-            check_runnable(cfg)
             typer.echo(cfg.to_json())
             return
         train_local(config, _parse_sets(set_), runs_root=runs, resume=resume, workers=workers, store=store,
@@ -312,13 +312,14 @@ def trainer(
     """Train: consume episodes from the store, take optimizer steps, publish int8 weights through PULSE.
 
     Several GPUs: `torchrun --nproc-per-node N -m stoa trainer ...` with learner.kind = "megatron"."""
-    from stoa.fleet.config import ConfigError, load_config
+    from stoa.fleet.config import ConfigError, check_runnable, load_config
     from stoa.fleet.trainer import Trainer
     from stoa.transport.store import open_store
 
     _setup_logging(verbose)
     try:
         cfg = load_config(config, _parse_sets(set_))
+        check_runnable(cfg)
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

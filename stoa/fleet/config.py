@@ -551,9 +551,9 @@ def check_runnable(cfg: RunConfig) -> None:
         known = sorted(k for k, spec in gymnasium.registry.items()  # gymnasium's own ids are no text envs
                        if "/" in k and not str(spec.entry_point).startswith("gymnasium."))
         close = difflib.get_close_matches(cfg.env.id, known, 1)
-        raise ConfigError(f"env.id {cfg.env.id!r} is not registered" + (f": did you mean {close[0]!r}?" if close else "")
-                          + " Set env.module to the module (or .py file) that registers it; known ids: "
-                          + ", ".join(known))
+        raise ConfigError(f"env.id {cfg.env.id!r} is not registered" + (f": did you mean {close[0]!r}?" if close else ".")
+                          + " Set env.module to the module (or .py file) that registers it, or install the "
+                          "package that declares it; known ids: " + ", ".join(known))
     if cfg.model.path and not (Path(cfg.model.path).expanduser() / "config.json").is_file():
         raise ConfigError(f"model.path {cfg.model.path!r} is not a Hugging Face folder (no config.json): "
                           "give a local folder with config.json, safetensors and tokenizer, or leave it "
