@@ -26,8 +26,8 @@ which learns there, held-out pass@1 about 5% -> 80% in 40 RL steps), plus the st
 ``trainer.max_lag`` widened per lag, ``trainer.mismatch_every = 4``, evaluation every 10 versions.
 Grid ``offpolicy-arith`` (``--quick``: ``offpolicy-arith-quick``, ``dppo`` and ``none`` x lags 0
 and 8, seed 0, 16 RL steps, 50 questions x 1 sample). ``env.module`` is written as this checkout's
-absolute path to ``examples/custom_env.py`` at run time (it is resolved against the working
-directory of every trainer and worker). ``--objectives``, ``--lags`` and ``--seeds`` cut a grid
+absolute path to ``examples/custom_env.py`` (a relative one would be read beside the written
+run config). ``--objectives``, ``--lags`` and ``--seeds`` cut a grid
 down; the cells of a cut grid are the same runs as the full grid's, so a larger cut reuses them.
 Check each seed's warm start in ``results.md``: seed 2's fails on this task (p(final turn) 0.001,
 the model never learns to copy the calculator's result), so its cells carry no signal.
@@ -148,10 +148,10 @@ def run_config(task: str, grid: dict) -> str:
     grid's own settings are the sweep's ``[set]``, see :func:`study_settings`)."""
     if task != "arithmetic":
         return RUN.format(**grid)
-    # examples/arithmetic_tiny.toml itself, with its env module as an absolute path: the trainer and
-    # the workers resolve it against their working directory, which is not this checkout.
+    # examples/arithmetic_tiny.toml itself, with its env module as an absolute path: the run config
+    # is written elsewhere, and a relative module is read beside the config file.
     text = (EXAMPLES / "arithmetic_tiny.toml").read_text()
-    module = 'module = "examples/custom_env.py"'
+    module = 'module = "custom_env.py"'
     if module not in text:
         raise SystemExit(f"examples/arithmetic_tiny.toml no longer says {module!r}; update benchmarks/offpolicy.py")
     return text.replace(module, f"module = {json.dumps(str(EXAMPLES / 'custom_env.py'))}")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Creates .venv (or $STOA_VENV) and installs stoa with its test extras. Idempotent: a second run
-# only reinstalls when pyproject.toml changed. On Debian/Ubuntu it also installs OpenBLAS, which
-# stoa.backends.mlx loads into MLX processes instead of MLX's slow bundled reference BLAS.
+# Creates .venv (or $STOA_VENV) and installs stoa with every role's extras and the test tools
+# (.[all,dev]). Idempotent: a second run only reinstalls when pyproject.toml changed. On
+# Debian/Ubuntu it also installs OpenBLAS, which stoa.backends.mlx loads into MLX processes
+# instead of MLX's slow bundled reference BLAS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${STOA_VENV:-.venv}
@@ -35,7 +36,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   if [ "$(uname -s)" = Linux ]; then
     quiet "${pip[@]}" "torch==2.13.0"
   fi
-  quiet "${pip[@]}" -e ".[dev]"
+  quiet "${pip[@]}" -e ".[all,dev]"
   quiet "$VENV/bin/python" -c "import stoa"
   echo "$want" > "$stamp"
   echo "[setup] installed in $(( $(date +%s) - t0 )) s; venv $(du -sh "$VENV" | cut -f1) (pip's log: $log)"

@@ -1,3 +1,3 @@
-from stoa.cli import app
+from stoa.cli import main
 
-app(prog_name="stoa")
+main()

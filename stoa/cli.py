@@ -30,8 +30,37 @@ def _root(
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Show the traceback of any failure (errors are one line otherwise).")
+    ] = False,
 ) -> None:
     """Stoa command line."""
+
+
+def _private_key(path: Path, what: str = "--key: the run's private key") -> object:
+    """A private key file, or a one-line error naming how to make one."""
+    from stoa.transport.signing import load_private_key
+
+    if not Path(path).expanduser().is_file():
+        raise UserError(f"no key file {path} ({what}; make one with `stoa keygen DIR`)", 2)
+    try:
+        return load_private_key(path)
+    except ValueError as e:
+        raise UserError(f"{path}: {e} ({what})", 2) from None
+
+
+def _public_key(src: str) -> object:
+    """A public key given as 64 hex characters or a .pub file, or a one-line error."""
+    from stoa.transport.signing import load_public_key
+
+    is_hex = len(src) == 64 and all(c in "0123456789abcdefABCDEF" for c in src)
+    if not is_hex and not Path(src).expanduser().is_file():
+        raise UserError(f"--public-key {src!r} is neither 64 hex characters nor an existing .pub file "
+                        "(the run's operator gives it out: `stoa keygen` wrote it as run.pub)", 2)
+    try:
+        return load_public_key(src)
+    except ValueError as e:
+        raise UserError(f"--public-key {src}: {e}", 2) from None
 
 
 @app.command("init-tiny")
@@ -154,11 +183,11 @@ def enroll(
 ) -> None:
     """Enroll a worker key in the run's signed roster (<run>/workers.json); takes effect while the run is live."""
     from stoa.transport.identity import enroll_worker
-    from stoa.transport.signing import load_private_key
     from stoa.transport.store import open_store
 
+    run_key = _private_key(key)
     try:
-        roster = enroll_worker(open_store(store), run, load_private_key(key), worker_public_key, worker_id, note)
+        roster = enroll_worker(open_store(store), run, run_key, worker_public_key, worker_id, note)
     except (ValueError, OSError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
@@ -176,11 +205,11 @@ def ban(
 ) -> None:
     """Ban a worker key: the trainer drops its queued batches and refuses the rest; the worker stops."""
     from stoa.transport.identity import ban_worker
-    from stoa.transport.signing import load_private_key
     from stoa.transport.store import open_store
 
+    run_key = _private_key(key)
     try:
-        roster = ban_worker(open_store(store), run, load_private_key(key), who, reason)
+        roster = ban_worker(open_store(store, create=False), run, run_key, who, reason)
     except (KeyError, ValueError, OSError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
@@ -222,12 +251,14 @@ def train(
     adversary: Annotated[Optional[list[str]], typer.Option(help="Add a dishonest worker of this kind to the fleet (see stoa.testing.adversaries), e.g. flip-rewards.")] = None,
 ) -> None:
     """Run a whole fleet locally: the trainer plus N int8 workers meeting in runs/<name>/store (or --store)."""
-    from stoa.fleet.config import ConfigError, load_config
+    from stoa.fleet.config import ConfigError, check_runnable, load_config
     from stoa.fleet.local import train_local
 
     try:
+        cfg = load_config(config, _parse_sets(set_))
+        check_runnable(cfg)  # before any process starts: an unknown env id or model folder is one line
         if check:
-            typer.echo(load_config(config, _parse_sets(set_)).to_json())
+            typer.echo(cfg.to_json())
             return
         train_local(config, _parse_sets(set_), runs_root=runs, resume=resume, workers=workers, store=store,
                     adversaries=adversary or [])
@@ -281,29 +312,30 @@ def trainer(
     """Train: consume episodes from the store, take optimizer steps, publish int8 weights through PULSE.
 
     Several GPUs: `torchrun --nproc-per-node N -m stoa trainer ...` with learner.kind = "megatron"."""
-    from stoa.fleet.config import ConfigError, load_config
+    from stoa.fleet.config import ConfigError, check_runnable, load_config
     from stoa.fleet.trainer import Trainer
-    from stoa.transport.signing import load_private_key
     from stoa.transport.store import open_store
 
     _setup_logging(verbose)
     try:
         cfg = load_config(config, _parse_sets(set_))
+        check_runnable(cfg)
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     run_dir = run_dir or Path("runs") / cfg.name
+    private_key = _private_key(key)
     from stoa.fleet import distributed
 
     if distributed.world_size() > 1:  # under torchrun: rank 0 runs the loop, the other ranks follow it
         try:
-            distributed.run_ranks(cfg, lambda ranks: Trainer(cfg, open_store(store), run_dir, load_private_key(key),
+            distributed.run_ranks(cfg, lambda ranks: Trainer(cfg, open_store(store), run_dir, private_key,
                                                              resume=resume, ranks=ranks).run())
         except distributed.RankFailed as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(1) from None
         return
-    Trainer(cfg, open_store(store), run_dir, load_private_key(key), resume=resume).run()
+    Trainer(cfg, open_store(store), run_dir, private_key, resume=resume).run()
 
 
 @app.command("worker")
@@ -353,17 +385,120 @@ def status(
     store: Annotated[str, typer.Option(help="Object store: a path, file://..., or s3://bucket/prefix.")],
     run: Annotated[str, typer.Option(help="Run name.")],
     public_key: Annotated[Optional[str], typer.Option(help="The run's public key, to verify eval results.")] = None,
+    json_: Annotated[bool, typer.Option("--json", help="Print everything known as JSON (per worker: heartbeat and trust record, full reasons).")] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="Refresh until the run finishes (with --json: one JSON object per line).")] = False,
+    every: Annotated[float, typer.Option(help="Seconds between refreshes with --watch.")] = 5.0,
 ) -> None:
-    """Show the fleet: workers and their last heartbeat, versions, lag, throughput, evaluations."""
+    """Show the fleet: workers and their last heartbeat, versions, lag, throughput, trust, evaluations."""
     from stoa.fleet.status import show_status
     from stoa.transport.store import open_store
 
-    show_status(open_store(store), run, public_key)
+    if every <= 0:
+        raise typer.BadParameter("--every must be > 0")
+    key = _public_key(public_key) if public_key else None
+    try:
+        show_status(open_store(store, create=False), run, key, as_json=json_, watch=every if watch else None)
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
+
+
+@app.command("report")
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A run folder: runs/<name> of `stoa train`, or a `stoa trainer` --run-dir.")],
+    store: Annotated[Optional[str], typer.Option(help="The run's object store, for the trust section (default: <run_dir>/store if there).")] = None,
+) -> None:
+    """Write plots, summary.json and summary.md for a run folder (also a trainer-only run's) and print the summary."""
+    from stoa.fleet.local import write_report
+    from stoa.transport.store import open_store
+
+    if store is None and (run_dir / "store").is_dir():
+        store = str(run_dir / "store")
+    try:
+        write_report(run_dir, open_store(store, create=False) if store else None)
+    except FileNotFoundError as e:
+        raise UserError(str(e), 2) from None
+    typer.echo((run_dir / "summary.md").read_text(), nl=False)
+
+
+@app.command("export")
+def export(
+    checkpoint: Annotated[Path, typer.Argument(help="A checkpoint folder (runs/<name>/checkpoints/v...) or a run folder (its newest checkpoint).")],
+    out: Annotated[Path, typer.Argument(help="New folder to write the Hugging Face model into.")],
+    model: Annotated[Optional[Path], typer.Option(help="The Hugging Face folder the run started from (default: found from the run folder).")] = None,
+    dtype: Annotated[str, typer.Option(help="Weights dtype: auto (the starting model's), float32, bfloat16 or float16.")] = "auto",
+) -> None:
+    """Write a trained checkpoint (torch or Megatron learner) as a Hugging Face folder: config.json,
+    model.safetensors and the tokenizer, loadable by transformers and mlx_lm."""
+    from stoa.backends.export import ExportError, export_checkpoint
+
+    try:
+        path = export_checkpoint(checkpoint, out, model_dir=model, dtype=dtype)  # type: ignore[arg-type]
+    except ExportError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {path} (load it with transformers' from_pretrained or mlx_lm.load)")
+
+
+class UserError(Exception):
+    """An expected failure: ``main`` prints its one-line message (naming the fix) and exits with ``code``."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+_CREDENTIALS_FIX = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or put them in the URL: "
+                    "s3://KEY:SECRET@BUCKET/PREFIX")
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    while e is not None and e not in out:
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
+def explain(e: BaseException) -> tuple[str, int] | None:
+    """The one-line message and exit code of an expected failure, or None for anything else (a bug:
+    its traceback is shown)."""
+    names = {type(x).__name__ for x in _chain(e)}
+    codes = {(getattr(x, "response", None) or {}).get("Error", {}).get("Code") for x in _chain(e)} - {None}
+    if isinstance(e, UserError):
+        return str(e), e.code
+    if type(e).__name__ in ("ConfigError", "StoreURLError", "ExportError", "SweepError"):
+        return str(e), 2
+    if names & {"NoCredentialsError", "PartialCredentialsError"}:
+        return f"no S3 credentials for the store: {_CREDENTIALS_FIX}", 1
+    if codes & {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"}:
+        return f"the store refused the S3 credentials ({sorted(codes)[0]}): check them; {_CREDENTIALS_FIX}", 1
+    if codes & {"NoSuchBucket"}:
+        return f"{e}: the bucket does not exist; create it, or fix the bucket name in --store", 1
+    if names & {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ConnectionRefusedError"}:
+        return f"cannot reach the store: {e} (check the endpoint in --store and your network)", 1
+    if type(e).__name__ in ("StoreError", "KeyNotFound", "RunNotFound", "SignatureError", "PointerError", "SealError",
+                            "RankFailed", "LearnerError", "RetrieverError"):
+        return str(e), 1
+    return None
+
+
+def _verbose_requested(argv: list[str]) -> bool:
+    return any(a in ("--verbose", "-v") for a in argv)
 
 
 def main() -> None:
-    """Console entry point."""
-    app(prog_name="stoa")
+    """Console entry point: expected failures print one line and exit non-zero; ``--verbose`` (or
+    ``-v``) shows their traceback too."""
+    import sys
+
+    try:
+        app(prog_name="stoa")
+    except Exception as e:  # noqa: BLE001 - sorted into expected failures and bugs below
+        known = explain(e)
+        if known is None or _verbose_requested(sys.argv[1:]):
+            raise
+        typer.echo(f"error: {known[0]}", err=True)
+        sys.exit(known[1])
 
 
 if __name__ == "__main__":

@@ -16,12 +16,13 @@ anything read out of the object store.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Union
+
+from stoa.plugins import import_module_or_file
 
 if TYPE_CHECKING:
     from stoa.algos.base import ObjectiveInputs
@@ -148,7 +149,7 @@ def _lookup(kind: Any, where: str) -> tuple[type, LossFn]:
         raise ValueError(f"{where}.kind: unknown objective {kind!r}; expected one of {list(OBJECTIVES)} "
                          f"or 'module:function'")
     try:
-        module = importlib.import_module(module_name)
+        module = import_module_or_file(module_name)
     except ImportError as e:
         raise ValueError(f"{where}.kind: cannot import objective module {module_name!r}: {e}") from None
     fn = getattr(module, fn_name, None)

@@ -15,6 +15,9 @@ A new task is a :class:`TextEnv` subclass registered with one call, from any pac
     env = stoa.envs.make("mylab/Arithmetic-v0", split="test")
     stoa.envs.check_env(env)
 
+or declared by an installed package in the entry-point group ``stoa.envs`` (registered here on
+import; see :mod:`stoa.plugins`), which is how a fleet's workers all load the same code.
+
 See ``docs/environments.md`` and ``examples/custom_env.py``.
 """
 
@@ -50,3 +53,15 @@ def make(id: str, **kwargs: Any) -> gymnasium.Env:
 for _id, _entry in BUILTIN_IDS.items():
     if _id not in gymnasium.registry:
         register(_id, _entry)
+
+
+def _register_installed() -> None:
+    # Ids of installed env packages (entry-point group "stoa.envs"); their code loads at make().
+    from stoa.plugins import installed_envs
+
+    for env_id, found in installed_envs().items():
+        if env_id not in gymnasium.registry:
+            register(env_id, found.entry_point)
+
+
+_register_installed()

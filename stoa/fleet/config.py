@@ -29,11 +29,8 @@ is written as JSON beside the run (``<run>/config.json`` in the store) and read 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
 import json
 import math
-import sys
 import tomllib
 import types
 import typing
@@ -49,8 +46,8 @@ from stoa.models.tiny import TinyConfig
 
 __all__ = [
     "ConfigError", "EnvConfig", "EvalConfig", "FleetConfig", "LearnerSection", "ModelConfig", "PulseConfig",
-    "RolloutConfig", "RunConfig", "TrainerConfig", "TrustConfig", "UnresolvedObjective", "WarmstartConfig", "import_env_module",
-    "load_config",
+    "RolloutConfig", "RunConfig", "TrainerConfig", "TrustConfig", "UnresolvedObjective", "WarmstartConfig",
+    "check_runnable", "import_env_module", "load_config",
 ]
 
 
@@ -84,7 +81,12 @@ class EnvConfig:
     """Keyword arguments for ``gymnasium.make`` shared by train and eval (the task validates them)."""
     module: str = ""
     """Imported before the env is made, on the trainer and on every worker, so that it can register
-    ``id``: a module name, or a ``.py`` file path (relative to the working directory)."""
+    ``id``: a module name, or a ``.py`` file path (a relative one is read from the config file's
+    folder and recorded absolute). For one machine; a fleet installs the env as a package."""
+    package: str = ""
+    """``"name==version"`` of the installed package that declares ``id`` (entry-point group
+    ``stoa.envs``): filled in when the config is loaded, checked where it is written, and a worker
+    with another version refuses the run. Empty for ids not from a package."""
     train_split: str = "train"
     """Split the workers draw prompts from."""
     eval_split: str = "test"
@@ -454,27 +456,69 @@ def _build_value(cls: type, name: str, value: Any, where: str) -> Any:
 
 
 def import_env_module(env: EnvConfig) -> None:
-    """Import ``env.module`` (a module name or a ``.py`` path) so that it registers its env id."""
+    """Make ``env.id`` available: check that the installed package is the version the run names
+    (``env.package``), then import ``env.module`` (a module name or a ``.py`` path), which
+    registers the id.
+
+    Raises:
+        ConfigError: the package is missing or another version, or the module is not there.
+    """
+    from stoa.plugins import import_module_or_file, installed_env
+
+    if env.package:
+        found = installed_env(env.id)
+        if found is None or found.requirement != env.package:
+            have = f"this machine has {found.requirement}" if found else "it is not installed here"
+            raise ConfigError(f"env {env.id!r} of this run comes from the package {env.package}, {have}: "
+                              f"pip install {env.package!r}")
     spec = env.module
     if not spec:
         return
-    if spec.endswith(".py"):
-        path = Path(spec).expanduser().resolve()
-        name = f"stoa_env_{path.stem}"
-        if name in sys.modules:
-            return
-        loader = importlib.util.spec_from_file_location(name, path)
-        if loader is None or not path.exists():
-            raise ConfigError(f"env.module {spec!r}: no such file")
-        module = importlib.util.module_from_spec(loader)
-        sys.modules[name] = module
-        loader.loader.exec_module(module)  # type: ignore[union-attr]
-    else:
-        importlib.import_module(spec)
+    try:
+        import_module_or_file(spec)
+    except ModuleNotFoundError as e:
+        if spec.endswith(".py") and e.name == spec:
+            raise ConfigError(f"env.module {spec!r}: no such file (a relative path in a config file is read "
+                              "from the file's folder, one given with --set from the working directory)") from None
+        if e.name and spec.startswith(e.name):
+            raise ConfigError(f"env.module {spec!r}: no module named {e.name!r} (install its package, "
+                              "or give a .py file)") from None
+        raise
+
+
+def check_runnable(cfg: RunConfig) -> None:
+    """What ``stoa train --check`` verifies beyond the config's own types and bounds: ``env.module``
+    imports, ``env.id`` is registered, and ``model.path`` (if set) is a Hugging Face folder.
+
+    Raises:
+        ConfigError: naming the key and what to set.
+    """
+    import difflib
+
+    import_env_module(cfg.env)
+    import gymnasium
+
+    import stoa.envs  # noqa: F401 - registers the built-in ids
+
+    if cfg.env.id not in gymnasium.registry:
+        known = sorted(k for k, spec in gymnasium.registry.items()  # gymnasium's own ids are no text envs
+                       if "/" in k and not str(spec.entry_point).startswith("gymnasium."))
+        close = difflib.get_close_matches(cfg.env.id, known, 1)
+        raise ConfigError(f"env.id {cfg.env.id!r} is not registered" + (f": did you mean {close[0]!r}?" if close else ".")
+                          + " Set env.module to the module (or .py file) that registers it, or install the "
+                          "package that declares it; known ids: " + ", ".join(known))
+    if cfg.model.path and not (Path(cfg.model.path).expanduser() / "config.json").is_file():
+        raise ConfigError(f"model.path {cfg.model.path!r} is not a Hugging Face folder (no config.json): "
+                          "give a local folder with config.json, safetensors and tokenizer, or leave it "
+                          "empty for a tiny model")
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Read a TOML run config; ``overrides`` maps dotted keys (``"trainer.steps"``) to values."""
+    """Read a TOML run config; ``overrides`` maps dotted keys (``"trainer.steps"``) to values.
+
+    A relative ``.py`` path in ``env.module`` or ``objective.kind`` (``"my_obj.py:loss"``) is made
+    absolute against the config file's folder (one given in ``overrides``, against the working
+    directory). ``env.package`` is filled in from the installed package that declares ``env.id``."""
     with open(path, "rb") as f:
         try:
             data = tomllib.load(f)
@@ -488,4 +532,39 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {dotted}: {p} is not a table")
         node[leaf] = value
+    here = Path(path).resolve().parent
+    env = data.get("env")
+    if isinstance(env, dict):
+        # A file named in the config is read beside the config; one given with --set, from here.
+        if "module" in env:
+            env["module"] = _beside(env["module"], Path.cwd() if "env.module" in (overrides or {}) else here)
+        _record_package(env)
+    objective = data.get("objective")
+    if isinstance(objective, dict) and isinstance(objective.get("kind"), str):
+        file, sep, fn = objective["kind"].rpartition(":")
+        if sep and file.endswith(".py"):
+            given = "objective" in (overrides or {}) or "objective.kind" in (overrides or {})
+            objective["kind"] = f"{_beside(file, Path.cwd() if given else here)}:{fn}"
     return RunConfig.from_dict(data)
+
+
+def _beside(spec: Any, base: Path) -> Any:
+    """A relative ``.py`` path made absolute against ``base``; anything else unchanged."""
+    if isinstance(spec, str) and spec.endswith(".py") and not Path(spec).expanduser().is_absolute():
+        return str((base / spec).resolve())
+    return spec
+
+
+def _record_package(env: dict[str, Any]) -> None:
+    """Fill ``env.package`` from the installed package that declares ``env.id`` (or check it)."""
+    from stoa.plugins import installed_env
+
+    env_id = env.get("id", EnvConfig.id)
+    found = installed_env(env_id) if isinstance(env_id, str) else None
+    if found is None or env.get("module"):
+        return
+    if not env.get("package"):
+        env["package"] = found.requirement
+    elif env["package"] != found.requirement:
+        raise ConfigError(f"env.package is {env['package']!r} but this machine has {found.requirement} "
+                          f"for {env_id!r}: pip install {env['package']!r}, or update env.package")

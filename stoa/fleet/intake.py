@@ -234,9 +234,10 @@ class Intake:
                 "dropped/quarantined_batches": self.reader.quarantined, "dropped/rejected_batches": c.rejected_batches,
                 **self.gate.metrics()}
 
-    def write_report(self, version: int) -> None:
-        """The signed per-worker report (``<run>/trust.json``) that ``stoa status`` shows."""
-        self.gate.write_report(version)
+    def write_report(self, version: int, force: bool = False) -> None:
+        """The signed per-worker report (``<run>/trust.json``) that ``stoa status`` shows (at most
+        every 2 s unless ``force``)."""
+        self.gate.write_report(version, force=force)
 
     @property
     def audit_floor(self) -> float | None:

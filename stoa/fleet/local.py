@@ -20,9 +20,10 @@ from typing import Any
 from stoa.fleet.config import RunConfig, load_config
 from stoa.fleet.metrics import read_metrics, write_plots
 from stoa.fleet.run import read_heartbeats
+from stoa.fleet.status import clean
 from stoa.transport.store import LocalStore
 
-__all__ = ["train_local", "summarize"]
+__all__ = ["summarize", "train_local", "write_report"]
 
 
 def _spawn(args: list[str], log_path: Path, threads: int | None) -> subprocess.Popen:
@@ -120,14 +121,63 @@ def train_local(config_path: str | Path, overrides: dict[str, Any] | None = None
         tail = (run_dir / "trainer.log").read_text(errors="replace").splitlines()[-25:]
         console.print("[red]the trainer failed:[/red]\n" + "\n".join(tail))
         raise SystemExit(code or 1)
+    summary = write_report(run_dir, the_store, wall_s=time.time() - t0, workers=n_workers)
+    console.out((run_dir / "summary.md").read_text(), highlight=False)
+    return summary
+
+
+def write_report(run_dir: str | Path, store: Any = None, wall_s: float | None = None,
+                 workers: int | None = None) -> dict[str, Any]:
+    """Plots, ``summary.json`` and ``summary.md`` of any run folder (``stoa train``'s or a lone
+    ``stoa trainer``'s), from its ``metrics.jsonl`` and ``config.json``; the trust section comes
+    from the trainer's report in ``store`` when given. Returns the summary.
+
+    ``wall_s`` defaults to the time between the first and last metrics row, ``workers`` to the
+    most workers the trainer saw alive at once.
+    """
+    run_dir = Path(run_dir)
+    if not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run folder (it needs metrics.jsonl and config.json, "
+                                "which the trainer writes)")
+    cfg = RunConfig.from_dict(json.loads((run_dir / "config.json").read_text()), resolve_objective=False)
     rows = read_metrics(run_dir / "metrics.jsonl")
+    times = [r["time"] for r in rows if isinstance(r.get("time"), (int, float))]
+    if wall_s is None:
+        wall_s = max(times) - min(times) if times else 0.0
+    if workers is None:
+        workers = max((int(r.get("fleet/workers_alive") or 0) for r in rows), default=0)
     plots = write_plots(rows, run_dir / "plots")
-    summary = summarize(rows, wall_s=time.time() - t0, workers=n_workers)
+    summary = summarize(rows, wall_s=wall_s, workers=workers)
     summary["plots"] = [str(p) for p in plots]
+    summary["trust"] = _trust_summary(store, cfg.name) if store is not None else None
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (run_dir / "summary.md").write_text(_summary_md(cfg, summary))
-    console.print(_summary_md(cfg, summary))
     return summary
+
+
+def _trust_summary(store: Any, run: str) -> dict[str, Any] | None:
+    """Per worker: accepted and rejected batches, trained episodes, ban reason (the trainer's report)."""
+    from stoa.fleet.trust import read_trust_report
+
+    tr = read_trust_report(store, run)
+    if not tr:
+        return None
+    workers = []
+    for kid, w in sorted((tr.get("workers") or {}).items(), key=lambda kv: str(kv[1].get("worker_id"))):
+        rej = w.get("rejected") if isinstance(w.get("rejected"), dict) else {}
+        workers.append({"worker_id": w.get("worker_id"), "key": kid, "accepted_batches": w.get("accepted_batches"),
+                        "trained_episodes": w.get("trained_episodes"), "rejected": rej,
+                        "banned": w.get("banned") or ""})
+    return {"mode": tr.get("mode"), "version": tr.get("version"), "workers": workers,
+            "anonymous": tr.get("anonymous") or {}}
+
+
+def _md(text: Any) -> str:
+    """A worker-written string safe in a Markdown table cell: no control characters, no HTML, no markup."""
+    import html
+    import re
+
+    return html.escape(re.sub(r"([\\`*_\[\]|#!~])", r"\\\1", clean(text)), quote=False)
 
 
 def summarize(rows: list[dict[str, Any]], wall_s: float, workers: int) -> dict[str, Any]:
@@ -205,6 +255,18 @@ def _summary_md(cfg: RunConfig, s: dict[str, Any]) -> str:
     ]
     if s.get("plots"):
         lines.append(f"- plots: {', '.join(s['plots'])}")
+    tr = s.get("trust")
+    if tr:
+        banned = [w for w in tr["workers"] if w["banned"]]
+        lines += ["", f"## Trust (mode {_md(tr['mode'])}, as of version {tr['version']})", "",
+                  f"{len(tr['workers'])} worker keys, {len(banned)} banned.", "",
+                  "| worker | accepted batches | trained episodes | rejected | banned |", "|---|---|---|---|---|"]
+        for w in tr["workers"]:
+            rej = ", ".join(f"{_md(c)} {n}" for c, n in sorted(w["rejected"].items())) or "-"
+            lines.append(f"| {_md(w['worker_id'])} | {w['accepted_batches']} | {w['trained_episodes']} | {rej} | "
+                         f"{_md(w['banned']) or '-'} |")
+        for wid, cats in sorted(tr["anonymous"].items()):
+            lines.append(f"\n- refused unsigned or unverifiable batches from {_md(wid)}: {_md(cats)}")
     return "\n".join(lines) + "\n"
 
 
@@ -245,7 +307,7 @@ def _watch(cfg: RunConfig, run_dir: Path, store: LocalStore, procs: dict[str, su
             for r in state["rows"][printed:]:
                 line = _plain_line(r, headline)
                 if line:
-                    console.print(line, highlight=False)
+                    console.out(line, highlight=False)  # one record a line: out() never wraps
             printed = len(state["rows"])
             if procs["trainer"].poll() is not None:
                 refresh()
@@ -255,28 +317,33 @@ def _watch(cfg: RunConfig, run_dir: Path, store: LocalStore, procs: dict[str, su
 
 
 def _plain_line(r: dict[str, Any], headline: list[str]) -> str | None:
+    """One metrics row as one line (under 80 characters for the usual rows; longer ones are not
+    wrapped), or None for rows not shown. Strings of event rows are escaped (:func:`clean`)."""
     t = time.strftime("%H:%M:%S", time.localtime(r.get("time", 0)))
     if r.get("kind") == "eval":
-        extra = "".join(f"  {m} {r[f'eval/{m}']:.3f}" for m in headline if f"eval/{m}" in r)
-        return (f"{t} eval    v{r['version']:<4d} pass@1 {r['eval/pass@1']:.3f}{extra}"
-                f"  ({r.get('eval/questions', 0):.0f} items, {r.get('eval/seconds', 0):.1f}s)")
+        extra = "".join(f" {m} {r[f'eval/{m}']:.3f}" for m in headline if f"eval/{m}" in r)
+        return (f"{t} eval v{r['version']} pass@1 {r['eval/pass@1']:.3f}{extra}"
+                f" ({r.get('eval/questions', 0):.0f} items, {r.get('eval/seconds', 0):.1f}s)")
     if r.get("kind") == "warmstart":
         check = r.get("warmstart/p_final_turn")
-        return (f"{t} warm    step {r['step']:<5d}/{r.get('of', '?')} ({r.get('phase', '')}) loss {r['loss']:.3f}"
-                + ("" if check is None else f"  p(final turn | held out) {check:.2f}") + f"  ({r.get('seconds', 0):.0f}s)")
+        return (f"{t} warm step {r['step']}/{r.get('of', '?')} ({r.get('phase', '')}) loss {r['loss']:.3f}"
+                + ("" if check is None else f" p(final turn | held out) {check:.2f}") + f" ({r.get('seconds', 0):.0f}s)")
     if r.get("kind") == "train" and (r["version"] % 5 == 0 or r["version"] == 1):
-        extra = "".join(f"  {m} {r[f'rollout/{m}']:.2f}" for m in headline if f"rollout/{m}" in r)
-        return (f"{t} train   v{r['version']:<4d} reward {r['reward/mean']:.3f}{extra}"
-                f"  gate {r.get('gate/masked_frac', 0):.4f}  lag {r['staleness/mean']:.2f}"
-                f"  delta {r['pulse/bytes'] / 1e3:.1f} kB  workers {r.get('fleet/workers_alive', 0)}")
+        extra = "".join(f" {m} {r[f'rollout/{m}']:.2f}" for m in headline if f"rollout/{m}" in r)
+        return (f"{t} train v{r['version']} reward {r['reward/mean']:.3f}{extra}"
+                f" gate {r.get('gate/masked_frac', 0):.4f} lag {r['staleness/mean']:.2f}"
+                f" delta {r['pulse/bytes'] / 1e3:.1f}kB workers {r.get('fleet/workers_alive', 0)}")
     if r.get("kind") == "event" and r.get("event") != "started":
-        return f"{t} event   {r.get('event')}"
+        rest = " ".join(f"{clean(k)}={clean(f'{v:.4g}' if isinstance(v, float) else v, 300)}"
+                        for k, v in sorted(r.items()) if k not in ("kind", "event", "time", "version"))
+        return f"{t} event {clean(r.get('event'))} v{r.get('version')}" + (f" {rest}" if rest else "")
     return None
 
 
 def _view(cfg: RunConfig, rows: list[dict[str, Any]], store: LocalStore, procs: dict[str, subprocess.Popen],
           t0: float):
     from rich.table import Table
+    from rich.text import Text
 
     train = [r for r in rows if r.get("kind") == "train"]
     evals = [r for r in rows if r.get("kind") == "eval"]
@@ -312,10 +379,11 @@ def _view(cfg: RunConfig, rows: list[dict[str, Any]], store: LocalStore, procs: 
     beats, _ = read_heartbeats(store, cfg.name)
     now = time.time()
     alive = [b for b in beats if now - b.time < 30 and b.status != "stopped"]
-    table.add_row("workers alive", f"{len(alive)} of {len(procs) - 1}: " + ", ".join(
-        f"{b.worker_id} v{b.version} {b.status} {b.episodes_per_s:.0f} ep/s" for b in sorted(beats, key=lambda b: b.worker_id)))
+    table.add_row("workers alive", Text(f"{len(alive)} of {len(procs) - 1}: " + ", ".join(
+        f"{clean(b.worker_id, 40)} v{b.version} {clean(b.status, 20)} {b.episodes_per_s:.0f} ep/s"
+        for b in sorted(beats, key=lambda b: b.worker_id))))
     from stoa.fleet.status import trust_lines
 
-    for name, line in trust_lines(store, cfg.name):
-        table.add_row(name, line)
+    for name, line in trust_lines(store, cfg.name):  # worker-written text: shown as Text, never as markup
+        table.add_row(Text(name), Text(line, style="red" if "banned:" in line else ""))
     return table

@@ -8,49 +8,78 @@ scalar metrics named ``group/name`` (see ``docs/metrics.md`` for each name's mea
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("stoa.metrics")
 
 __all__ = ["MetricsSink", "read_metrics", "write_plots"]
 
 
 class MetricsSink:
-    """Appends rows to ``<dir>/metrics.jsonl`` and mirrors numeric values to TensorBoard."""
+    """Appends rows to ``<dir>/metrics.jsonl`` and mirrors numeric values to TensorBoard (when the
+    ``tensorboard`` package is installed) and to Weights & Biases (when ``wandb`` is installed and
+    ``WANDB_PROJECT`` is set; ``WANDB_MODE=offline`` keeps it on disk). A row's ``version`` is
+    logged as the metric ``version`` in W&B, whose own step counts rows."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, wandb: bool | None = None):
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
         self._f = open(self.path, "a", buffering=1)
         self._tb = None
         if tensorboard:
-            from tensorboard.summary.writer.event_file_writer import EventFileWriter
-
-            self._tb = EventFileWriter(str(self.dir / "tensorboard"))
+            try:
+                from tensorboard.summary.writer.event_file_writer import EventFileWriter
+            except ImportError:
+                log.info("tensorboard is not installed: metrics go to metrics.jsonl only")
+            else:
+                self._tb = EventFileWriter(str(self.dir / "tensorboard"))
+        self._wandb = _start_wandb(self.dir) if (wandb is None and os.environ.get("WANDB_PROJECT")) or wandb else None
 
     def log(self, kind: str, version: int, **metrics: Any) -> dict[str, Any]:
         row = {"kind": kind, "version": int(version), "time": round(time.time(), 3)}
         row.update({k: _clean(v) for k, v in metrics.items()})
         self._f.write(json.dumps(row, sort_keys=True) + "\n")
-        if self._tb is not None:
+        scalars = {k if "/" in k else f"{kind}/{k}": float(v) for k, v in row.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("version", "time")}
+        if self._tb is not None and scalars:
             from tensorboard.compat.proto import event_pb2, summary_pb2
 
-            values = [
-                summary_pb2.Summary.Value(tag=k if "/" in k else f"{kind}/{k}", simple_value=float(v))
-                for k, v in row.items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("version", "time")
-            ]
-            if values:
-                self._tb.add_event(event_pb2.Event(wall_time=row["time"], step=row["version"],
-                                                   summary=summary_pb2.Summary(value=values)))
+            values = [summary_pb2.Summary.Value(tag=k, simple_value=v) for k, v in scalars.items()]
+            self._tb.add_event(event_pb2.Event(wall_time=row["time"], step=row["version"],
+                                               summary=summary_pb2.Summary(value=values)))
+        if self._wandb is not None and scalars:
+            self._wandb.log({**scalars, "version": row["version"]})
         return row
 
     def close(self) -> None:
         self._f.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _start_wandb(run_dir: Path) -> Any:
+    """A W&B run named after the run folder, its config the resolved run config; None without wandb."""
+    try:
+        import wandb
+    except ImportError:
+        log.warning("WANDB_PROJECT is set but wandb is not installed (pip install wandb): not logging to W&B")
+        return None
+    config = None
+    if (run_dir / "config.json").is_file():
+        try:
+            config = json.loads((run_dir / "config.json").read_text())
+        except ValueError:
+            config = None
+    return wandb.init(project=os.environ.get("WANDB_PROJECT"), name=run_dir.name, dir=str(run_dir),
+                      config=config, resume="allow", id=os.environ.get("WANDB_RUN_ID"))
 
 
 def _clean(v: Any) -> Any:

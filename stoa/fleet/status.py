@@ -1,20 +1,72 @@
-"""``stoa status``: the fleet as the store sees it (heartbeats, versions, lag, throughput, evals)."""
+"""``stoa status``: the fleet as the store sees it (heartbeats, versions, lag, throughput, trust, evals).
+
+:func:`fleet_status` is the plain data (``stoa status --json`` prints it); :func:`render` lays it out
+for a terminal 80 columns wide. Strings a worker wrote (its id, status, mode, host; ban reasons that
+quote it) are shown only through :func:`clean`: no control characters, no terminal escapes, no
+rich markup reach the operator's screen.
+"""
 
 from __future__ import annotations
 
 import json
 import time
+import unicodedata
 from typing import Any
 
 from stoa.fleet.run import read_heartbeats
 from stoa.transport.exchange import is_finished
-from stoa.transport.store import KeyNotFound, ObjectStore
+from stoa.transport.store import KeyNotFound, LocalStore, ObjectStore
 
-__all__ = ["fleet_status", "show_status", "trust_lines"]
+__all__ = ["RunNotFound", "clean", "fleet_status", "render", "runs_in", "show_status", "trust_lines"]
+
+
+class RunNotFound(LookupError):
+    """The store holds no such run (the message names the runs it does hold, where it can list them)."""
+
+
+def clean(text: Any, limit: int | None = None) -> str:
+    """``text`` safe to print: control and format characters (ESC, BEL, CR, bidi overrides) shown as
+    ``\\xNN`` / ``\\uNNNN``; cut to ``limit`` characters with an ellipsis when given."""
+    out = []
+    for ch in str(text):
+        cat = unicodedata.category(ch)
+        if cat[0] == "C":
+            out.append(f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    s = "".join(out)
+    return s if limit is None or len(s) <= limit else s[: limit - 1] + "…"
+
+
+def runs_in(store: ObjectStore) -> list[str] | None:
+    """Names of the runs in a local store (folders with a ``config.json``); None where listing every
+    key would be needed (an S3 bucket)."""
+    if not isinstance(store, LocalStore):
+        return None
+    return sorted(p.name for p in store.root.iterdir() if (p / "config.json").is_file())
+
+
+def _check_run(store: ObjectStore, run: str) -> None:
+    if store.exists(f"{run}/config.json") or store.list(f"{run}/workers/"):
+        return
+    runs = runs_in(store)
+    found = "" if runs is None else f"; runs there: {', '.join(runs)}" if runs else "; it holds no runs"
+    raise RunNotFound(f"no run {run!r} in {store} (no {run}/config.json){found}")
 
 
 def fleet_status(store: ObjectStore, run: str, public_key: Any = None) -> dict[str, Any]:
-    """Plain data behind ``stoa status``. With ``public_key`` the head and evaluations are verified."""
+    """Plain data behind ``stoa status``. With ``public_key`` the head, evaluations and trust report
+    are verified.
+
+    Returns a JSON-ready dict: ``run``, ``state`` (``not started`` / ``running`` / ``finished``),
+    ``head``, ``verified``, ``workers`` (each heartbeat with ``age_s``, ``lag`` and its ``trust``
+    record, matched by worker id, or None), ``bad_heartbeats``, ``trust`` (the trainer's whole
+    report or None), ``rollouts_waiting``, ``quarantined``, ``finished``, ``evals`` (last five).
+
+    Raises:
+        RunNotFound: the store has no config and no heartbeats for ``run``.
+    """
+    _check_run(store, run)
     head, verified = None, False
     if public_key is not None:
         from stoa.transport.chain import WeightSubscriber
@@ -25,10 +77,21 @@ def fleet_status(store: ObjectStore, run: str, public_key: Any = None) -> dict[s
             head = json.loads(json.loads(store.get(f"{run}/current.json"))["body"])["version"]
         except (KeyNotFound, ValueError, KeyError, TypeError):
             head = None
+    from stoa.fleet.trust import read_trust_report
+    from stoa.transport.signing import SignatureError
+
+    try:
+        trust = read_trust_report(store, run, public_key)
+    except SignatureError:
+        trust = None
+    by_worker: dict[str, dict[str, Any]] = {}
+    for kid, w in ((trust or {}).get("workers") or {}).items():
+        if isinstance(w, dict):
+            by_worker[str(w.get("worker_id"))] = {"key": kid, **w}
     beats, bad = read_heartbeats(store, run)
     now = time.time()
-    workers = [{**b.__dict__, "age_s": now - b.time, "lag": None if head is None else head - b.version}
-               for b in sorted(beats, key=lambda b: b.worker_id)]
+    workers = [{**b.__dict__, "age_s": round(now - b.time, 1), "lag": None if head is None else head - b.version,
+                "trust": by_worker.get(b.worker_id)} for b in sorted(beats, key=lambda b: b.worker_id)]
     evals = []
     for key in store.list(f"{run}/eval/")[-5:]:
         try:
@@ -42,20 +105,20 @@ def fleet_status(store: ObjectStore, run: str, public_key: Any = None) -> dict[s
             evals.append({"version": body["version"], **body["metrics"]})
         except Exception:
             continue
-    from stoa.fleet.trust import read_trust_report
-    from stoa.transport.signing import SignatureError
-
-    try:
-        trust = read_trust_report(store, run, public_key)
-    except SignatureError:
-        trust = None
+    finished = (is_finished(store, run, public_key) if public_key is not None
+                else store.exists(f"{run}/finished.json"))
     return {
-        "run": run, "head": head, "verified": verified, "workers": workers, "bad_heartbeats": bad, "trust": trust,
+        "run": run, "state": "finished" if finished else "running" if head is not None else "not started",
+        "head": head, "verified": verified, "workers": workers, "bad_heartbeats": bad, "trust": trust,
         "rollouts_waiting": len(store.list(f"{run}/rollouts/")),
         "quarantined": len([k for k in store.list(f"{run}/quarantine/") if k.endswith(".reason.json")]),
-        "finished": is_finished(store, run, public_key) if public_key is not None else store.exists(f"{run}/finished.json"),
-        "evals": evals,
+        "finished": finished, "evals": evals,
     }
+
+
+def _rejected(w: dict[str, Any]) -> str:
+    rej = w.get("rejected") or {}
+    return ", ".join(f"{clean(c)} {n}" for c, n in sorted(rej.items())) if isinstance(rej, dict) else clean(rej)
 
 
 def trust_lines(store: ObjectStore, run: str) -> list[tuple[str, str]]:
@@ -66,50 +129,85 @@ def trust_lines(store: ObjectStore, run: str) -> list[tuple[str, str]]:
     if not tr:
         return []
     out = []
-    for kid, w in sorted(tr.get("workers", {}).items(), key=lambda kv: kv[1]["worker_id"]):
-        rej = ", ".join(f"{c} {n}" for c, n in sorted(w["rejected"].items()))
-        state = f"[red]banned[/red]: {w['banned'][:50]}" if w["banned"] else "ok"
-        out.append((f"trust {w['worker_id']}", f"{state}; accepted {w['accepted_batches']}, trained "
-                                               f"{w['trained_episodes']} ep." + (f"; rejected {rej}" if rej else "")))
+    for _, w in sorted(tr.get("workers", {}).items(), key=lambda kv: str(kv[1].get("worker_id"))):
+        rej = _rejected(w)
+        state = f"banned: {clean(w['banned'])}" if w.get("banned") else "ok"
+        out.append((f"trust {clean(w.get('worker_id'), 40)}", f"{state}; accepted {w.get('accepted_batches')}, "
+                    f"trained {w.get('trained_episodes')} ep." + (f"; rejected {rej}" if rej else "")))
     return out
 
 
-def show_status(store: ObjectStore, run: str, public_key: Any = None) -> None:
-    from rich.console import Console
+def render(s: dict[str, Any]) -> list[Any]:
+    """Rich renderables of a :func:`fleet_status` dict, laid out for 80 columns: short headers,
+    cells that fold instead of being cut, and ban reasons in full on lines of their own."""
+    from rich import box
     from rich.table import Table
+    from rich.text import Text
 
-    s = fleet_status(store, run, public_key)
-    con = Console()
-    state = "finished" if s["finished"] else "running" if s["head"] is not None else "not started"
-    con.print(f"[bold]{run}[/bold]: {state}, head version {s['head']}"
-              f"{'' if s['verified'] else ' (unverified: pass --public-key to check signatures)'}; "
-              f"{s['rollouts_waiting']} rollout batches in the store, {s['quarantined']} quarantined")
-    t = Table("worker", "status", "version", "lag", "last seen", "episodes/s", "tokens/s", "episodes", "mode", "host")
+    def table(*headers: str, title: str | None = None) -> Table:
+        t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=title, title_justify="left", expand=False)
+        for h in headers:
+            t.add_column(h, overflow="fold")
+        return t
+
+    out: list[Any] = [Text(f"{clean(s['run'])}: {s['state']}, head version {s['head']}")]
+    out.append(Text(f"{s['rollouts_waiting']} rollout batches waiting, {s['quarantined']} quarantined"))
+    if not s["verified"]:
+        out.append(Text("unverified: pass --public-key to check signatures", style="dim"))
+    t = table("worker", "state", "ver", "lag", "seen", "ep/s", "tok/s", "episodes")
     for w in s["workers"]:
-        t.add_row(w["worker_id"], w["status"], str(w["version"]), "-" if w["lag"] is None else str(w["lag"]),
-                  f"{w['age_s']:.0f}s ago", f"{w['episodes_per_s']:.1f}", f"{w['tokens_per_s']:.0f}",
-                  str(w["episodes"]), w["mode"], w["host"])
-    con.print(t)
+        t.add_row(Text(clean(w["worker_id"])), Text(clean(w["status"])), str(w["version"]),
+                  "-" if w["lag"] is None else str(w["lag"]), f"{w['age_s']:.0f}s", f"{w['episodes_per_s']:.1f}",
+                  f"{w['tokens_per_s']:.0f}", str(w["episodes"]))
+    out.append(t)
     for key in s["bad_heartbeats"]:
-        con.print(f"[yellow]unreadable heartbeat {key}[/yellow]")
-    if s["trust"]:
-        tr = s["trust"]
-        t = Table("worker", "key", "accepted", "trained ep.", "rejected (by reason)", "audit |log pi - log mu|",
-                  "spot-checks", "banned", title=f"trust (mode {tr.get('mode')}, as of version {tr.get('version')})")
-        for kid, w in sorted(tr["workers"].items(), key=lambda kv: kv[1]["worker_id"]):
-            audit = " ".join(f"s{k[5:]}:{v:.3f}" for k, v in w.get("audit", {}).items() if k.startswith("abs_s"))
-            t.add_row(w["worker_id"], kid, str(w["accepted_batches"]), str(w["trained_episodes"]),
-                      ", ".join(f"{c} {n}" for c, n in sorted(w["rejected"].items())) or "-", audit or "-",
-                      f"{w['spot_checks']} ({w['spot_check_failures']} failed)", (w["banned"][:60] or "-"))
-        con.print(t)
-        for wid, cats in sorted(tr.get("anonymous", {}).items()):
-            con.print(f"[yellow]{wid}: refused unsigned or unverifiable batches: {cats}[/yellow]")
+        out.append(Text(f"unreadable heartbeat {clean(key)}", style="yellow"))
+    tr = s.get("trust")
+    if tr:
+        t = table("worker", "key", "accepted", "trained", "rejected", "checks",
+                  title=f"trust (mode {clean(tr.get('mode'))}, as of version {tr.get('version')})")
+        banned = []
+        for kid, w in sorted((tr.get("workers") or {}).items(), key=lambda kv: str(kv[1].get("worker_id"))):
+            wid = clean(w.get("worker_id"))
+            t.add_row(Text(wid), Text(clean(kid)[:8]), str(w.get("accepted_batches")), str(w.get("trained_episodes")),
+                      Text(_rejected(w) or "-"), f"{w.get('spot_checks', 0)} ({w.get('spot_check_failures', 0)} failed)")
+            if w.get("banned"):
+                banned.append(Text(f"banned {wid}: {clean(w['banned'])}", style="red"))
+        out.append(t)
+        out.extend(banned)
+        for wid, cats in sorted((tr.get("anonymous") or {}).items()):
+            out.append(Text(f"{clean(wid)}: refused unsigned or unverifiable batches: {clean(cats)}", style="yellow"))
     if s["evals"]:
-        # Whatever the task reports (eval/<metric> means), up to six columns beside pass@1.
+        # Whatever the task reports (eval/<metric> means), up to four columns beside pass@1.
         keys = [k for k in s["evals"][-1] if k.startswith("eval/") and k not in ("eval/pass@1", "eval/seconds",
-                                                                                   "eval/questions")][:6]
-        e = Table("version", "pass@1", *(k[len("eval/"):] for k in keys))
+                                                                                   "eval/questions")][:4]
+        e = table("version", "pass@1", *(clean(k[len("eval/"):]) for k in keys))
         for r in s["evals"]:
-            e.add_row(str(r["version"]), f"{r['eval/pass@1']:.3f}",
+            e.add_row(str(r["version"]), f"{r.get('eval/pass@1', float('nan')):.3f}",
                       *(f"{r[k]:.3f}" if isinstance(r.get(k), (int, float)) else "-" for k in keys))
-        con.print(e)
+        out.append(e)
+    return out
+
+
+def show_status(store: ObjectStore, run: str, public_key: Any = None, *, as_json: bool = False,
+                watch: float | None = None, console: Any = None) -> None:
+    """Print the status once, or every ``watch`` seconds until the run finishes (Ctrl-C stops).
+
+    ``as_json``: one JSON object (with ``watch``: one per line, a stream a script can read).
+    """
+    from rich.console import Console, Group
+
+    con = console or Console()
+    while True:
+        s = fleet_status(store, run, public_key)
+        if as_json:
+            con.out(json.dumps(s, sort_keys=True, default=str, indent=None if watch else 2), highlight=False)
+        else:
+            if watch and con.is_terminal:
+                con.clear()
+            elif watch:
+                con.out(time.strftime("-- %H:%M:%S --"), highlight=False)
+            con.print(Group(*render(s)))
+        if not watch or s["finished"]:
+            return
+        time.sleep(watch)

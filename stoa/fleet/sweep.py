@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stoa.backends.export import ExportError, export_checkpoint
 from stoa.fleet.config import ConfigError, load_config
 from stoa.fleet.metrics import read_metrics
 
@@ -333,29 +334,6 @@ def _run_jobs(jobs: list[tuple[str, list[str], Path]], parallel: int, say: Calla
     return codes
 
 
-def _hf_from_checkpoint(run_dir: Path, model_dir: Path, out: Path) -> None:
-    """A Hugging Face folder: the run's starting model files with its newest checkpoint's weights."""
-    from safetensors import safe_open
-    from safetensors.numpy import load_file, save_file
-
-    checkpoints = sorted((run_dir / "checkpoints").glob("v*"))
-    _check(bool(checkpoints), f"{run_dir}: the warm start left no checkpoint")
-    weights = load_file(str(checkpoints[-1] / "weights.safetensors"))
-    shapes, metadata = {}, {"format": "pt"}
-    for part in sorted(model_dir.glob("*.safetensors")):  # one file or shards: the model's tensors
-        with safe_open(str(part), "np") as f:
-            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})  # noqa: SIM118 (not a dict)
-            metadata = f.metadata() or metadata
-    got = {k: tuple(v.shape) for k, v in weights.items()}
-    _check(got == shapes, f"{checkpoints[-1]}: the checkpoint's tensors do not match the model's")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(model_dir, tmp, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
-    save_file(weights, str(tmp / "model.safetensors"), metadata=metadata)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.replace(out)
-
-
 def _warm_check(run_dir: Path) -> float | None:
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "warmstart/p_final_turn" in r]
     return rows[-1]["warmstart/p_final_turn"] if rows else None
@@ -385,7 +363,11 @@ def run_sweep(sweep: SweepConfig, runs_root: str | Path = "runs", say: Callable[
                 raise SweepError(f"the warm start of seed {seed} failed; see {root / 'logs'}")
             if not (hf / _WARM_MARKER).exists():
                 model = load_config(sweep.config, _warm_overrides(sweep, seed)).model.path
-                _hf_from_checkpoint(run_dir, Path(model).expanduser() if model else run_dir / "model", hf)
+                shutil.rmtree(hf, ignore_errors=True)  # a leftover of an interrupted export
+                try:  # the warm start's newest checkpoint, as a Hugging Face folder (either learner's)
+                    export_checkpoint(run_dir, hf, model_dir=Path(model).expanduser() if model else run_dir / "model")
+                except ExportError as e:
+                    raise SweepError(f"the warm start of seed {seed} left nothing to export: {e}") from None
                 summary = json.loads((run_dir / _FINISHED).read_text())
                 (hf / _WARM_MARKER).write_text(json.dumps({
                     "seed": seed, "p_final_turn": _warm_check(run_dir), "wall_seconds": summary.get("wall_seconds"),

@@ -200,6 +200,7 @@ class Trainer:
                 time.sleep(cfg.trainer.poll_seconds)
         if not self._evaluated(self.version):
             self.evaluate()
+        self.intake.write_report(self.version, force=True)  # the report's last word is the final version
         self.checkpoint()
         mark_finished(self.store, self.run_name, self.key, self.version)
         summary = self._log("event", event="finished", seconds=time.time() - self._t0, **asdict(self.counters),

@@ -42,6 +42,7 @@ __all__ = [
     "S3Config",
     "S3Store",
     "StoreError",
+    "StoreURLError",
     "open_store",
     "validate_key",
 ]
@@ -498,38 +499,59 @@ def _unlink_quiet(name: str, dir_fd: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def open_store(url: str | os.PathLike[str], *, s3_config: S3Config | None = None) -> LocalStore | S3Store:
+class StoreURLError(ValueError):
+    """A store location that names no usable store (the message says what to write instead)."""
+
+
+_SCHEME_HINTS = {
+    "r2": "Cloudflare R2 speaks S3: s3://BUCKET/PREFIX?endpoint=https://ACCOUNT_ID.r2.cloudflarestorage.com&region=auto",
+    "gs": "Google Cloud Storage speaks S3 with HMAC keys: s3://BUCKET/PREFIX?endpoint=https://storage.googleapis.com",
+    "http": "an S3 server at a URL is s3://BUCKET/PREFIX?endpoint=URL",
+    "minio": "MinIO speaks S3: s3://BUCKET/PREFIX?endpoint=http://HOST:9000",
+}
+_SCHEME_HINTS.update(gcs=_SCHEME_HINTS["gs"], https=_SCHEME_HINTS["http"], s3a="write s3:// (s3a and s3n are Hadoop's names)")
+_SCHEME_HINTS["s3n"] = _SCHEME_HINTS["s3a"]
+
+
+def open_store(url: str | os.PathLike[str], *, s3_config: S3Config | None = None,
+               create: bool = True) -> LocalStore | S3Store:
     """Open a store from a location string.
 
-    * ``/some/dir``, ``relative/dir`` or ``file:///some/dir``: a :class:`LocalStore`.
+    * ``/some/dir``, ``relative/dir`` or ``file:///some/dir``: a :class:`LocalStore`. With
+      ``create=False`` (readers such as ``stoa status``) a folder that does not exist is a
+      :class:`StoreURLError`, not a new empty store.
     * ``s3://bucket`` or ``s3://bucket/prefix``: an :class:`S3Store`. The endpoint comes from
       ``?endpoint=URL`` in the URL, else ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` (unset
       means AWS itself); the region from ``?region=`` or the standard AWS settings.
       Credentials may ride in the URL (``s3://KEY:SECRET@bucket/prefix``) or the endpoint's
       userinfo (``?endpoint=https://KEY:SECRET@host``); they are never shown in reprs or errors.
+
+    Raises:
+        StoreURLError: a location that names no store (unknown scheme, no bucket, bad query),
+            with the spelling to use instead.
     """
     if isinstance(url, os.PathLike):
-        return LocalStore(url)
+        return _local(os.fspath(url), create)
     if not isinstance(url, str) or not url:
-        raise ValueError(f"store location must be a non-empty string, got {url!r}")
+        raise StoreURLError(f"store location must be a non-empty string, got {url!r}")
     parsed = urlparse(url)
     if parsed.scheme == "file":
-        return LocalStore(parsed.netloc + parsed.path)
+        return _local(parsed.netloc + parsed.path, create)
     if parsed.scheme == "s3":
         creds = None
         userinfo, at, bucket = parsed.netloc.rpartition("@")
         if at:
             user, sep, secret = userinfo.partition(":")
             if not (user and sep and secret):
-                raise ValueError("an s3:// URL with credentials needs both: s3://KEY:SECRET@bucket/prefix")
+                raise StoreURLError("an s3:// URL with credentials needs both: s3://KEY:SECRET@bucket/prefix")
             creds = (unquote(user), unquote(secret))
         shown = _redact_url(url)
         if not bucket:
-            raise ValueError(f"{shown!r}: an s3:// URL needs a bucket name")
+            raise StoreURLError(f"{shown!r}: an s3:// URL needs a bucket name: s3://BUCKET/PREFIX")
         query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
         unknown = set(query) - {"endpoint", "region"}
         if unknown:
-            raise ValueError(f"{shown!r}: unknown query parameters {sorted(unknown)} (known: endpoint, region)")
+            raise StoreURLError(f"{shown!r}: unknown query parameters {sorted(unknown)} (known: endpoint, region)")
         endpoint = query.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
         from stoa.transport.s3 import S3Config, S3Store
 
@@ -537,10 +559,21 @@ def open_store(url: str | os.PathLike[str], *, s3_config: S3Config | None = None
             return S3Store(bucket, parsed.path.strip("/"), endpoint_url=endpoint, region=query.get("region"),
                            config=s3_config or S3Config(), credentials=creds)
         except ValueError as e:
-            raise ValueError(f"{shown!r}: {_redact_url(str(e))}") from None
+            raise StoreURLError(f"{shown!r}: {_redact_url(str(e))}") from None
     if parsed.scheme and len(parsed.scheme) > 1:  # one letter: a Windows drive
-        raise ValueError(f"{_redact_url(url)!r}: unsupported store scheme {parsed.scheme!r} (use a path, file:// or s3://)")
-    return LocalStore(url)
+        import difflib
+
+        hint = _SCHEME_HINTS.get(parsed.scheme) or next(
+            (f"did you mean {m}://?" for m in difflib.get_close_matches(parsed.scheme, ["s3", "file"], 1, 0.5)),
+            "use a path, file:///PATH or s3://BUCKET/PREFIX")
+        raise StoreURLError(f"{_redact_url(url)!r}: unknown store scheme {parsed.scheme!r}: {hint}")
+    return _local(url, create)
+
+
+def _local(path: str, create: bool) -> LocalStore:
+    if not create and not Path(path).expanduser().is_dir():
+        raise StoreURLError(f"no store at {path}: the folder does not exist (check --store)")
+    return LocalStore(path)
 
 
 def _redact_url(text: str) -> str:

@@ -4,10 +4,12 @@ Each rank writes ``rank{global_rank:05d}.safetensors`` with its parameters (``mo
 Megatron stage-local names, the model's dtype), its optimizer state (CPU: ``opt/<name>/<field>``
 of ``torch.optim.AdamW``; CUDA: ``opt<k>/<name>/<field>`` of the distributed optimizer's
 float32 master slice and Adam moments for each parameter this data-parallel rank owns) and its
-RNG states. Rank 0 adds ``meta.json`` (model shape, parallel layout, step, version, config, the
-caller's ``extra``) and renames the directory into place, so a crash leaves no ``path`` or a
-complete one. All ranks must see one filesystem; a restore needs the same world size and parallel
-layout (refused with a message naming both otherwise).
+RNG states; the file's metadata names its (tensor, pipeline, data) coordinates, which
+:mod:`.export` reads to merge the shards offline. Rank 0 adds ``meta.json`` (model shape,
+parallel layout, step, version, config, the caller's ``extra``) and renames the directory into
+place, so a crash leaves no ``path`` or a complete one. All ranks must see one filesystem; a
+restore needs the same world size and parallel layout (refused with a message naming both
+otherwise).
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from safetensors.torch import load_file, save_file
 
 from stoa.backends.learner import LearnerError, checkpoint_extra, durable_rename, fsync_file, read_checkpoint_meta
 
+from .export import FORMAT, RANK_KEYS
+
 if TYPE_CHECKING:
     from .learner import MegatronLearner
 
-FORMAT = "stoa.megatron_learner.v1"
 _OPTIMIZER_FIELDS = ("lr", "betas", "eps", "weight_decay", "grad_clip", "schedule",
                      "warmup_steps", "total_steps", "min_lr_ratio")
 
@@ -73,7 +76,8 @@ def save(ln: MegatronLearner, path: Path, extra: dict[str, Any] | None) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crashed save
         tmp.mkdir(parents=True)
     _barrier()
-    save_file(rank_tensors(ln), str(tmp / f"rank{rank:05d}.safetensors"))
+    coords = dict(zip(RANK_KEYS, (str(ln.tp_rank), str(ln.pp_rank), str(ln.dp_rank))))
+    save_file(rank_tensors(ln), str(tmp / f"rank{rank:05d}.safetensors"), metadata=coords)
     fsync_file(tmp / f"rank{rank:05d}.safetensors")
     _barrier()
     if rank == 0:
