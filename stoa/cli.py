@@ -477,7 +477,7 @@ def explain(e: BaseException) -> tuple[str, int] | None:
     if names & {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ConnectionRefusedError"}:
         return f"cannot reach the store: {e} (check the endpoint in --store and your network)", 1
     if type(e).__name__ in ("StoreError", "KeyNotFound", "RunNotFound", "SignatureError", "PointerError", "SealError",
-                            "RankFailed", "LearnerError", "RetrieverError"):
+                            "RankFailed", "LearnerError", "RetrieverError", "StartRefused"):
         return str(e), 1
     return None
 

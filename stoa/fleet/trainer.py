@@ -51,9 +51,14 @@ from stoa.transport.signing import SignatureError, read_signed, sign_document
 from stoa.transport.store import ObjectStore
 from stoa.types import Episode
 
-__all__ = ["Trainer", "prepare_model", "eval_metrics"]
+__all__ = ["StartRefused", "Trainer", "prepare_model", "eval_metrics"]
 
 log = logging.getLogger("stoa.trainer")
+
+
+class StartRefused(RuntimeError):
+    """This start would clobber a live run (weights already published, or published under
+    another key); nothing was written to the store."""
 
 
 def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
@@ -382,8 +387,15 @@ class Trainer:
         cks = sorted(p for p in ckdir.glob("v*") if p.is_dir()) if ckdir.exists() else []
         if self.resume and cks:
             return cks[-1]
-        if not self.resume and self.publisher.head() is not None:
-            raise RuntimeError(f"run {self.run_name!r} already has published weights in this store; "
+        from stoa.transport.chain import ChainError
+
+        try:
+            head = self.publisher.head()
+        except (ChainError, SignatureError) as e:
+            raise StartRefused(f"run {self.run_name!r} in this store has weights this key did not sign ({e}); "
+                               "use the run's own key, or choose another run name") from None
+        if not self.resume and head is not None:
+            raise StartRefused(f"run {self.run_name!r} already has published weights in this store; "
                                "pass --resume to continue it, or choose another run name")
         return None
 
