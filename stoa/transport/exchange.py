@@ -561,13 +561,13 @@ class RolloutReader:
                     seen[fp] = i
         out = []
         for i, (b, blob) in enumerate(loaded):
+            for fp in prints[i]:  # a copy quarantined here still rules out the next one
+                self._groups[fp] = None
             if i in bad:
                 self._quarantine_safely(b.key, (b.worker_id, b.seq, b.version), bad[i], blob, rep, "duplicate",
                                         b.key_id or None)
-                continue
-            for fp in prints[i]:
-                self._groups[fp] = None
-            out.append(b)
+            else:
+                out.append(b)
         while len(self._groups) > _MAX_GROUP_PRINTS:
             del self._groups[next(iter(self._groups))]
         return out
