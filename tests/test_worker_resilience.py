@@ -72,7 +72,7 @@ def test_a_store_outage_never_ends_a_worker(tiny_model, tmp_path, caplog):
     key = generate_private_key()
     store = FlakyStore(LocalStore(tmp_path / "store"))
     _publish_tiny_run(tmp_path, tiny_model, store.inner, key)
-    w = Worker(store, RUN, key.public_key(), "w0", tmp_path / "cache", max_batches=3, keep_weights=False)
+    w = Worker(store, RUN, key.public_key(), "w0", tmp_path / "cache", max_batches=3)
     w.backoff_base_s, w.backoff_max_s = 0.01, 0.05
     store.arm_on_upload = 40
     with caplog.at_level(logging.INFO, logger="stoa.worker"):

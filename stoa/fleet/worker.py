@@ -437,6 +437,11 @@ class Worker:
                 kept = self._save_kept()
             for s, h in old.items():
                 signal.signal(s, h)
+        if self.engine is not None:
+            try:
+                log.info("%s", self.progress_line())
+            except Exception:  # noqa: BLE001 - a last report must not change the exit
+                pass
         if code == EXIT_OK:
             log.info("%s: %d batches (%d episodes) uploaded this session as %s (key %s)%s", self._stop_reason or
                      "done", self.batches, self.episodes, self.worker_id, self.key_id, f"; {kept}" if kept else "")
