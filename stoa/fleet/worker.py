@@ -455,6 +455,9 @@ class Worker:
         if got is None:
             return EXIT_OK
         cfg, model_dir = got
+        log.info("run %s: env %s%s, kwargs %s; model files verified in %s", self.run_name, cfg.env.id,
+                 f" (imports module {cfg.env.module!r})" if cfg.env.module else "",
+                 json.dumps(cfg.env.kwargs, sort_keys=True)[:500], model_dir)
         try:
             import_env_module(cfg.env)
         except Exception as e:
