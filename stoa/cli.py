@@ -431,7 +431,8 @@ def invite_cmd(
             wk = generate_private_key()
             enroll_worker(open_store(store), run, run_key, wk, enroll, note or "stoa invite")
             worker_key, worker_id = wk.private_bytes_raw().hex(), enroll
-        path = write_invite(out, Invite(store, run, pub.public_bytes_raw().hex(), worker_id, worker_key))
+        where = store if "://" in store else str(Path(store).expanduser().resolve())  # a path: from anywhere
+        path = write_invite(out, Invite(where, run, pub.public_bytes_raw().hex(), worker_id, worker_key))
     except FileExistsError:
         typer.echo(f"error: {out} exists; choose another file", err=True)
         raise typer.Exit(1) from None

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-import threading
 
 import pytest
 

@@ -146,6 +146,7 @@ class Worker:
         self._last_progress = 0.0
         self._taken = 0  # the newest count of our batches taken, from a verified progress document
         self._head: int | None = None
+        self._repair = False  # the live weights failed their check and are not repaired yet
         self._started = time.time()
         self._signals = 0
 
@@ -281,7 +282,8 @@ class Worker:
                 return got
             except KeyNotFound:
                 reached = True
-                runs = find_runs(self.store)
+                # Another run's name and nothing under ours (an enrolled roster counts): a typo.
+                runs = [] if self.store.list(f"{self.run_name.strip('/')}/") else find_runs(self.store)
                 if runs and self.run_name not in runs:
                     raise WorkerExit(EXIT_NO_RUN, f"no run {self.run_name!r} in {self.store}; runs found there: "
                                                   f"{', '.join(runs)}") from None
@@ -292,7 +294,7 @@ class Worker:
                     last_note = time.time()
                     log.info("waiting for run %r to appear in %s (the trainer publishes it when it starts)",
                              self.run_name, self.store)
-                self._sleep(1.0)
+                self._sleep(2.0)
             except SignatureError as e:
                 raise WorkerExit(EXIT_CONFIG, f"run {self.run_name!r} does not verify under the public key given "
                                               f"(wrong key for this run, or the store was tampered with): {e}") from None
@@ -413,7 +415,9 @@ class Worker:
         except SYNC_ERRORS as e:
             log.error("the weights of version %d did not verify after the in-place update (%s); dropping the "
                       "cohort generated with them and repairing the weights from the store", check.version, e)
+            self._repair = True  # until a sync succeeds, nothing is generated with these weights
             self._sync(version)
+            self._repair = False
             return False
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -504,9 +508,10 @@ class Worker:
                     roster_read = time.time()
                 head = self.sub.head()
                 self._head = head
-                if head is not None and head - rc.lag > self.engine.version or (
-                        head is not None and head < self.engine.version):
+                if head is not None and (head - rc.lag > self.engine.version or head < self.engine.version
+                                         or self._repair):
                     self._sync(head - rc.lag if rc.lag else None)
+                    self._repair = False
                 self._recovered()
                 self._maybe_progress()
                 if ((rc.cohorts_per_version and cohorts_at.get(self.engine.version, 0) >= rc.cohorts_per_version)
