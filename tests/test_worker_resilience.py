@@ -143,3 +143,16 @@ main()
     assert r.returncode == 0, r.stderr[-3000:]
     assert "1 batches" in r.stderr and store.list(f"{RUN}/rollouts/")
     assert "blocked" not in r.stderr
+
+
+def test_a_store_never_reached_ends_a_starting_worker_with_status_5(tmp_path, caplog):
+    from stoa.fleet.worker import EXIT_UNREACHABLE
+
+    key = generate_private_key()
+    store = FlakyStore(LocalStore(tmp_path / "store"))
+    store.failing = 10**9
+    w = Worker(store, RUN, key.public_key(), "w0", tmp_path / "cache", wait_seconds=0.3)
+    w.backoff_base_s, w.backoff_max_s = 0.01, 0.05
+    with caplog.at_level(logging.INFO, logger="stoa.worker"):
+        assert w.run() == EXIT_UNREACHABLE
+    assert "cannot reach the store" in caplog.text and "credentials" in caplog.text
