@@ -156,3 +156,27 @@ def test_a_store_never_reached_ends_a_starting_worker_with_status_5(tmp_path, ca
     with caplog.at_level(logging.INFO, logger="stoa.worker"):
         assert w.run() == EXIT_UNREACHABLE
     assert "cannot reach the store" in caplog.text and "credentials" in caplog.text
+
+
+def test_ctrl_c_finishes_the_upload_and_says_what_it_did(tmp_path, tiny_model):
+    import signal
+    import time
+
+    key = generate_private_key()
+    store = LocalStore(tmp_path / "store")
+    _publish_tiny_run(tmp_path, tiny_model, store, key)
+    p = subprocess.Popen([sys.executable, "-m", "stoa", "worker", "--store", str(tmp_path / "store"), "--run", RUN,
+                          "--public-key", key.public_key().public_bytes_raw().hex(), "--cache", str(tmp_path / "c")],
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not store.list(f"{RUN}/rollouts/") and time.time() < deadline and p.poll() is None:
+            time.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, err[-2000:]
+    assert "Ctrl-C again to stop at once" in err and "stopped by a signal:" in err
+    assert "kept in" in err and (tmp_path / "c" / "weights.safetensors").exists()
