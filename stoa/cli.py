@@ -338,46 +338,142 @@ def trainer(
     Trainer(cfg, open_store(store), run_dir, private_key, resume=resume).run()
 
 
+def _worker_fail(code: int, message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _worker_threads(threads: int | None) -> None:
+    """Cap the BLAS / OpenMP threads the engine's math library starts (read when it loads)."""
+    if threads is not None:
+        if threads < 1:
+            raise typer.BadParameter("--threads must be >= 1")
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS"):
+            os.environ[var] = str(threads)
+
+
 @app.command("worker")
 def worker(
-    store: Annotated[str, typer.Option(help="Object store: a path, file://..., or s3://bucket/prefix.")],
-    run: Annotated[str, typer.Option(help="Run name (its prefix in the store).")],
-    public_key: Annotated[str, typer.Option(help="The run's public key: hex, or a .pub file.")],
-    id: Annotated[Optional[str], typer.Option("--id", help="Worker id (default: hostname-pid).")] = None,
-    cache: Annotated[Optional[Path], typer.Option(help="Local folder for the run's model files.")] = None,
+    invite: Annotated[Optional[Path], typer.Option(help="An invite file from the run's operator (stoa invite): store, run and public key in one.")] = None,
+    store: Annotated[Optional[str], typer.Option(help="Object store: a path, file://..., or s3://bucket/prefix.")] = None,
+    run: Annotated[Optional[str], typer.Option(help="Run name (its prefix in the store).")] = None,
+    public_key: Annotated[Optional[str], typer.Option(help="The run's public key: hex, or a .pub file.")] = None,
+    id: Annotated[Optional[str], typer.Option("--id", help="Worker id (default: w-<key id>, the same on every start with the same key).")] = None,
+    cache: Annotated[Optional[Path], typer.Option(help="Local folder for the run's model files and kept weights (default ~/.cache/stoa/<run>/<id>).")] = None,
     max_batches: Annotated[Optional[int], typer.Option(help="Exit after this many uploads.")] = None,
+    max_hours: Annotated[Optional[float], typer.Option(help="Exit after this many hours (finishing the current upload).")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads the engine's math may use (default: all).")] = None,
     follow_only: Annotated[bool, typer.Option("--follow-only", help="Only follow the weight chain (apply and verify every version); generate nothing.")] = False,
-    key: Annotated[Optional[Path], typer.Option(help="This worker's private key (stoa keygen --worker); default <cache>/worker.key, made on first start.")] = None,
+    key: Annotated[Optional[Path], typer.Option(help="This worker's private key (stoa keygen --worker); default: the invite's, else <cache>/worker.key with --cache, else ~/.config/stoa/worker.key (made on first start).")] = None,
     adversary: Annotated[Optional[str], typer.Option(help="Run as a dishonest worker of this kind, to test a trainer's checks (stoa.testing.adversaries).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
-    """Generate rollouts with the int8 MLX engine from the newest signed weights; upload them."""
-    import re
-    import socket
+    """Generate rollouts with the int8 MLX engine from the newest signed weights; upload them.
 
-    from stoa.fleet.worker import Worker
+    Exit status: 0 run finished / limit reached / stopped; 2 configuration error; 3 banned;
+    4 no such run; 5 store unreachable (see docs/volunteer.md)."""
+    from stoa.fleet.invite import default_cache_dir, default_key_path, default_worker_id, read_invite
+    from stoa.fleet.worker import EXIT_CONFIG, Worker
+    from stoa.transport.identity import load_or_create_worker_key
+    from stoa.transport.signing import load_private_key, load_public_key
     from stoa.transport.store import open_store
 
     _setup_logging(verbose)
+    _worker_threads(threads)
+    worker_key = None
+    if invite is not None:
+        try:
+            inv = read_invite(invite)
+        except (OSError, ValueError) as e:
+            _worker_fail(EXIT_CONFIG, f"cannot read the invite {invite}: {e}")
+        store, run, public_key = store or inv.store, run or inv.run, public_key or inv.public_key
+        if inv.worker_key is not None and key is None:
+            worker_key, id = load_private_key(inv.worker_key), id or inv.worker_id
+    missing = [f"--{n}" for n, v in (("store", store), ("run", run), ("public-key", public_key)) if not v]
+    if missing:
+        _worker_fail(EXIT_CONFIG, f"give --invite FILE, or all of --store, --run and --public-key (missing {', '.join(missing)})")
+    try:
+        load_public_key(public_key)
+    except (OSError, ValueError, TypeError) as e:
+        _worker_fail(EXIT_CONFIG, f"the run's public key {public_key!r} cannot be read: {e}")
+    try:
+        if key is not None:
+            if not key.expanduser().exists():
+                _worker_fail(EXIT_CONFIG, f"no key file {key} (make one with `stoa keygen --worker`, or leave --key out)")
+            worker_key = load_private_key(key)
+        elif worker_key is None:
+            worker_key = load_or_create_worker_key(cache / "worker.key" if cache is not None else default_key_path())
+    except (OSError, ValueError) as e:
+        _worker_fail(EXIT_CONFIG, f"the worker key cannot be read: {e}")
+    try:
+        the_store = open_store(store)
+    except (ValueError, OSError, ImportError) as e:
+        _worker_fail(EXIT_CONFIG, f"cannot open the store {store!r}: {e}")
     if follow_only:
         import logging
 
         from stoa.fleet.follower import Follower
 
-        f = Follower(open_store(store), run, public_key, name=id or "follower")
+        f = Follower(the_store, run, public_key, name=id or "follower")
         f.run(on_record=lambda r: logging.getLogger("stoa.follow").info(
             "%s to version %d in %.2f s (%d bytes, %d deltas%s)", r.kind, r.to_version, r.seconds, r.bytes_read,
             r.deltas, ", anchor" if r.anchor else ""))
         return
-    wid = id or re.sub(r"[^A-Za-z0-9._-]", "-", f"{socket.gethostname()}-{os.getpid()}")[:64]
-    cache_dir = cache or Path.home() / ".cache" / "stoa" / run / wid
-    args = (open_store(store), run, public_key, wid, cache_dir)
-    kwargs = {"max_batches": max_batches, "private_key": key}
+    wid = id or default_worker_id(worker_key)
+    cache_dir = cache or default_cache_dir(run, wid)
+    args = (the_store, run, public_key, wid, cache_dir)
+    kwargs = {"max_batches": max_batches, "private_key": worker_key,
+              "max_seconds": None if max_hours is None else max_hours * 3600}
     if adversary:
         from stoa.testing.adversaries import make_adversary
 
         raise typer.Exit(make_adversary(adversary, *args, **kwargs).run())
     raise typer.Exit(Worker(*args, **kwargs).run())
+
+
+@app.command("invite")
+def invite_cmd(
+    out: Annotated[Path, typer.Argument(help="The invite file to write (new).")],
+    store: Annotated[str, typer.Option(help="The store URL as workers reach it: a path, file://..., or s3://bucket/prefix?endpoint=URL.")],
+    run: Annotated[str, typer.Option(help="Run name.")],
+    key: Annotated[Optional[Path], typer.Option(help="The run's private key: its public half goes in the invite; needed with --enroll.")] = None,
+    public_key: Annotated[Optional[str], typer.Option(help="Or: the run's public key (hex or .pub file), for an invite without an enrolled key.")] = None,
+    enroll: Annotated[Optional[str], typer.Option(help="Make a worker key, enroll it in the run's roster under this worker id, and put it in the invite.")] = None,
+    note: Annotated[str, typer.Option(help="A note kept in the roster with --enroll (who, which machine).")] = "",
+) -> None:
+    """Write an invite: all a volunteer needs to run `stoa worker --invite FILE` (no store credentials)."""
+    from stoa.fleet.invite import Invite, write_invite
+    from stoa.transport.signing import generate_private_key, key_id, load_private_key, load_public_key
+
+    try:
+        if key is not None:
+            run_key = load_private_key(key)
+            pub = run_key.public_key()
+        elif public_key is not None:
+            run_key, pub = None, load_public_key(public_key)
+        else:
+            raise ValueError("give --key (the run's private key) or --public-key")
+        worker_key = worker_id = None
+        if enroll is not None:
+            if run_key is None:
+                raise ValueError("--enroll signs the roster: give --key, the run's private key")
+            from stoa.transport.identity import enroll_worker
+            from stoa.transport.store import open_store
+
+            wk = generate_private_key()
+            enroll_worker(open_store(store), run, run_key, wk, enroll, note or "stoa invite")
+            worker_key, worker_id = wk.private_bytes_raw().hex(), enroll
+        where = store if "://" in store else str(Path(store).expanduser().resolve())  # a path: from anywhere
+        path = write_invite(out, Invite(where, run, pub.public_bytes_raw().hex(), worker_id, worker_key))
+    except FileExistsError:
+        typer.echo(f"error: {out} exists; choose another file", err=True)
+        raise typer.Exit(1) from None
+    except (OSError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    who = f"; it enrolls worker {worker_id} (key {key_id(load_private_key(worker_key).public_key())}): keep it secret" \
+        if worker_key else ""
+    typer.echo(f"wrote {path}{who}. The volunteer runs: stoa worker --invite {path.name}")
 
 
 @app.command("status")

@@ -317,9 +317,11 @@ def test_held_version_newer_than_head_and_empty_run(tmp_path, key, states):
     with pytest.raises(ChainError, match="no published weights"):
         sub.sync(None)
     publish_all(store, key, {1: states[1]})
-    r = sub.sync((5, states[5]))  # the store is behind the held version (rolled back?): keep what is held
-    assert r.version == 5 and r.state is states[5] and r.applied == []
-    assert "older than the held version 5" in r.problems[0] and "kept the held weights" in r.message
+    # The newest head the run's key signed is behind the held version: the held state is from
+    # another branch (a restart from an older state), never served under a label reused there.
+    r = sub.sync((5, states[5]))
+    assert r.version == 1 and same(r.state, states[1]) and r.applied == [(1, "anchor")]
+    assert "older than the held version 5" in r.problems[0] and "re-joining from an anchor" in r.message
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 
 from stoa.transport import pulse
-from stoa.transport.chain import SYNC_ERRORS, IntegrityError, PointerError, WeightPublisher, WeightSubscriber
+from stoa.transport.chain import (
+    SYNC_ERRORS,
+    IntegrityError,
+    PointerError,
+    StalePointer,
+    WeightPublisher,
+    WeightSubscriber,
+)
 from stoa.transport.manifest import MAX_MANIFEST_BYTES, MAX_POINTER_BYTES
 from stoa.transport.signing import generate_private_key
 from stoa.transport.store import LocalStore, S3Store
@@ -86,14 +93,45 @@ def test_a_rolled_back_pointer_is_reported_and_ignored(store, key):
     r = sub.sync((8, live))
     assert r.version == 8 and r.state is live and r.applied == []
     assert any("rolled-back" in p for p in r.problems)
-    # A worker whose subscriber is new but which holds version 8 keeps it too.
-    r = WeightSubscriber(store, RUN, key.public_key()).sync((8, live))
-    assert r.version == 8 and r.state is live and "kept the held weights" in r.problems[-1]
-    # Known limit: a brand-new worker cannot tell; it starts at the rolled-back head.
+
+
+def test_a_newcomer_refuses_a_rolled_back_pointer(store, key):
+    """Attack: an old, validly signed pointer put back. A brand-new worker used to start at
+    version 3 while the run was at 8; it now sees the newer signed manifests and refuses."""
+    states = make_chain(8)
+    pub = WeightPublisher(store, RUN, key, anchor_every=50, keep_anchors=None)
+    for v in range(1, 4):
+        pub.publish(v, states[v])
+    old_pointer = store.get(PTR)
+    for v in range(4, 9):
+        pub.publish(v, states[v])
+    store.put(PTR, old_pointer)
+    for call in (lambda s: s.head(), lambda s: s.sync(None), lambda s: s.sync((8, states[8]))):
+        with pytest.raises(StalePointer, match="names version 3, but the run's key signed version 8 after it"):
+            call(WeightSubscriber(store, RUN, key.public_key()))
+    # The publisher does not trust it either: it rewrites the pointer to the newest intact manifest.
+    assert WeightPublisher(store, RUN, key, anchor_every=50).head() == 8
+    assert WeightSubscriber(store, RUN, key.public_key()).head() == 8
+
+
+def test_a_publish_in_progress_is_not_a_rollback(tmp_path, key):
+    """One manifest signed after the pointer and built on it (a crash between manifest and
+    pointer, or a publish under way) leaves the pointer usable for newcomers."""
+    store = LocalStore(tmp_path)
+    states = make_chain(4)
+    pub = WeightPublisher(store, RUN, key, anchor_every=50, keep_anchors=None)
+    for v in range(1, 4):
+        pub.publish(v, states[v])
+    ptr = store.get(PTR)
+    pub.publish(4, states[4])
+    store.put(PTR, ptr)  # as if the publisher died after writing manifest 4
     assert WeightSubscriber(store, RUN, key.public_key()).head() == 3
 
 
-def test_fork_after_rollback_and_restart_never_serves_old_weights_under_a_new_label(tmp_path, key):
+def test_fork_after_a_restart_never_serves_old_weights_under_a_new_label(tmp_path, key):
+    """Attack on the old rule (a fork at the same version was ignored): a worker holding the old
+    branch's version 6 kept generating with it under the label 6 while the trainer's 6 was another
+    state. Pointers are now ordered by signature time: the newer branch is followed at once."""
     store = LocalStore(tmp_path)
     a = make_chain(6)
     pub = WeightPublisher(store, RUN, key, anchor_every=50, keep_anchors=None)
@@ -105,31 +143,37 @@ def test_fork_after_rollback_and_restart_never_serves_old_weights_under_a_new_la
     sub = WeightSubscriber(store, RUN, key.public_key())  # a long-lived worker at version 6
     live = snapshot(sub.sync(None).state)
     assert same(live, a[6])
+    old_six = store.get(PTR)
 
-    store.put(PTR, rolled)  # rollback to 3, then the trainer restarts and publishes new 4..6
+    # The trainer lost its newer state (and the store its newer versions) and restarts at 3.
+    store.put(PTR, rolled)
+    for v in range(4, 7):
+        for name in ("manifest.json", "delta.pulse"):
+            store.delete(vkey(v, name))
     rng = np.random.default_rng(77)
     b = {3: a[3]}
     for v in range(4, 8):
         b[v] = step(b[v - 1], rng)
     pub2 = WeightPublisher(store, RUN, key, anchor_every=50, keep_anchors=None)
-    for v in range(4, 7):
-        pub2.publish(v, b[v])
-    assert sub.head() == 6 and "another manifest for version 6" in sub.last_problems[0]
+    pub2.publish(4, b[4])
+    assert sub.head() == 4 and "published version 4 after version 6" in sub.last_problems[0]
     r = sub.sync((6, live), apply_inplace=True)
-    assert r.applied == [] and identical(live, a[6])  # one label, one state: the fork is ignored
+    assert r.version == 4 and same(live, b[4]) and r.inplace and r.applied[0] == (1, "anchor")
+    for v in range(5, 7):
+        pub2.publish(v, b[v])
+    r = sub.sync((4, live), apply_inplace=True)
+    assert r.version == 6 and same(live, b[6]) and r.applied == [(5, "delta"), (6, "delta")]
+
+    # The old branch's pointer at 6, put back, is signed before the one followed: ignored.
+    store.put(PTR, old_six)
+    assert sub.head() == 6 and "rolled-back pointer" in sub.last_problems[0]
+    assert sub.sync((6, live), apply_inplace=True).applied == [] and same(live, b[6])
 
     # A new subscriber handed the old state under label 6 does not keep it: 6 now means b[6].
+    pub2.publish(7, b[7])
     fresh = snapshot(a[6])
     r = WeightSubscriber(store, RUN, key.public_key()).sync((6, fresh), apply_inplace=True)
-    assert same(fresh, b[6]) and r.applied[0] == (1, "anchor") and r.inplace
-    assert any("not version 6 as the store has it" in p for p in r.problems)
-
-    # Version 7 descends from the new 6: the long-lived worker's 6 is not on its chain.
-    pub2.publish(7, b[7])
-    r = sub.sync((6, live), apply_inplace=True)
-    assert r.version == 7 and same(live, b[7]) and r.inplace
-    assert r.applied[0] == (1, "anchor") and any("not on the chain" in p for p in r.problems)
-    assert WeightSubscriber(store, RUN, key.public_key()).manifest(7).parent_manifest_sha256 is not None
+    assert same(fresh, b[7]) and r.inplace and any("not the version it claimed" in p for p in r.problems)
 
 
 def test_a_background_check_writes_at_once_and_catches_a_damaged_held_state(tmp_path, key):

@@ -203,9 +203,32 @@ def test_a_small_request_cannot_ask_for_tens_of_megabytes():
         request = json.dumps({"queries": ["x"] * 4, "topk": 100}).encode()
         assert len(request) < 100  # it would be 4 x 100 x 2 x 200 KB = 160 MB of JSON
         code, answer = _post(srv.url, request)
-        assert code == 413 and f"over {16 << 20} bytes" in answer["error"]
-        code, answer = _post(srv.url, json.dumps({"queries": ["x"], "topk": 3}).encode())
+        assert code == 413 and "256 x the request" in answer["error"]
+        request = json.dumps({"queries": ["x"], "topk": 3}).encode()
+        code, answer = _post(srv.url, request)
         assert code == 200 and len(answer["result"][0]) == 3
+        text = answer["result"][0][0]["text"]
+        assert text.endswith("…") and 1000 < len(text) < 256 * len(request) / 6  # cut to a share of the budget
+
+
+def test_the_worst_answer_to_request_ratio_is_bounded():
+    """Attack: the smallest requests for the most documents of the longest kind (old code: a
+    426-byte request got 15.6 MiB back, 38,000x). Measures every shape; the worst stays <= 256x."""
+    shapes = [{"queries": ["x"] * n, "topk": k, **({"return_scores": True} if sc else {})}
+              for n in (1, 4, 40, 400) for k in (1, 3, 10, 100) for sc in (False, True) if n * k <= 4096]
+    worst = 0.0
+    with _Serving(_HugeDocs(), ServerLimits()) as srv:
+        for shape in shapes:
+            body = json.dumps(shape, separators=(",", ":")).encode()
+            req = urllib.request.Request(srv.url + "/retrieve", data=body)
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    got = len(r.read())
+            except urllib.error.HTTPError as e:
+                got = len(e.read())
+            worst = max(worst, got / len(body))
+    print(f"\nworst answer/request ratio over {len(shapes)} shapes: {worst:.0f}x")
+    assert worst <= 256
 
 
 # -- the HTTP client: what a server may send back --------------------------------------------------

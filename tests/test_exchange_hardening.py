@@ -238,3 +238,107 @@ def test_read_signed_refuses_a_genuine_document_replayed_elsewhere(store, key):
         read_signed(store, ev(7), "eval", key.public_key())
     with pytest.raises(SignatureError, match="over the 100-byte limit"):
         read_signed(store, ev(5), "eval", key.public_key(), max_bytes=100)
+
+
+# --------------------------------------------------------------------------------------------
+# Second pass: planted sequence numbers, decoded size per poll, copies under one key, heartbeats
+# --------------------------------------------------------------------------------------------
+
+
+def test_planted_sequence_numbers_cannot_stop_a_running_writer(tmp_path):
+    """Attack: 1,100 objects planted under a running worker's name, at the numbers it would take
+    next. Old code stepped one number per try and gave up after 1,000 ("no free sequence number")."""
+    store = LocalStore(tmp_path)
+    writer = RolloutWriter(store, RUN, "w", private_key=generate_private_key())
+    writer.upload(episodes("w", 1), 1)
+    for seq in range(1, 1101):
+        store.put(f"{RUN}/rollouts/w/s{seq:012d}-v000000000001.episodes", b"planted")
+    calls = CountingStore(store)
+    writer.store = calls
+    key = writer.upload(episodes("w", 1, tag=1), 1)
+    assert key.endswith("s000000001101-v000000000001.episodes")
+    assert len(calls.gets) <= 2  # one look at the taken number, not a read per planted object
+
+
+def _bomb(worker: str, version: int, tokens: int, tag: int, n: int = 1) -> list:
+    """A valid batch whose token arrays compress to almost nothing (all zeros)."""
+    import numpy as np
+
+    from stoa.types import Episode, Segment
+
+    return [Episode(prompt_tokens=np.zeros(tokens, np.int32),
+                    segments=[Segment("model", np.zeros(tokens, np.int32), np.zeros(tokens, np.float32))],
+                    reward=0.0, policy_version=version, worker_id=worker, group_id=f"b{tag}", sample_index=i)
+            for i in range(n)]
+
+
+def test_a_poll_holds_at_most_its_decoded_budget(tmp_path):
+    """Attack: small sealed uploads that decode to megabytes each. Old code bounded a poll by
+    stored bytes only (22 KiB of them made one poll hold 366 MiB)."""
+    store = LocalStore(tmp_path)
+    writer = RolloutWriter(store, RUN, "m", private_key=generate_private_key())
+    for i in range(12):
+        writer.upload(_bomb("m", 1, 60_000, i), 1)  # 720 kB of int32 + float32 each
+    stored = sum(store.size(k) for k in store.list(f"{RUN}/rollouts/"))
+    budget = 2 << 20
+    reader = RolloutReader(store, RUN, poll_limits=PollLimits(max_decoded_bytes=budget))
+    got, polls = [], 0
+    while polls < 20:
+        batch = reader.poll()
+        polls += 1
+        held = sum(e.prompt_tokens.nbytes + sum(s.tokens.nbytes + (0 if s.logprobs is None else s.logprobs.nbytes)
+                                                for s in e.segments) for b in batch for e in b.episodes)
+        assert held <= budget and reader.last_report.decoded_bytes <= budget
+        got += batch
+        if not reader.last_report.deferred:
+            break
+    assert len(got) == 12 and polls >= 4 and reader.quarantined == 0  # nothing lost, only spread out
+    print(f"\n12 uploads, {stored} stored bytes, decode to {12 * 720_000} bytes; each poll held <= {budget}")
+    # An object that could never fit a poll is refused before it is decoded.
+    writer.upload(_bomb("m", 1, 60_000, 99, n=2), 1)
+    small = RolloutReader(store, RUN, poll_limits=PollLimits(max_decoded_bytes=1 << 20))
+    small.restore(reader.state())
+    assert small.poll() == [] and small.last_report.rejected[0].category == "size"
+
+
+def test_copies_of_a_group_under_one_key_are_not_trained_twice(tmp_path):
+    """Attack: one key uploads two copies of an honest group (ids rewritten, each copy in a
+    different batch). Old code returned both; now both copies go to quarantine and the honest
+    original is returned."""
+    store = LocalStore(tmp_path)
+    honest = RolloutWriter(store, RUN, "honest", private_key=generate_private_key())
+    mallory = RolloutWriter(store, RUN, "mallory", private_key=generate_private_key())
+    group = episodes("honest", 1, tag=7)
+    honest.upload(group, 1)
+
+    def copy(eps, gid):
+        out = []
+        for e in eps:
+            c = type(e)(**{**e.__dict__})
+            c.worker_id, c.group_id = "mallory", gid
+            out.append(c)
+        return out
+
+    mallory.upload(copy(group, "x1"), 1)
+    mallory.upload(copy(group, "x2") + episodes("mallory", 1, tag=8), 1)
+    reader = RolloutReader(store, RUN, require_seal=True, max_hashes=100)
+    got = reader.poll()
+    assert [b.worker_id for b in got] == ["honest"]
+    dup = [r for r in reader.last_report.rejected if r.category == "duplicate"]
+    assert sorted(r.worker_id for r in dup) == ["mallory", "mallory"] and all(r.key_id for r in dup)
+    # A third copy in a later poll is refused too.
+    mallory.upload(copy(group, "x3"), 1)
+    assert reader.poll() == [] and reader.last_report.rejected[0].category == "duplicate"
+
+
+def test_heartbeats_are_read_with_a_size_cap(tmp_path):
+    """Attack: a 4 MiB heartbeat object. Old code downloaded it whole before refusing it."""
+    from stoa.fleet.run import Heartbeat, read_heartbeats, write_heartbeat
+
+    store = LocalStore(tmp_path)
+    write_heartbeat(store, RUN, Heartbeat("good", 1, "generating", 1, 1, 1.0, 1.0, "int8", "h", 1.0))
+    store.put(f"{RUN}/workers/huge.json", b"{" + b" " * (4 << 20) + b"}")
+    calls = CountingStore(store)
+    beats, bad = read_heartbeats(calls, RUN)
+    assert [b.worker_id for b in beats] == ["good"] and bad == [f"{RUN}/workers/huge.json"]
+    assert sum(n for _, n in calls.gets) < 16 << 10

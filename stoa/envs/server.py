@@ -13,6 +13,12 @@ the answer (checked while it is built, so it is never held whole beyond the cap)
 connections, concurrent searches, and the time to receive one request: a client that sends
 nothing, or trickles bytes, is disconnected when ``request_timeout`` runs out, whatever it sends.
 
+The answer is bounded relative to the request: at most ``max_amplification`` (256) times the
+request body's bytes. Documents are cut (to ``max_doc_chars``, and to an equal share of that
+budget; a cut text ends with ``…``) so that honest requests always get an answer; only a request
+whose answer does not fit even then is refused (413). So no request gets back more than 256
+bytes per byte it sent.
+
 Start it with ``stoa retriever serve --index DIR`` (or :func:`make_server` in-process); query it
 with :class:`stoa.envs.retrieval.HTTPRetriever` or any Search-R1 client.
 """
@@ -51,6 +57,12 @@ class ServerLimits:
     """Most documents in one answer (``len(queries) * topk``)."""
     max_response_bytes: int = 16 << 20
     """Largest answer body; a bigger one is refused with 413 (ask for fewer queries or a smaller topk)."""
+    max_doc_chars: int = 4096
+    """Longest document text (and title) in an answer; a longer one is cut and ends with ``…``."""
+    max_amplification: int = 256
+    """An answer body is at most this many times the request body: documents are cut (each to an
+    equal share of that budget, ending with ``…``) until it fits, else the request is refused with
+    413. A one-query top-3 request (~80 bytes) still gets documents of ~3,000 characters each."""
     default_topk: int = 3
     """``topk`` when the request omits it (Search-R1's default)."""
     max_concurrent: int = 4
@@ -62,7 +74,8 @@ class ServerLimits:
 
     def __post_init__(self) -> None:
         ints = (self.max_body_bytes, self.max_queries, self.max_topk, self.max_query_chars, self.max_results,
-                self.max_response_bytes, self.max_concurrent, self.max_connections)
+                self.max_response_bytes, self.max_concurrent, self.max_connections, self.max_doc_chars,
+                self.max_amplification)
         if min(ints) < 1:
             raise ValueError("every server limit must be >= 1")
         if not 1 <= self.default_topk <= self.max_topk:
@@ -71,8 +84,13 @@ class ServerLimits:
             raise ValueError("request_timeout must be a positive number of seconds")
 
 
-def _doc(h: Hit) -> dict[str, Any]:
-    return {"id": h.id, "contents": f'"{h.title}"\n{h.text}', "title": h.title, "text": h.text}
+def _cut(text: str, chars: int) -> str:
+    return text if len(text) <= chars else text[: max(0, chars - 1)] + "…"
+
+
+def _doc(h: Hit, chars: int) -> dict[str, Any]:
+    title, text = _cut(h.title, chars), _cut(h.text, chars)
+    return {"id": _cut(h.id, 256), "contents": f'"{title}"\n{text}', "title": title, "text": text}
 
 
 class _DeadlineReader(io.RawIOBase):
@@ -136,6 +154,28 @@ class _Server(ThreadingHTTPServer):
     def handle_error(self, request: Any, client_address: Any) -> None:
         if not isinstance(sys.exc_info()[1], OSError):  # a client that went away is not news
             super().handle_error(request, client_address)
+
+
+def _answer(hits: list[list[Hit]], scores: bool, budget: int, max_chars: int) -> bytes | None:
+    """The JSON answer within ``budget`` bytes: each document cut to an equal share of it (cut
+    further until it fits, a few times); None if even that does not fit."""
+    n = max(1, sum(len(h) for h in hits))
+    chars = min(max_chars, max(16, (budget - 16 - 96 * n) // (2 * n)))  # ~96 bytes of keys, id, score per item
+    for _ in range(8):
+        parts, size = [], 16
+        for row in hits:
+            items = [{"document": _doc(h, chars), "score": h.score} if scores else _doc(h, chars) for h in row]
+            part = json.dumps(items, ensure_ascii=False).encode()
+            size += len(part) + 2
+            if size > budget:
+                break
+            parts.append(part)
+        else:
+            return b'{"result": [' + b", ".join(parts) + b"]}"
+        chars = chars * 2 // 3
+        if chars < 16:
+            return None
+    return None
 
 
 def make_server(retriever: Retriever, host: str = "127.0.0.1", port: int = 0,
@@ -209,31 +249,25 @@ def make_server(retriever: Retriever, host: str = "127.0.0.1", port: int = 0,
                 self._refuse(400, str(e)[:500])
                 return
             try:
-                answer = self._answer(queries, k, scores)
+                hits = self._search(queries, k)
             except Exception as e:  # report backend failures to the client, keep serving
                 self._refuse(500, f"retrieval failed: {type(e).__name__}: {e}"[:2000])
                 return
+            budget = min(lim.max_response_bytes, lim.max_amplification * max(length, 1))
+            answer = _answer(hits, scores, budget, lim.max_doc_chars)
             if answer is None:
-                self._refuse(413, f"the answer would be over {lim.max_response_bytes} bytes: "
-                                  "ask for fewer queries or a smaller topk")
+                self._refuse(413, f"the answer would be over {budget} bytes ({lim.max_amplification} x the request, "
+                                  f"at most {lim.max_response_bytes}) even with documents cut: ask for fewer "
+                                  "queries or a smaller topk")
                 return
             self._send(200, raw=answer)
 
-        def _answer(self, queries: list[str], k: int, scores: bool) -> bytes | None:
-            """The JSON answer, built a few queries at a time; None once it passes the size cap."""
-            parts: list[bytes] = []
-            size = 16
+        def _search(self, queries: list[str], k: int) -> list[list[Hit]]:
+            out: list[list[Hit]] = []
             for start in range(0, len(queries), 32):
                 with slots:
-                    results = retriever.search(queries[start : start + 32], k)
-                for hits in results:
-                    items = [{"document": _doc(h), "score": h.score} if scores else _doc(h) for h in hits[:k]]
-                    part = json.dumps(items, ensure_ascii=False).encode()
-                    size += len(part) + 1
-                    if size > lim.max_response_bytes:
-                        return None
-                    parts.append(part)
-            return b'{"result": [' + b", ".join(parts) + b"]}"
+                    out += [list(h[:k]) for h in retriever.search(queries[start : start + 32], k)]
+            return out
 
         def _validate(self, req: Any) -> tuple[list[str], int, bool]:
             if not isinstance(req, dict):

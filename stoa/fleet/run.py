@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from stoa.fleet.config import RunConfig
-from stoa.transport.signing import open_document, sign_document
-from stoa.transport.store import KeyNotFound, ObjectStore
+from stoa.transport.signing import SignatureError, open_document, sign_document
+from stoa.transport.store import KeyNotFound, ObjectStore, ObjectTooLarge
 
 __all__ = ["MODEL_FILES", "Heartbeat", "fetch_run", "publish_run", "read_heartbeats", "write_heartbeat"]
 
@@ -35,6 +35,9 @@ MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "specia
 """Files of an HF folder a worker needs besides the weights (those present are shipped)."""
 _MAX_MODEL_FILE = 64 << 20
 _MAX_HEARTBEAT = 16 << 10
+_MAX_RUN_CONFIG = 4 << 20
+MAX_HEARTBEATS = 4096
+"""Most heartbeats :func:`read_heartbeats` reads (the rest are reported as unread)."""
 
 
 def publish_run(store: ObjectStore, run: str, config: RunConfig, model_dir: Path, private_key: Any) -> None:
@@ -57,7 +60,11 @@ def fetch_run(store: ObjectStore, run: str, public_key: Any, cache_dir: Path) ->
         KeyNotFound: the run has no config yet.
         stoa.transport.chain.SignatureError / IntegrityError: anything unsigned, forged or corrupted.
     """
-    body = open_document(store.get(f"{run}/config.json"), "run-config", public_key, f"{run}/config.json")
+    try:
+        blob = store.get(f"{run}/config.json", max_bytes=_MAX_RUN_CONFIG)
+    except ObjectTooLarge as e:
+        raise SignatureError(f"{run}/config.json: {e.size} bytes, over the {_MAX_RUN_CONFIG}-byte limit") from None
+    body = open_document(blob, "run-config", public_key, f"{run}/config.json")
     config = RunConfig.from_dict(body["config"], resolve_objective=False)  # workers never run the objective
     files = body.get("model_files")
     if not isinstance(files, dict) or "config.json" not in files:
@@ -67,7 +74,10 @@ def fetch_run(store: ObjectStore, run: str, public_key: Any, cache_dir: Path) ->
     for name, meta in files.items():
         if name not in MODEL_FILES or not isinstance(meta, dict) or meta.get("bytes", 1 << 62) > _MAX_MODEL_FILE:
             raise ValueError(f"{run}/config.json lists an unexpected model file {name!r}")
-        data = store.get(f"{run}/model/{name}")
+        try:
+            data = store.get(f"{run}/model/{name}", max_bytes=int(meta.get("bytes", 0)))
+        except ObjectTooLarge:
+            data = b""  # larger than the signed size: never downloaded, reported as a mismatch below
         if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
             from stoa.transport.chain import IntegrityError
 
@@ -124,14 +134,16 @@ def write_heartbeat(store: ObjectStore, run: str, hb: Heartbeat) -> None:
     store.put(f"{run}/workers/{hb.worker_id}.json", hb.to_json())
 
 
-def read_heartbeats(store: ObjectStore, run: str) -> tuple[list[Heartbeat], list[str]]:
-    """Every worker's last heartbeat, and the keys that did not parse (reported, never raised)."""
+def read_heartbeats(store: ObjectStore, run: str, max_workers: int = MAX_HEARTBEATS) -> tuple[list[Heartbeat], list[str]]:
+    """Every worker's last heartbeat (at most ``max_workers``, each at most 16 KiB, refused unread
+    when larger), and the keys that did not parse or were left unread (reported, never raised)."""
     beats, bad = [], []
-    for key in store.list(f"{run}/workers/"):
+    keys = store.list(f"{run}/workers/")
+    for key in keys[:max_workers]:
         try:
-            beats.append(Heartbeat.parse(store.get(key)))
+            beats.append(Heartbeat.parse(store.get(key, max_bytes=_MAX_HEARTBEAT)))
         except KeyNotFound:
             continue
         except Exception:
             bad.append(key)
-    return beats, bad
+    return beats, bad + keys[max_workers:]

@@ -40,6 +40,7 @@ signed with the run's key and verified.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -49,6 +50,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+import zstandard
 
 from stoa.transport.identity import BatchSeal, SealError, is_sealed, open_sealed, seal_batch
 from stoa.transport.signing import SignatureError, key_id, load_private_key, read_signed, sign_document
@@ -82,6 +85,7 @@ _MAX_CONTROL_BYTES = 1 << 20
 _MAX_EXAMPLES = 8
 _HASH_RE = re.compile(r"[0-9a-f]{32}")
 _MAX_PROBES = 64  # own-newest search of a sealing writer: objects read at most
+_MAX_UPLOAD_TRIES = 64  # each try lists past every number taken at that moment
 
 
 def _check_worker(worker_id: str) -> str:
@@ -97,6 +101,34 @@ def _check_run(run: str) -> str:
 def _shown(key: str) -> str:
     """An untrusted key, bounded and escaped for a report."""
     return repr(key[:120]) + ("..." if len(key) > 120 else "")
+
+
+_DEFER = object()
+_MAX_GROUP_PRINTS = 1 << 16  # (sender, group) prints a reader remembers across polls
+
+
+def _declared_size(payload: bytes) -> int:
+    """What an episode payload decodes to, as its zstd frame declares it (-1: not declared);
+    the decoder then holds it to that. A payload that is not a batch is left to the decoder."""
+    if len(payload) >= 6 and payload[:4] == b"STEP" and payload[5] == 1:
+        try:
+            return zstandard.frame_content_size(memoryview(payload)[6:])
+        except zstandard.ZstdError:
+            return 0
+    return max(0, len(payload) - 6)
+
+
+def _group_prints(episodes: list[Episode]) -> list[str]:
+    """A content print per group of a batch: its samples' tokens and log-probs, whatever the ids."""
+    groups: dict[str, list[bytes]] = {}
+    for ep in episodes:
+        h = hashlib.sha256(ep.prompt_tokens.tobytes())
+        for seg in ep.segments:
+            h.update(seg.kind.encode() + seg.tokens.tobytes())
+            if seg.logprobs is not None:
+                h.update(seg.logprobs.tobytes())
+        groups.setdefault(ep.group_id, []).append(h.digest())
+    return [hashlib.sha256(b"".join(sorted(d))).hexdigest()[:32] for d in groups.values()]
 
 
 def rollout_key(run: str, worker_id: str, seq: int, version: int) -> str:
@@ -154,9 +186,14 @@ class PollLimits:
     max_bytes: int = 256 << 20
     """Most stored bytes read per poll. The first object of a poll may be larger (up to
     ``Limits.max_bytes``), so one big valid batch never blocks the queue."""
+    max_decoded_bytes: int = 256 << 20
+    """Most decoded (decompressed) payload bytes per poll, what the returned batches hold in
+    memory: a small compressed object can decode to ``Limits.max_decompressed_bytes``. An object
+    whose zstd frame declares more than what is left waits for the next poll (the first of a poll
+    may use the whole budget); one that decodes to more than it declared is quarantined."""
 
     def __post_init__(self) -> None:
-        for name in ("max_batches", "max_bytes"):
+        for name in ("max_batches", "max_bytes", "max_decoded_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"PollLimits.{name} must be an int >= 1, got {v!r}")
@@ -172,6 +209,8 @@ class PollReport:
     """Objects moved to quarantine."""
     bytes_read: int = 0
     """Stored bytes read from the store."""
+    decoded_bytes: int = 0
+    """Decoded payload bytes of the objects decoded (bounded by ``PollLimits.max_decoded_bytes``)."""
     deferred: int = 0
     """New objects left for a later poll because a cap was reached."""
     skipped: int = 0
@@ -200,7 +239,7 @@ class RolloutWriter:
     objects sealed with its own key (it reads at most 64 of the newest names to find one), so
     objects planted under its name cannot push its numbering out of range; an unsealing writer
     trusts every name. Sequence numbers taken by someone else's object, in ``rollouts/`` or
-    ``quarantine/``, are skipped.
+    ``quarantine/``, are skipped, all at once (one listing), so planted objects cannot exhaust them.
     """
 
     def __init__(self, store: ObjectStore, run: str, worker_id: str, private_key: Any = None):
@@ -248,7 +287,7 @@ class RolloutWriter:
             if ep.worker_id != self.worker_id:
                 raise ValueError(f"episode {i} has worker_id {ep.worker_id!r}, this writer is {self.worker_id!r}")
         payload = encode_episodes(episodes)
-        for _ in range(1000):
+        for _ in range(_MAX_UPLOAD_TRIES):
             seq = self.next_seq
             key = rollout_key(self.run, self.worker_id, seq, policy_version)
             blob = payload if self._key is None else seal_batch(
@@ -261,10 +300,25 @@ class RolloutWriter:
                     self.next_seq = seq + 1
                     return key
                 taken = [key]
-            self.next_seq = seq + 1
             if key in taken and self._is_ours(key, payload, len(blob)):
+                self.next_seq = seq + 1
                 return key  # an earlier attempt of this upload landed
-        raise RuntimeError(f"worker {self.worker_id!r}: no free sequence number after 1000 tries")
+            self.next_seq = self._next_free(seq)
+        raise StoreError(f"worker {self.worker_id!r}: sequence number {self.next_seq} was taken under it "
+                         f"{_MAX_UPLOAD_TRIES} times in a row (another process with this worker id?)")
+
+    def _next_free(self, seq: int) -> int:
+        """The smallest sequence number above ``seq`` that no object holds, from one listing of
+        each prefix: however many numbers others' objects occupy, one step passes them all."""
+        taken = {int(m.group(1)) for where in (self._prefix, self._qprefix)
+                 for k in self.store.list(where, start_after=f"{where}s{seq:012d}")
+                 if (m := _NAME_RE.fullmatch(k.rpartition("/")[2].removesuffix(".reason.json")))}
+        nxt = seq + 1
+        while nxt in taken:
+            nxt += 1
+        if nxt > _MAX_NUM:
+            raise StoreError(f"worker {self.worker_id!r}: no sequence number left below 10^12")
+        return nxt
 
     def _is_ours(self, key: str, payload: bytes, size: int) -> bool:
         """Whether ``key`` holds this very batch (an earlier attempt of this upload)."""
@@ -300,7 +354,10 @@ class RolloutReader:
         require_seal: quarantine batches that carry no worker signature.
         max_hashes: how many accepted payload hashes to remember, to refuse a batch whose
             episode bytes were accepted before (duplicates of older ones are not recognized);
-            0 (the default) disables the check.
+            0 (the default) disables the check. When on, a batch that repeats a group (same
+            tokens and log-probs, whatever its ids) its sender's key uploaded before, in this poll
+            or among the last 65,536 groups, is quarantined as a duplicate together with the
+            other copy in the same poll (neither is known to be the original).
 
     Bookkeeping: per worker, the highest sequence number ``done`` below which every batch was
     consumed (or quarantined), plus the consumed numbers above it (gaps happen when uploads
@@ -318,6 +375,7 @@ class RolloutReader:
         self._done: dict[str, int] = {}  # worker -> every seq < done is settled
         self._extra: dict[str, set[int]] = {}  # worker -> settled seqs >= done
         self._hashes: dict[str, None] = {}  # accepted payload sha256 (32 hex), oldest first
+        self._groups: dict[str, None] = {}  # sender:group prints of returned batches, oldest first
         self.consumed = 0
         self.quarantined = 0
         self.last_report = PollReport()
@@ -434,10 +492,11 @@ class RolloutReader:
                         rep.skipped, ", ".join(rep.skipped_examples[:3]))
         work = [(key, (worker, seq, version)) for version, worker, seq, key in sorted(pending)]
         work += [(key, None) for key in strays]  # honest batches first, then clean-up
-        out: list[Batch] = []
+        loaded: list[tuple[Batch, bytes]] = []
         handled = 0
+        d_cap = self.poll_limits.max_decoded_bytes
         for i, (key, parsed) in enumerate(work):
-            if handled >= n_cap or (handled and rep.bytes_read >= b_cap):
+            if handled >= n_cap or (handled and (rep.bytes_read >= b_cap or rep.decoded_bytes >= d_cap)):
                 rep.deferred = len(work) - i
                 break
             cap = self.limits.max_bytes if not handled else min(self.limits.max_bytes, b_cap - rep.bytes_read)
@@ -457,18 +516,60 @@ class RolloutReader:
                 handled += 1
                 rep.problems.append(f"{_shown(key)}: store error, left for the next poll: {e}")
                 continue
-            handled += 1
             rep.bytes_read += len(blob)
             if parsed is None:
+                handled += 1
                 self._quarantine_safely(key, None, "object name is not <worker>/s<seq>-v<version>.episodes", blob, rep,
                                         "misnamed")
                 continue
             batch = self._load(key, *parsed, blob, rep)
+            if batch is _DEFER:
+                rep.deferred = len(work) - i
+                break
+            handled += 1
             if batch is not None:
-                self._settle(parsed[0], parsed[1])
-                self.consumed += 1
-                out.append(batch)
+                loaded.append((batch, blob))
+        out = self._dedupe_groups(loaded, rep)
+        for b in out:
+            self._settle(b.worker_id, b.seq)
+            self.consumed += 1
         rep.returned = len(out)
+        return out
+
+    def _dedupe_groups(self, loaded: list[tuple[Batch, bytes]], rep: PollReport) -> list[Batch]:
+        """Quarantine batches that repeat a group their sender already uploaded (in this poll or
+        one of the last remembered): copies of one group under one key are trained at most once.
+        On with the payload check (``max_hashes`` > 0)."""
+        if not self.max_hashes:
+            return [b for b, _ in loaded]
+        seen: dict[str, int] = {}  # sender:group print -> index of the first batch of this poll
+        bad: dict[int, str] = {}
+        prints = []
+        for i, (b, _) in enumerate(loaded):
+            sender = b.key_id or f"worker:{b.worker_id}"
+            mine = [f"{sender}:{fp}" for fp in _group_prints(b.episodes)]
+            prints.append(mine)
+            for fp in mine:
+                if fp in self._groups:
+                    bad[i] = "duplicate: repeats a group this key uploaded in an earlier batch"
+                elif fp in seen:
+                    j = seen[fp]
+                    bad[i] = f"duplicate: repeats a group of {_shown(loaded[j][0].key)} uploaded by the same key"
+                    if j != i:  # the first copy goes too: neither is known to be the original
+                        bad.setdefault(j, f"duplicate: a group of it is repeated in {_shown(b.key)} by the same key")
+                else:
+                    seen[fp] = i
+        out = []
+        for i, (b, blob) in enumerate(loaded):
+            for fp in prints[i]:  # a copy quarantined here still rules out the next one
+                self._groups[fp] = None
+            if i in bad:
+                self._quarantine_safely(b.key, (b.worker_id, b.seq, b.version), bad[i], blob, rep, "duplicate",
+                                        b.key_id or None)
+            else:
+                out.append(b)
+        while len(self._groups) > _MAX_GROUP_PRINTS:
+            del self._groups[next(iter(self._groups))]
         return out
 
     def _open(self, key: str, worker: str, seq: int, version: int, blob: bytes) -> tuple[bytes, str, str, str | None]:
@@ -496,14 +597,26 @@ class RolloutReader:
             return blob, "", "unsigned", "unsigned batch: this run takes only batches sealed with a worker key"
         return blob, kid, "", None
 
-    def _load(self, key: str, worker: str, seq: int, version: int, blob: bytes, rep: PollReport) -> Batch | None:
+    def _load(self, key: str, worker: str, seq: int, version: int, blob: bytes, rep: PollReport) -> Any:
+        """The batch, None if it was quarantined, or ``_DEFER`` when its decoded size does not fit
+        what is left of this poll's budget."""
         stored = blob
         blob, kid, category, why = self._open(key, worker, seq, version, blob)
+        if why is None:
+            budget = self.poll_limits.max_decoded_bytes
+            declared = _declared_size(blob)
+            if declared > budget:
+                category, why = "size", f"decodes to {declared} bytes, over the {budget}-byte per-poll budget"
+            elif rep.decoded_bytes and declared > budget - rep.decoded_bytes:
+                return _DEFER
         if why is not None:
             self._quarantine_safely(key, (worker, seq, version), why, stored, rep, category, kid or None)
             return None
+        allow = min(self.limits.max_decompressed_bytes, budget - rep.decoded_bytes if declared < 0 else max(declared, 1))
+        rep.decoded_bytes += allow
         try:
-            episodes = decode_episodes(blob, vocab_size=self.vocab_size, limits=self.limits)
+            episodes = decode_episodes(blob, vocab_size=self.vocab_size,
+                                       limits=dataclasses.replace(self.limits, max_decompressed_bytes=allow))
             if not episodes:
                 raise EpisodeError("empty batch")
             for i, ep in enumerate(episodes):

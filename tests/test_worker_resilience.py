@@ -1,0 +1,182 @@
+"""A worker against a failing or hostile store: it never dies of the store (backs off, retries,
+says so), throttles closed when the progress document is missing or forged, keeps its identity
+and weights across restarts, and answers a wrong run or a missing key with one clear line and
+its documented exit status (docs/volunteer.md)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from helpers import tiny_fleet_config
+from stoa.fleet.config import load_config
+from stoa.fleet.run import publish_run
+from stoa.fleet.worker import EXIT_NO_RUN, Worker
+from stoa.transport.chain import WeightPublisher
+from stoa.transport.exchange import Progress, RolloutWriter, write_progress
+from stoa.transport.signing import generate_private_key
+from stoa.transport.store import LocalStore, StoreError
+
+RUN = "vol"
+
+
+class FlakyStore:
+    """A LocalStore that fails every call for a while once armed (as a store outage would)."""
+
+    def __init__(self, inner: LocalStore):
+        self.inner, self.failing, self.failures = inner, 0, 0
+        self.arm_on_upload = 0
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*a, **kw):
+            if self.failing > 0:
+                self.failing -= 1
+                self.failures += 1
+                raise StoreError(f"simulated outage on {name}")
+            out = attr(*a, **kw)
+            if name in ("put", "put_if_absent") and "/rollouts/" in a[0] and self.arm_on_upload:
+                self.failing, self.arm_on_upload = self.arm_on_upload, 0
+            return out
+
+        return call
+
+    def __str__(self) -> str:
+        return str(self.inner)
+
+
+def _publish_tiny_run(tmp_path, tiny_model, store, key):
+    pytest.importorskip("mlx.core", reason="the worker's engine needs mlx")
+    from stoa.backends.engine import make_engine
+
+    cfg_path = tmp_path / "vol.toml"
+    cfg_path.write_text(tiny_fleet_config(RUN, rollout={"max_outstanding": 0, "cohorts_per_version": 0}))
+    cfg = load_config(cfg_path)
+    publish_run(store, RUN, cfg, tiny_model, key)
+    pub = WeightPublisher(store, RUN, key, anchor_every=50)
+    state = {k: v.copy() for k, v in make_engine(tiny_model, "mlx").state.items()}
+    pub.publish(1, state)
+    return pub, state
+
+
+def test_a_store_outage_never_ends_a_worker(tiny_model, tmp_path, caplog):
+    """Attack / accident: the store fails 40 calls in a row mid-run (old code: the worker exited on
+    the first failed read, or after 8 failed syncs)."""
+    key = generate_private_key()
+    store = FlakyStore(LocalStore(tmp_path / "store"))
+    _publish_tiny_run(tmp_path, tiny_model, store.inner, key)
+    w = Worker(store, RUN, key.public_key(), "w0", tmp_path / "cache", max_batches=3)
+    w.backoff_base_s, w.backoff_max_s = 0.01, 0.05
+    store.arm_on_upload = 40
+    with caplog.at_level(logging.INFO, logger="stoa.worker"):
+        assert w.run() == 0
+    assert w.batches == 3 and store.failures == 40
+    text = caplog.text
+    assert "simulated outage" in text and "retrying in" in text and "store reachable again" in text
+
+
+def test_progress_that_is_missing_or_forged_means_wait(tmp_path):
+    """Attack: delete or forge progress.json. Old code counted "0 outstanding" and raced on."""
+    store, key = LocalStore(tmp_path / "store"), generate_private_key()
+    w = Worker(store, RUN, key.public_key(), "w0", tmp_path / "cache")
+    writer = RolloutWriter(store, RUN, "w0")
+    writer.next_seq = 5  # five batches uploaded
+    assert w._outstanding(writer) == 5  # nothing known to be taken yet
+    write_progress(store, RUN, Progress({"w0": 3}), key)
+    assert w._outstanding(writer) == 2
+    store.delete(f"{RUN}/progress.json")
+    assert w._outstanding(writer) == 2  # missing: what was taken before, not "all taken"
+    write_progress(store, RUN, Progress({"w0": 5}), generate_private_key())  # forged
+    assert w._outstanding(writer) == 2
+    write_progress(store, RUN, Progress({"w0": 1}), key)  # an older one, replayed
+    assert w._outstanding(writer) == 2
+    write_progress(store, RUN, Progress({"w0": 5}), key)
+    assert w._outstanding(writer) == 0
+
+
+def _stoa(*args, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "stoa", *args], capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+def test_a_wrong_run_names_the_runs_found_and_a_missing_key_fails_at_once(tmp_path, tiny_model):
+    key = generate_private_key()
+    store = LocalStore(tmp_path / "store")
+    cfg_path = tmp_path / "vol.toml"
+    cfg_path.write_text(tiny_fleet_config(RUN))
+    publish_run(store, RUN, load_config(cfg_path), tiny_model, key)
+    pub = key.public_key().public_bytes_raw().hex()
+    r = _stoa("worker", "--store", str(tmp_path / "store"), "--run", "vlo", "--public-key", pub,
+              "--cache", str(tmp_path / "c"))
+    assert r.returncode == EXIT_NO_RUN and "no run 'vlo'" in r.stderr and "runs found there: vol" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = _stoa("worker", "--store", str(tmp_path / "store"), "--run", RUN, "--public-key", str(tmp_path / "run.pub"))
+    assert r.returncode == 2 and "cannot be read" in r.stderr and "Traceback" not in r.stderr
+    r = _stoa("worker", "--store", str(tmp_path / "store"), "--run", RUN, "--public-key", pub,
+              "--key", str(tmp_path / "nope.key"))
+    assert r.returncode == 2 and "no key file" in r.stderr
+
+
+def test_the_worker_path_imports_no_trainer_framework(tmp_path, tiny_model):
+    """`stoa[worker]` ships without torch, megatron, tensorboard and matplotlib: a whole worker
+    session (join, generate, upload) with those imports blocked."""
+    pytest.importorskip("mlx.core", reason="the worker's engine needs mlx")
+    key = generate_private_key()
+    store = LocalStore(tmp_path / "store")
+    _publish_tiny_run(tmp_path, tiny_model, store, key)
+    code = f"""
+import sys
+for name in ("torch", "megatron", "tensorboard", "matplotlib"):
+    sys.modules[name] = None  # import raises ImportError; importlib.util.find_spec says absent
+from stoa.cli import main
+sys.argv = ["stoa", "worker", "--store", {str(tmp_path / 'store')!r}, "--run", {RUN!r}, "--public-key",
+            {key.public_key().public_bytes_raw().hex()!r}, "--cache", {str(tmp_path / 'cache')!r}, "--max-batches", "1"]
+main()
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "1 batches" in r.stderr and store.list(f"{RUN}/rollouts/")
+    assert "blocked" not in r.stderr
+
+
+def test_a_store_never_reached_ends_a_starting_worker_with_status_5(tmp_path, caplog):
+    from stoa.fleet.worker import EXIT_UNREACHABLE
+
+    key = generate_private_key()
+    store = FlakyStore(LocalStore(tmp_path / "store"))
+    store.failing = 10**9
+    w = Worker(store, RUN, key.public_key(), "w0", tmp_path / "cache", wait_seconds=0.3)
+    w.backoff_base_s, w.backoff_max_s = 0.01, 0.05
+    with caplog.at_level(logging.INFO, logger="stoa.worker"):
+        assert w.run() == EXIT_UNREACHABLE
+    assert "cannot reach the store" in caplog.text and "credentials" in caplog.text
+
+
+def test_ctrl_c_finishes_the_upload_and_says_what_it_did(tmp_path, tiny_model):
+    import signal
+    import time
+
+    key = generate_private_key()
+    store = LocalStore(tmp_path / "store")
+    _publish_tiny_run(tmp_path, tiny_model, store, key)
+    p = subprocess.Popen([sys.executable, "-m", "stoa", "worker", "--store", str(tmp_path / "store"), "--run", RUN,
+                          "--public-key", key.public_key().public_bytes_raw().hex(), "--cache", str(tmp_path / "c")],
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not store.list(f"{RUN}/rollouts/") and time.time() < deadline and p.poll() is None:
+            time.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, err[-2000:]
+    assert "Ctrl-C again to stop at once" in err and "stopped by a signal:" in err
+    assert "kept in" in err and (tmp_path / "c" / "weights.safetensors").exists()
