@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -34,6 +35,7 @@ import numpy as np
 
 from stoa.fleet.trust import FloatScorer, Ledger, TrustGate, batch_problem, group_episodes, scoped
 from stoa.transport.exchange import Batch, RolloutReader, write_progress
+from stoa.transport.store import StoreError
 
 if TYPE_CHECKING:
     from stoa.fleet.config import RunConfig
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
 __all__ = ["Intake", "IntakeCounters", "Taken"]
 
 log = logging.getLogger("stoa.trainer")
+
+_PROGRESS_EVERY_S = 5.0
 
 
 @dataclass
@@ -102,6 +106,7 @@ class Intake:
         self.held: list[Batch] = []  # batches the gate reviews again (contested groups)
         self.used_groups: set[str] = set()
         self.counters = IntakeCounters()
+        self._progress_written = 0.0
 
     # -- the verbs ---------------------------------------------------------------------------------
     def take(self, version: int) -> Taken | None:
@@ -163,8 +168,14 @@ class Intake:
         self.gate.refresh()
         batches = self.reader.poll()
         self.gate.record_rejections(self.reader.last_report.rejected)
-        if batches:  # what was taken, per worker (signed): workers throttle on it (rollout.max_outstanding)
-            write_progress(self.store, cfg.name, self.reader.progress(), self.key)
+        # What was taken, per worker (signed): workers throttle on it (rollout.max_outstanding) and
+        # wait while it is missing, so it is rewritten every few seconds even when nothing came.
+        if batches or time.time() - self._progress_written > _PROGRESS_EVERY_S:
+            try:
+                write_progress(self.store, cfg.name, self.reader.progress(), self.key)
+                self._progress_written = time.time()
+            except StoreError as e:
+                log.warning("could not write the progress document (%s); will retry", e)
         admitted: list[Batch] = []
         for batch in batches:
             if batch.version > version:

@@ -15,7 +15,7 @@ from typing import Any
 
 from stoa.fleet.run import read_heartbeats
 from stoa.transport.exchange import is_finished
-from stoa.transport.store import KeyNotFound, LocalStore, ObjectStore
+from stoa.transport.store import LocalStore, ObjectStore, StoreError
 
 __all__ = ["RunNotFound", "clean", "fleet_status", "render", "runs_in", "show_status", "trust_lines"]
 
@@ -74,8 +74,8 @@ def fleet_status(store: ObjectStore, run: str, public_key: Any = None) -> dict[s
         head, verified = WeightSubscriber(store, run, public_key).head(), True
     else:
         try:  # display only: the pointer's signed body, read without checking the signature
-            head = json.loads(json.loads(store.get(f"{run}/current.json"))["body"])["version"]
-        except (KeyNotFound, ValueError, KeyError, TypeError):
+            head = json.loads(json.loads(store.get(f"{run}/current.json", max_bytes=64 << 10))["body"])["version"]
+        except (StoreError, ValueError, KeyError, TypeError):  # missing, oversized or malformed
             head = None
     from stoa.fleet.trust import read_trust_report
     from stoa.transport.signing import SignatureError
@@ -95,7 +95,7 @@ def fleet_status(store: ObjectStore, run: str, public_key: Any = None) -> dict[s
     evals = []
     for key in store.list(f"{run}/eval/")[-5:]:
         try:
-            blob = store.get(key)
+            blob = store.get(key, max_bytes=1 << 20)
             if public_key is not None:
                 from stoa.transport.signing import open_document
 

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from stoa.fleet.worker import Worker
-from stoa.transport.exchange import _NAME_RE
+from stoa.transport.exchange import parse_rollout_key
 from stoa.transport.identity import SealError, open_sealed
 from stoa.transport.store import StoreError
 from stoa.types import Episode, EpisodeError, Segment, decode_episodes
@@ -186,9 +186,8 @@ class Copy(_Adversary):
         trusted = {w["worker_id"] for w in report.get("workers", {}).values()
                    if w.get("accepted_batches") and not w.get("banned")} - {self.worker_id}
         for key in reversed(self.store.list(f"{self.run_name}/rollouts/")):
-            _, worker, name = key.rsplit("/", 2)
-            m = _NAME_RE.fullmatch(name)
-            if worker not in trusted or key in self._copied or not m or int(m.group(2)) != version:
+            parsed = parse_rollout_key(self.run_name, key)
+            if parsed is None or parsed[0] not in trusted or key in self._copied or parsed[2] != version:
                 continue
             self._copied.add(key)
             try:

@@ -68,6 +68,7 @@ __all__ = [
     "RolloutWriter",
     "is_finished",
     "mark_finished",
+    "parse_rollout_key",
     "read_progress",
     "rollout_key",
     "write_progress",
@@ -136,6 +137,13 @@ def rollout_key(run: str, worker_id: str, seq: int, version: int) -> str:
     if not (0 <= seq <= _MAX_NUM and 0 <= version <= _MAX_NUM):
         raise ValueError(f"seq {seq} and version {version} must lie in [0, 10^12)")
     return f"{_check_run(run)}/rollouts/{_check_worker(worker_id)}/s{seq:012d}-v{version:012d}.episodes"
+
+
+def parse_rollout_key(run: str, key: str) -> tuple[str, int, int] | None:
+    """``(worker, seq, version)`` of a well-named batch key of ``run`` (see :func:`rollout_key`), else None."""
+    worker, _, name = key.removeprefix(f"{run}/rollouts/").partition("/")
+    m = _NAME_RE.fullmatch(name) if key.startswith(f"{run}/rollouts/") else None
+    return (worker, int(m.group(1)), int(m.group(2))) if m and _WORKER_RE.fullmatch(worker) else None
 
 
 @dataclass(frozen=True)
@@ -453,12 +461,7 @@ class RolloutReader:
 
     # -- polling --------------------------------------------------------------------------------
     def _parse(self, key: str) -> tuple[str, int, int] | None:
-        """(worker, seq, version) of a well-named batch key, else None."""
-        worker, _, name = key[len(self._prefix):].partition("/")
-        m = _NAME_RE.fullmatch(name)
-        if not m or not _WORKER_RE.fullmatch(worker):
-            return None
-        return worker, int(m.group(1)), int(m.group(2))
+        return parse_rollout_key(self.run, key)
 
     def poll(self, max_batches: int | None = None, max_bytes: int | None = None) -> list[Batch]:
         """Return new valid batches, oldest policy version first (then worker, then sequence).
