@@ -457,3 +457,107 @@ class _Echo:
             lp[e.loss_mask()] = e.behavior_logprobs()[e.loss_mask()]
             out.append(lp)
         return out
+
+
+# -- trust v2: assigned work, every sampled token checkable, withholding ---------------------------
+
+
+def test_a_batch_is_its_keys_assignment_and_nobody_elses():
+    """Framing and copies: a victim's batch re-signed under another key is not that key's work,
+    whatever its contents, so the copier is refused and the victim is never compared with it."""
+    from stoa.fleet.trust.assign import assignment, assignment_problem
+
+    a = assignment(7, "aaaa", 3, n_items=100, groups=2)
+    assert a == assignment(7, "aaaa", 3, n_items=100, groups=2)  # public and deterministic
+    assert a != assignment(7, "bbbb", 3, n_items=100, groups=2) and a != assignment(7, "aaaa", 4, 100, 2)
+    eps = [Episode(np.arange(5), [Segment("model", np.arange(3), -np.ones(3))], 0.0, group_id=g, sample_index=s,
+                   item_index=i) for g, i in zip(a.group_ids, a.items) for s in range(4)]
+    assert assignment_problem(eps, a, 4) is None
+    assert "not one this batch was assigned" in assignment_problem(eps, assignment(7, "bbbb", 3, 100, 2), 4)
+    easy = copy.deepcopy(eps)
+    easy[0].item_index = (easy[0].item_index + 1) % 100  # a prompt of its own choosing
+    assert "assigned item" in assignment_problem(easy, a, 4)
+    assert "of its 4 samples" in assignment_problem(eps[1:], a, 4)  # a group cut short
+    twice = copy.deepcopy(eps)
+    twice[1].sample_index = 0
+    assert "appears twice" in assignment_problem(twice, a, 4)
+
+
+class _AtVersion:
+    """The int8 policy of one version (what these episodes claim)."""
+
+    def __init__(self, engine, version=0):
+        self.engine, self.version = engine, version
+
+    def score(self, version, eps):
+        return self.engine.score(eps) if version == self.version else None
+
+    def sampling_margins(self, version, eps, seeds):
+        return self.engine.sampling_margins(eps, seeds) if version == self.version else None
+
+
+def _assigned(seed):
+    from stoa.fleet.trust.assign import Assignment
+
+    return lambda b: Assignment((), (), seed)
+
+
+def test_every_batch_has_its_draws_rederived_and_a_cold_sampler_is_banned(engine_and_episodes, tmp_path):
+    """A worker sampling at a lower temperature while reporting honest log-probs (at the run's
+    temperature) of what it drew passed every check: its log-probs re-score exactly."""
+    import dataclasses
+
+    import stoa.envs
+    from stoa.backends.engine import RolloutRequest, SamplingConfig
+    from stoa.transport.store import LocalStore
+
+    engine, honest = engine_and_episodes  # sampled with seed 1
+    make_env = lambda: stoa.envs.make("stoa/SyntheticSearch-v0", num_entities=20, num_test_facts=5)  # noqa: E731
+    cold = engine.rollout(make_env, [RolloutRequest(i, f"w-{i}", 4) for i in range(4)],
+                          SamplingConfig(temperature=0.7, max_turn_tokens=8, max_episode_tokens=160, seed=1))
+    cold = [dataclasses.replace(e, temperature=1.0) for e in cold]
+    for e, lp in zip(cold, engine.score(cold)):  # honest log-probs, at the claimed temperature, of what it drew
+        at = len(e.prompt_tokens)
+        for seg in e.segments:
+            if seg.kind == "model":
+                seg.logprobs = np.asarray(lp[at:at + len(seg.tokens)], np.float32)
+            at += len(seg.tokens)
+    assert not spot_check(engine.score, cold).confirmed  # the log-prob check alone cannot see it
+    margins = engine.sampling_margins(honest, [1] * len(honest))
+    assert all((m > 0).all() for m in margins)  # every honest token is the rule's draw
+    gate = TrustGate(TrustConfig(audit=AuditConfig(random_spot_check=0.0)), LocalStore(tmp_path), RUN,
+                     generate_private_key(), float_scorer=_Echo(), int8=_AtVersion(engine), assign=_assigned(1))
+    assert gate.review([_batch("hk", "h", honest)], 0) == [None]
+    (verdict,) = gate.review([_batch("ck", "c", cold, 1)], 0)
+    assert verdict[0] == "sampling" and "sampling rule does not draw" in verdict[1] and gate.is_banned("ck"), verdict
+    assert gate.counts["sampled_tokens_checked"] > 0 and gate.metrics()["trust/sampling_s"] >= 0
+
+
+def test_a_variant_copy_is_caught_by_its_repeated_tokens(engine_and_episodes, tmp_path):
+    """One sample of a group replaced by another's tokens under its index: a new group
+    fingerprint from genuine episodes, so replay, audit and fingerprints all passed it."""
+    from stoa.transport.store import LocalStore
+
+    engine, honest = engine_and_episodes
+    variant = copy.deepcopy(honest[:4])  # one group of 4 samples
+    twin = copy.deepcopy(variant[0])
+    twin.sample_index = variant[2].sample_index
+    variant[2] = twin
+    gate = TrustGate(TrustConfig(audit=AuditConfig(random_spot_check=0.0, sampling_episodes=0)), LocalStore(tmp_path),
+                     RUN, generate_private_key(), float_scorer=_Echo(), int8=_AtVersion(engine), assign=_assigned(1))
+    assert gate.review([_batch("hk", "h", honest[4:8])], 0) == [None]  # nothing repeated: nothing re-derived
+    (verdict,) = gate.review([_batch("vk", "v", variant, 1)], 0)
+    assert verdict[0] == "sampling" and gate.is_banned("vk"), verdict
+
+
+def test_gaps_in_a_keys_sequence_numbers_are_counted_and_a_withholder_flagged():
+    gate = TrustGate(TrustConfig(), None, RUN, generate_private_key())
+    for kid in ("h1", "h2", "h3"):
+        for seq in range(20):
+            gate.saw(kid, kid, seq)
+    for seq in range(0, 20, 3):  # uploads one number in three
+        gate.saw("sel", "sel", seq)
+    held = gate.withholding()
+    assert gate.records["sel"].withheld == 12 and held["sel"][1]
+    assert all(gate.records[k].withheld == 0 and not held[k][1] for k in ("h1", "h2", "h3"))
+    assert gate.metrics()["trust/withheld_batches"] == 12 and gate.metrics()["trust/withholding_flagged"] == 1

@@ -42,7 +42,11 @@ NEEDLES = {
     "shuffle-logprobs": "spot-check",
     "other-model": "spot-check",
     "forge-observations": "observation differs",
-    "copy": "duplicate",
+    "copy": "not the assigned work",
+    "framer": "not the assigned work",
+    "copy-variant": "sampling rule does not draw",
+    "cold-sampler": "sampling rule does not draw",
+    "selective": "",  # genuine episodes, none refused: its gaps are counted and flagged instead
     "unenrolled": "not enrolled",
 }
 
@@ -110,6 +114,11 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
             continue
         kid = kid_of[w]
         _, rec = by_name[w]
+        if kind == "selective":  # withholding can be counted, never proven: flagged, not banned
+            assert rec["withheld"] > 0 and not rec["banned"], rec
+            assert rec["withholding_flagged"] or rec["max_seq"] < 7, rec  # flagged once 8 numbers show a rate
+            assert rec["rejected_batches"] == 0, rec
+            continue
         uploaded = json.loads(store.get(f"{run}/workers/{w}.json"))["episodes"]
         assert uploaded > 0, w
         assert trained_by_key.get(kid, 0) <= 0.01 * uploaded, (w, trained_by_key.get(kid), uploaded)
@@ -126,16 +135,19 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
     for w in ("honest-0", "honest-1"):
         _, rec = by_name[w]
         assert rec["rejected_batches"] == 0 and not rec["banned"] and rec["accepted_batches"] >= 3, rec
+        assert rec["withheld"] == 0 and not rec["withholding_flagged"], rec
         assert trained_by_key.get(kid_of[w], 0) > 0
 
     train = [row for row in read_metrics(run_dir / "metrics.jsonl") if row["kind"] == "train"]
     last = train[-1]
-    assert last["trust/banned_workers"] == len(KINDS) - 1 and last["trust/rejected/refused"] >= 1
+    assert last["trust/banned_workers"] == len(KINDS) - 2 and last["trust/rejected/refused"] >= 1
     step_s = sum(row["time/step_s"] for row in train)
-    check_s = last["trust/replay_s"] + last["trust/audit_s"] + last["trust/spot_check_s"]
+    check_s = last["trust/replay_s"] + last["trust/audit_s"] + last["trust/spot_check_s"] + last["trust/sampling_s"]
     print(f"\ntrust checks {check_s:.2f} s vs {step_s:.2f} s of optimizer steps over {len(train)} steps "
           f"(ratio {(step_s + check_s) / step_s:.2f}); replayed {last['trust/episodes_replayed']:.0f}, audited "
-          f"{last['trust/episodes_audited']:.0f} episodes, {last['trust/spot_checks']:.0f} spot-checks")
+          f"{last['trust/episodes_audited']:.0f} episodes, {last['trust/spot_checks']:.0f} spot-checks; "
+          f"{last['trust/sampled_tokens_checked']:.0f} sampled tokens re-derived, "
+          f"{last['trust/sampled_tokens_ambiguous']:.0f} ambiguous")
     r = subprocess.run([sys.executable, "-m", "stoa", "status", "--store", str(store_dir), "--run", run,
                         "--public-key", str(run_pub)], env={**_env(), "COLUMNS": "250"}, capture_output=True,
                        text=True, timeout=120)

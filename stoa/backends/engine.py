@@ -404,6 +404,20 @@ class RolloutEngine(Protocol):
         ``0.0``. At model tokens this recomputes the behaviour log-probs.
         """
 
+    def sampling_margins(self, episodes: Sequence[Episode], seeds: Sequence[int], top_k: int = 0) -> list[np.ndarray]:
+        """Whether each sampled token is the one the sampling rule draws under the current weights.
+
+        For each episode (sampled with cohort seed ``seeds[i]``) and each of its model tokens in
+        order: re-derive the token's uniform ``u`` from the seed, the episode's ``group_id``,
+        ``item_index``, ``sample_index`` and the token's position (see "Determinism"), compute the
+        CDF of the truncated softmax at the episode's ``temperature`` / ``top_p`` (and ``top_k``)
+        from these weights' logits, and return where ``u`` lands relative to the token's slice of
+        it: the distance to the slice's nearest edge, positive inside (the rule draws this
+        token), negative outside (it draws another). Honest tokens sampled by these weights are
+        positive; float differences between kernels move ``u``'s landing only near an edge, so a
+        small negative value is ambiguous and a large one is a token the rule did not draw.
+        """
+
     def last_stats(self) -> RolloutStats:
         """Counters of the last :meth:`rollout` call."""
 

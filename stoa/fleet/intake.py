@@ -7,6 +7,8 @@ A batch's route, and the file that owns each step::
                                                                        against the roster (TrustGate.admit)
            -> version and run bounds      stoa/fleet/trust/admission.py  sampling settings, reward range,
                                                                        metric types, task id
+           -> assigned work               stoa/fleet/trust/assign.py    items, group ids and samples are the
+                                                                       key's assignment for its number
            -> TrustGate.review            stoa/fleet/trust/gate.py      replay (trust/replay.py), copies,
                                                                        log-prob audit and int8 spot-checks
                                                                        (trust/audit.py)
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from stoa.fleet.trust import FloatScorer, Ledger, TrustGate, batch_problem, group_episodes, scoped
+from stoa.fleet.trust.assign import Assignment, assignment, assignment_problem
 from stoa.transport.exchange import Batch, RolloutReader, write_progress
 from stoa.transport.store import StoreError
 
@@ -97,8 +100,9 @@ class Intake:
         rc = cfg.rollout
         replayer = (Replayer(make_env, int8.codec, max_turn_tokens=rc.max_turn_tokens,
                              max_episode_tokens=rc.max_episode_tokens) if cfg.trust.replay else None)
+        self.n_items = len(make_env().unwrapped)
         self.gate = TrustGate(cfg.trust, store, cfg.name, private_key, ledger=ledger, replayer=replayer,
-                              float_scorer=float_scorer, int8=int8)
+                              float_scorer=float_scorer, int8=int8, assign=self.assigned)
         self.gate.refresh(force=True)
         self.reader = RolloutReader(store, cfg.name, vocab_size=vocab_size, admit=self.gate.admit, require_seal=True,
                                     max_hashes=cfg.trust.max_hashes)
@@ -162,6 +166,11 @@ class Intake:
                 back.setdefault(batch.key, (batch, {}))[1][raw[0].group_id] = raw
         self.pool = list(back.values()) + self.pool
 
+    def assigned(self, batch: Batch) -> Assignment:
+        """The work ``batch`` owes: its sealing key's assignment for its sequence number."""
+        rc = self.cfg.rollout
+        return assignment(self.cfg.seed, batch.key_id, batch.seq, self.n_items, rc.groups_per_cohort)
+
     # -- polling and checks ------------------------------------------------------------------------
     def _poll(self, version: int) -> None:
         cfg = self.cfg
@@ -183,14 +192,19 @@ class Intake:
                                    f"{version}: not produced by this run's weights")
                 self.counters.future_version_batches += 1
                 continue
+            self.gate.saw(batch.key_id, batch.worker_id, batch.seq)
             try:
                 why = batch_problem(batch.episodes, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                     group_size=cfg.rollout.group_size, reward_range=cfg.trainer.reward_range,
                                     env_id=cfg.env.id, metric_types=self.metric_types)
+                category = "invalid"
+                if why is None and batch.key_id:
+                    why = assignment_problem(batch.episodes, self.assigned(batch), cfg.rollout.group_size)
+                    category = "assignment"
             except Exception as e:  # whatever a stranger's batch breaks, it is the batch's fault
-                why = f"checking the batch failed: {type(e).__name__}: {e}"
+                why, category = f"checking the batch failed: {type(e).__name__}: {e}", "invalid"
             if why:
-                self.reject(batch, why)
+                self.reject(batch, why if category == "invalid" else f"not the assigned work: {why}", category)
                 continue
             admitted.append(batch)
         admitted, self.held = self.held + admitted, []

@@ -88,6 +88,10 @@ class HeldPolicies:
         """Prefill log-probs of ``version``'s int8 policy, or None when it cannot be had."""
         return self.engine_at(version).score(episodes) if self.held(version) else None
 
+    def sampling_margins(self, version: int, episodes: Sequence[Episode], seeds: Sequence[int]) -> list[np.ndarray] | None:
+        """``RolloutEngine.sampling_margins`` under ``version``'s int8 policy, or None when it cannot be had."""
+        return self.engine_at(version).sampling_margins(episodes, seeds) if self.held(version) else None
+
     @property
     def codec(self) -> TextCodec:
         """The engine's text codec (builds the engine from the newest held state on first use)."""

@@ -8,7 +8,8 @@ Loop (``stoa worker --invite FILE``, or ``--store URL --run NAME --public-key KE
         between cohorts: if the pointer moved, catch up (deltas applied live, or a newer anchor)
         if this version already got rollout.cohorts_per_version cohorts from us, or too many of
         our batches wait for the trainer: wait
-        draw groups_per_cohort prompts from this worker's own seeded stream
+        make the work assigned to its next sequence number (stoa.fleet.trust.assign): its prompts,
+            group ids and sampling seed follow from the run seed, its key and the number
         play group_size samples of each with the int8 engine; upload them as one batch
         heartbeat; every ~30 s a progress line
 
@@ -35,12 +36,10 @@ the same key (and so the same id and cache) catches up by deltas instead of a fu
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import random
-import secrets
 import signal
 import socket
 import threading
@@ -52,8 +51,9 @@ import numpy as np
 
 from stoa.fleet.config import import_env_module
 from stoa.fleet.run import Heartbeat, fetch_run, write_heartbeat
+from stoa.fleet.trust.assign import Assignment, assignment
 from stoa.transport.chain import SYNC_ERRORS, PointerError, StateCheck, WeightSubscriber
-from stoa.transport.exchange import RolloutWriter, is_finished, read_progress
+from stoa.transport.exchange import RolloutWriter, SequenceTaken, is_finished, read_progress
 from stoa.transport.identity import load_or_create_worker_key, read_roster
 from stoa.transport.signing import SignatureError, key_id, load_public_key, read_signed
 from stoa.transport.store import KeyNotFound, ObjectStore, StoreError
@@ -138,6 +138,7 @@ class Worker:
         self.episodes = self.batches = self.sync_bytes = 0
         self.episodes_per_s = self.tokens_per_s = 0.0
         self.host = socket.gethostname()
+        self.writer: RolloutWriter | None = None
         self.engine: RolloutEngine | None = None
         self.sub: WeightSubscriber | None = None
         self._check: StateCheck | None = None  # the background hash check of the weights last synced
@@ -452,7 +453,7 @@ class Worker:
         return code
 
     def _run(self) -> int:
-        from stoa.backends.engine import RolloutRequest, SamplingConfig
+        from stoa.backends.engine import RolloutRequest
         import stoa.envs
 
         got = self._fetch_run()
@@ -478,14 +479,10 @@ class Worker:
                  self.progress_every)
         make_env = lambda: stoa.envs.make(cfg.env.id, split=cfg.env.train_split, **cfg.env.kwargs)
         n_items = len(make_env().unwrapped)
-        # Each worker draws its own prompt stream: seeded by the run seed and its id.
-        wid = int.from_bytes(hashlib.sha256(self.worker_id.encode()).digest()[:8], "little")
-        rng = np.random.default_rng([cfg.seed, wid])
         writer: RolloutWriter | None = None
         roster_read = 0.0
         cohorts_at: dict[int, int] = {}
-        session = secrets.token_hex(4)  # group ids stay unique across restarts of this worker id
-        pending: tuple[list, int] | None = None  # a cohort whose upload failed: retried first
+        pending: tuple[list, int, int] | None = None  # a cohort whose upload failed: retried first
         self._last_progress = time.time()
         while not self._stop and (self.max_batches is None or self.batches < self.max_batches):
             if self.max_seconds is not None and time.time() - self._started > self.max_seconds:
@@ -493,9 +490,13 @@ class Worker:
                 break
             try:
                 if writer is None:
-                    writer = RolloutWriter(self.store, self.run_name, self.worker_id, private_key=self.private_key)
+                    writer = self.writer = RolloutWriter(self.store, self.run_name, self.worker_id,
+                                                         private_key=self.private_key)
                 if pending is not None:
-                    self._upload(writer, *pending, cohorts_at)
+                    try:
+                        self._upload(writer, *pending, cohorts_at)
+                    except SequenceTaken as e:
+                        log.warning("%s; dropping the cohort made for it", e)
                     pending = None
                     continue
                 if self._finished():
@@ -524,22 +525,26 @@ class Worker:
             except (*SYNC_ERRORS, SignatureError, OSError) as e:
                 self._backoff("talking to the store", e)
                 continue
-            requests = [RolloutRequest(int(i), f"{self.worker_id}-{session}-{self.batches}-{j}", rc.group_size)
-                        for j, i in enumerate(rng.integers(n_items, size=rc.groups_per_cohort))]
-            sampling = SamplingConfig(temperature=rc.temperature, top_p=rc.top_p, max_turn_tokens=rc.max_turn_tokens,
-                                      max_episode_tokens=rc.max_episode_tokens, seed=int(rng.integers(2**62)))
+            # The work of our next sequence number is assigned (stoa.fleet.trust.assign): items, group ids, seed.
+            seq = writer.next_seq
+            work = self.assigned(cfg.seed, writer.key_id, seq, n_items, rc.groups_per_cohort)
+            requests = [RolloutRequest(i, g, rc.group_size) for i, g in zip(work.items, work.group_ids)]
+            sampling = self.sampling(rc, work.seed)
             t0 = time.time()
             episodes = self.finish_cohort(self.engine.rollout(make_env, requests, sampling))
             dt = max(time.time() - t0, 1e-9)
             try:
                 if not episodes or not self._weights_verified(self.engine.version if rc.lag else None):
-                    continue
+                    continue  # the number stays ours: its work is made again with repaired weights
                 self.episodes_per_s = len(episodes) / dt
                 self.tokens_per_s = sum(e.num_model_tokens for e in episodes) / dt
-                pending = (episodes, self.engine.version)
+                pending = (episodes, self.engine.version, seq)
                 self._upload(writer, *pending, cohorts_at)
                 pending = None
                 self._recovered()
+            except SequenceTaken as e:  # someone planted an object at our number: its work is void
+                log.warning("%s; dropping the cohort made for it", e)
+                pending = None
             except WorkerExit:
                 raise
             except (*SYNC_ERRORS, SignatureError, OSError) as e:
@@ -550,8 +555,20 @@ class Worker:
             self._stop_reason = self._stop_reason or f"uploaded the {self.max_batches} batches asked for"
         return EXIT_OK
 
-    def _upload(self, writer: RolloutWriter, episodes: list, version: int, cohorts_at: dict[int, int]) -> None:
-        writer.upload(episodes, version)  # a retry after a failure finds its own object, never a duplicate
+    def sampling(self, rc: Any, seed: int) -> Any:
+        """How a cohort samples: the run's settings, the assigned seed (an adversary may override it)."""
+        from stoa.backends.engine import SamplingConfig
+
+        return SamplingConfig(temperature=rc.temperature, top_p=rc.top_p, max_turn_tokens=rc.max_turn_tokens,
+                              max_episode_tokens=rc.max_episode_tokens, seed=seed)
+
+    def assigned(self, run_seed: int, key_id: str, seq: int, n_items: int, groups: int) -> Assignment:
+        """The work this key owes as sequence number ``seq`` (an adversary may override it)."""
+        return assignment(run_seed, key_id, seq, n_items, groups)
+
+    def _upload(self, writer: RolloutWriter, episodes: list, version: int, seq: int,
+                cohorts_at: dict[int, int]) -> None:
+        writer.upload(episodes, version, seq=seq)  # a retry after a failure finds its own object, never a duplicate
         cohorts_at[version] = cohorts_at.get(version, 0) + 1
         self.batches += 1
         self.episodes += len(episodes)

@@ -16,7 +16,15 @@ kind                   what it does                                         caug
                        shape and tokenizer, claims the run's version
 ``forge-observations`` the first observation of each episode replaced       replay (observation)
                        by planted text
-``copy``               uploads other workers' batches as its own            group fingerprints
+``copy``               uploads other workers' batches as its own            assigned work
+``framer``             re-signs other workers' fresh batches, unchanged,    assigned work (the
+                       under its own key (to have the originals struck)     originals are never struck)
+``copy-variant``       its own honest groups with one episode replaced by   the sampling check
+                       a copy of another (relabelled as that sample)        (repeated tokens)
+``cold-sampler``       samples at 0.7x the temperature, claims the run's    the sampling check
+                       and reports honest log-probs of what it sampled
+``selective``          honest, but never uploads a batch with a success,    withholding rate
+                       nor half of the others (a taste of its own)          (flagged, not banned)
 ``unenrolled``         honest, but its key is not enrolled                  the roster (an enrolled
                                                                             run; in an open run it
                                                                             is a new worker)
@@ -203,6 +211,100 @@ class Copy(_Adversary):
         return []
 
 
+class Framer(Copy):
+    """Re-signs other workers' fresh batches unchanged (their group ids, items and draws) under its
+    own key and name, hoping the trainer takes its copy and strikes the original."""
+
+    kind = "framer"
+
+    def finish_cohort(self, episodes: list[Episode]) -> list[Episode]:
+        assert self.engine is not None
+        for key in reversed(self.store.list(f"{self.run_name}/rollouts/")):
+            parsed = parse_rollout_key(self.run_name, key)
+            if parsed is None or parsed[0] == self.worker_id or key in self._copied or parsed[2] != self.engine.version:
+                continue
+            self._copied.add(key)
+            try:
+                _, payload = open_sealed(self.store.get(key))
+                stolen = decode_episodes(payload)
+            except (SealError, StoreError, EpisodeError):
+                continue
+            for e in stolen:
+                e.worker_id = self.worker_id
+            return stolen
+        return []
+
+
+class CopyVariant(_Adversary):
+    """In each group of its own honest work, one sample is replaced by a copy of another sample's
+    tokens relabelled with the replaced sample's index: every episode is genuine, the group is new."""
+
+    kind = "copy-variant"
+
+    def finish_cohort(self, episodes: list[Episode]) -> list[Episode]:
+        import copy as _copy
+
+        by_group: dict[str, list[int]] = {}
+        for i, e in enumerate(episodes):
+            by_group.setdefault(e.group_id, []).append(i)
+        for idx in by_group.values():
+            if len(idx) >= 2:
+                twin = _copy.deepcopy(episodes[idx[0]])
+                twin.sample_index = episodes[idx[1]].sample_index
+                episodes[idx[1]] = twin
+        return episodes
+
+
+class ColdSampler(_Adversary):
+    """Samples at 0.7x the run's temperature (sharper, more exploitative) and reports, at the run's
+    temperature, the honest log-probs of the tokens it drew: every claimed log-prob re-scores."""
+
+    kind = "cold-sampler"
+
+    def sampling(self, rc: Any, seed: int) -> Any:
+        import dataclasses
+
+        return dataclasses.replace(super().sampling(rc, seed), temperature=rc.temperature * 0.7)
+
+    def finish_cohort(self, episodes: list[Episode]) -> list[Episode]:
+        assert self.engine is not None
+        if not episodes:
+            return episodes
+        claimed = episodes[0].temperature / 0.7
+        for e in episodes:
+            e.temperature = claimed
+        for e, lp in zip(episodes, self.engine.score(episodes)):
+            at = len(e.prompt_tokens)
+            for seg in e.segments:
+                if seg.kind == "model":
+                    seg.logprobs = np.asarray(lp[at:at + len(seg.tokens)], np.float32)
+                at += len(seg.tokens)
+        return episodes
+
+
+class Selective(_Adversary):
+    """Honest generation, uploads chosen by a preference of its own: a batch in which any episode
+    succeeded (the task's success metric, from its declared hooks) is never uploaded, nor is every
+    other one of the rest (a stand-in for any other taste), and their sequence numbers are
+    skipped. The trainer sees a biased sample of genuine episodes."""
+
+    kind = "selective"
+
+    def finish_cohort(self, episodes: list[Episode]) -> list[Episode]:
+        if not episodes:
+            return episodes
+        _, success = _declared(episodes[0].env_id)
+        solved = any(bool(e.metrics.get(success)) if success else e.reward > 0 for e in episodes)
+        self.made = getattr(self, "made", 0) + 1
+        if solved or self.made % 2:
+            self.withheld = getattr(self, "withheld", 0) + 1
+            if self.writer is not None:
+                self.writer.next_seq += 1  # the number is spent: its work is never uploaded
+            log.info("withheld a batch (%d so far)", self.withheld)
+            return []
+        return episodes
+
+
 class Unenrolled(_Adversary):
     """Honest work signed with a key the run never enrolled (refused in an ``enrolled`` run)."""
 
@@ -210,7 +312,8 @@ class Unenrolled(_Adversary):
 
 
 KINDS: dict[str, type[Worker]] = {c.kind: c for c in (FlipRewards, ForgeMetrics, ZeroLogprobs, ShuffleLogprobs,
-                                                       OtherModel, ForgeObservations, Copy, Unenrolled)}
+                                                       OtherModel, ForgeObservations, Copy, Framer, CopyVariant,
+                                                       ColdSampler, Selective, Unenrolled)}
 """Adversary kind -> worker class."""
 
 

@@ -66,6 +66,7 @@ __all__ = [
     "Rejection",
     "RolloutReader",
     "RolloutWriter",
+    "SequenceTaken",
     "is_finished",
     "mark_finished",
     "parse_rollout_key",
@@ -120,7 +121,9 @@ def _declared_size(payload: bytes) -> int:
 
 
 def _group_prints(episodes: list[Episode]) -> list[str]:
-    """A content print per group of a batch: its samples' tokens and log-probs, whatever the ids."""
+    """A content print per group of a batch: its samples' tokens and log-probs, whatever the ids.
+    A group whose samples are all alike has none: a near-deterministic policy repeats such a
+    group honestly (and it carries no advantage to train on anyway)."""
     groups: dict[str, list[bytes]] = {}
     for ep in episodes:
         h = hashlib.sha256(ep.prompt_tokens.tobytes())
@@ -129,7 +132,7 @@ def _group_prints(episodes: list[Episode]) -> list[str]:
             if seg.logprobs is not None:
                 h.update(seg.logprobs.tobytes())
         groups.setdefault(ep.group_id, []).append(h.digest())
-    return [hashlib.sha256(b"".join(sorted(d))).hexdigest()[:32] for d in groups.values()]
+    return [hashlib.sha256(b"".join(sorted(d))).hexdigest()[:32] for d in groups.values() if len(set(d)) > 1]
 
 
 def rollout_key(run: str, worker_id: str, seq: int, version: int) -> str:
@@ -231,6 +234,10 @@ class PollReport:
     """The quarantined objects, with what is known of their sender."""
 
 
+class SequenceTaken(StoreError):
+    """The sequence number a batch was made for is held by another object (see ``RolloutWriter.upload``)."""
+
+
 class RolloutWriter:
     """Uploads a worker's episode batches as write-once objects.
 
@@ -278,14 +285,16 @@ class RolloutWriter:
         # so the upload loop steps past it), never below an object of ours further down.
         return found[min(len(found), _MAX_PROBES) - 1][0] - 1 if len(found) > _MAX_PROBES else -1
 
-    def upload(self, episodes: list[Episode], policy_version: int) -> str:
+    def upload(self, episodes: list[Episode], policy_version: int, seq: int | None = None) -> str:
         """Encode and upload one batch; return its key.
 
         Every episode must carry ``policy_version`` and this writer's ``worker_id`` (raises
         ``ValueError`` otherwise; the reader would quarantine such a batch). If another process
-        already took a sequence number, the next free one is used. If a store error leaves it
-        unknown whether the object landed, call ``upload`` again with the same batch: it finds
-        its own object and returns its key instead of uploading a duplicate.
+        already took a sequence number, the next free one is used; with ``seq`` (work assigned to
+        that number, ``stoa.fleet.trust.assign``) the batch goes under exactly that number or
+        :class:`SequenceTaken` is raised (and :attr:`next_seq` moves past the taken ones). If a
+        store error leaves it unknown whether the object landed, call ``upload`` again with the
+        same batch: it finds its own object and returns its key instead of uploading a duplicate.
         """
         if not episodes:
             raise ValueError("refusing to upload an empty batch")
@@ -295,7 +304,10 @@ class RolloutWriter:
             if ep.worker_id != self.worker_id:
                 raise ValueError(f"episode {i} has worker_id {ep.worker_id!r}, this writer is {self.worker_id!r}")
         payload = encode_episodes(episodes)
+        wanted = seq
         for _ in range(_MAX_UPLOAD_TRIES):
+            if wanted is not None and self.next_seq != wanted:
+                raise SequenceTaken(f"sequence number {wanted} of worker {self.worker_id!r} was taken by another object")
             seq = self.next_seq
             key = rollout_key(self.run, self.worker_id, seq, policy_version)
             blob = payload if self._key is None else seal_batch(

@@ -21,7 +21,9 @@ from stoa.backends.engine import (
 from stoa.backends.mlx import fast
 from stoa.backends.mlx import weights as W
 from stoa.backends.mlx.rollout import Cohort
-from stoa.backends.mlx.sampling import HostSampler, device_sample
+from stoa.backends.mlx.sampling import (
+    HostSampler, _truncate_np, cdf_margins, device_sample, episode_key, uniforms,
+)
 from stoa.types import Episode
 
 MODES = ("auto", "quantized", "dequantized")
@@ -247,6 +249,39 @@ class MLXEngine:
             return self._score(episodes, temperature, max_tokens)
         finally:
             self._lock.release()
+
+    def sampling_margins(self, episodes: Sequence[Episode], seeds: Sequence[int], top_k: int = 0) -> list[np.ndarray]:
+        """See the protocol."""
+        if len(seeds) != len(episodes):
+            raise EngineError("one seed per episode")
+        self._exclusive("sampling_margins")
+        try:
+            return [self._margins(ep, int(seed), top_k) for ep, seed in zip(episodes, seeds)]
+        finally:
+            self._lock.release()
+
+    def _margins(self, ep: Episode, seed: int, top_k: int) -> np.ndarray:
+        toks = ep.tokens()
+        if toks.size and (toks.min() < 0 or toks.max() >= self._vocab):
+            raise EngineError(f"token id outside [0, {self._vocab})")
+        pos = np.flatnonzero(ep.loss_mask())
+        if pos.size == 0 or pos[0] == 0:
+            return np.zeros(0, np.float64)
+        xs = mx.array(toks[None, :].astype(np.int32))
+        hidden = self._body(xs) if self._head is not None else None
+        full = self._model(xs) if hidden is None else None
+        key = episode_key(seed, ep.group_id, int(ep.item_index or 0), ep.sample_index)
+        u = uniforms(np.full(pos.size, key, np.uint64), pos.astype(np.int64)).astype(np.float64)
+        out = np.empty(pos.size, np.float64)
+        rows = max(1, (1 << 22) // self._vocab)  # bound the float32 logits held at once
+        for a in range(0, pos.size, rows):
+            at = mx.array((pos[a:a + rows] - 1).astype(np.int32))
+            logits = self._head(hidden[0, at]) if hidden is not None else full[0, at]
+            z = np.array(logits.astype(mx.float32), dtype=np.float32) * np.float32(1.0 / ep.temperature)
+            if top_k or ep.top_p < 1.0:
+                _truncate_np(z, top_k, ep.top_p)
+            out[a:a + rows] = cdf_margins(z, toks[pos[a:a + rows]], u[a:a + rows])
+        return out
 
     def _score(self, episodes: Sequence[Episode], temperature: float | None, max_tokens: int) -> list[np.ndarray]:
         batches: list[list[int]] = [[]]

@@ -79,6 +79,22 @@ class HostSampler:
         return tok, lp.astype(np.float32)
 
 
+def cdf_margins(z: np.ndarray, tokens: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Where each row's uniform ``u`` lands relative to its token's slice of the CDF of
+    ``softmax(z)`` (``z``: scaled, truncated logits ``[n, V]``): the distance to the nearest edge
+    of the slice, positive inside it (the rule draws that token), negative outside (it draws
+    another), in units of probability. Computed in float64."""
+    z = z.astype(np.float64)
+    z -= z.max(axis=1, keepdims=True)
+    c = np.cumsum(np.exp(z), axis=1)
+    c /= c[:, -1:]
+    rows = np.arange(len(tokens))
+    hi = c[rows, tokens]
+    lo = np.where(tokens > 0, c[rows, np.maximum(tokens - 1, 0)], 0.0)
+    inside = (u > lo) & (u <= hi)
+    return np.where(inside, np.minimum(u - lo, hi - u), -np.maximum(lo - u, u - hi))
+
+
 def _truncate_mx(z: mx.array, top_k: int, top_p: float) -> mx.array:
     v = z.shape[1]
     neg = mx.array(-np.inf, dtype=mx.float32)

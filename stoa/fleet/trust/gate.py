@@ -43,6 +43,7 @@ from stoa.transport.signing import SignatureError, read_signed, sign_document
 from stoa.transport.store import ObjectStore, StoreError
 
 if TYPE_CHECKING:
+    from stoa.fleet.trust.assign import Assignment
     from stoa.fleet.trust.ledger import Ledger
     from stoa.fleet.trust.replay import Replayer
     from stoa.transport.exchange import Batch, Rejection
@@ -53,7 +54,7 @@ __all__ = ["FloatScorer", "Int8Scorer", "TrustConfig", "TrustGate", "WorkerRecor
 
 log = logging.getLogger("stoa.trust")
 
-STRIKE_CATEGORIES = ("replay", "duplicate", "invalid", "audit")
+STRIKE_CATEGORIES = ("replay", "duplicate", "invalid", "audit", "sampling", "assignment")
 """Rejections that count toward ``ban_after``: the sender is known and the content is its fault. A
 refused key (not enrolled yet, banned, impersonating) is not struck: its batches are never read."""
 _REPORT_KIND = "trust-report"
@@ -108,6 +109,11 @@ class Int8Scorer(Protocol):
         when that version's weights are no longer held."""
         ...
 
+    def sampling_margins(self, version: int, episodes: Sequence[Episode],
+                         seeds: Sequence[int]) -> list[np.ndarray] | None:
+        """``RolloutEngine.sampling_margins`` under ``version``'s int8 policy; None when not held."""
+        ...
+
 
 def scoped(key_id: str, group_id: str) -> str:
     """A group id in its sender's namespace (``<key id>/<group id>``; the raw id when unsigned)."""
@@ -134,6 +140,15 @@ class WorkerRecord:
     banned: str = ""
     """Why the key is banned ("" if it is not)."""
     last_seen: float = 0.0
+    batches_seen: int = 0
+    """Batches of this key the intake read (any outcome)."""
+    max_seq: int = -1
+    """Its highest sequence number read."""
+
+    @property
+    def withheld(self) -> int:
+        """Sequence numbers up to :attr:`max_seq` of which no batch came (withheld, or lost in a crash)."""
+        return max(0, self.max_seq + 1 - self.batches_seen)
 
 
 def _episode_digest(ep: Episode) -> bytes:
@@ -172,6 +187,8 @@ class TrustGate:
             a task that is not replayable: no replay).
         float_scorer: the learner, for the audit's log pi (None or ``cfg.audit.enabled`` off: no audit).
         int8: the held int8 policies, for spot-checks (None: suspicion is logged, never confirmed).
+        assign: a batch's assigned work (:mod:`stoa.fleet.trust.assign`); given, a spot-check also
+            re-derives every sampled token from the assigned seed.
         seed: only for tests that need the same choices twice. By default which episodes are
             audited and when a random spot-check comes are drawn from the operating system's
             entropy, so nothing public (the run's seed is in its world-readable config) predicts them.
@@ -180,7 +197,7 @@ class TrustGate:
     def __init__(self, cfg: TrustConfig, store: ObjectStore, run: str, private_key: Any, *,
                  ledger: Ledger | None = None, replayer: Replayer | None = None,
                  float_scorer: FloatScorer | None = None, int8: Int8Scorer | None = None,
-                 seed: int | None = None):
+                 assign: Callable[[Batch], Assignment] | None = None, seed: int | None = None):
         self.cfg, self.store, self.run, self.key = cfg, store, run, private_key
         self.ledger = ledger
         self.audit = LogprobAudit(cfg.audit)
@@ -195,13 +212,15 @@ class TrustGate:
         self._roster_dirty = False
         self._new_bans: list[str] = []
         self._holds: dict[str, int] = {}  # batch key -> polls it was held for a contested group
-        self.seconds = {"replay": 0.0, "audit": 0.0, "spot_check": 0.0}
-        self.counts = {"spot_checks": 0, "episodes_replayed": 0, "episodes_audited": 0}
+        self.seconds = {"replay": 0.0, "audit": 0.0, "spot_check": 0.0, "sampling": 0.0}
+        self.counts = {"spot_checks": 0, "episodes_replayed": 0, "episodes_audited": 0, "sampled_tokens_checked": 0,
+                       "sampled_tokens_ambiguous": 0, "sampling_violations": 0}
         if replayer is not None and cfg.replay and not replayer.replayable:
             log.warning("the task is not replayable (TextEnv.replayable = False): episodes are audited only")
         self.replayer = replayer if cfg.replay and replayer is not None and replayer.replayable else None
         self.float_scorer = float_scorer if cfg.audit.enabled else None
         self.int8 = int8 if cfg.audit.enabled else None
+        self.assign = assign
 
     # -- identity ---------------------------------------------------------------------------------
     def refresh(self, force: bool = False) -> None:
@@ -318,6 +337,25 @@ class TrustGate:
     def is_banned(self, kid: str) -> bool:
         return bool(kid) and (kid in self.roster.banned or bool(self.records.get(kid, WorkerRecord("")).banned))
 
+    def saw(self, kid: str, worker_id: str, seq: int) -> None:
+        """A batch of ``kid`` with sequence number ``seq`` reached the intake (withholding accounting)."""
+        if kid:
+            rec = self._record(kid, worker_id)
+            rec.batches_seen += 1
+            rec.max_seq = max(rec.max_seq, seq)
+
+    def withholding(self) -> dict[str, tuple[float, bool]]:
+        """Per key ``(withheld rate, flagged)``: a key is flagged when its rate leaves the fleet's
+        range (median + ``audit.worker_mads`` x max(MAD, 0.05)) over keys with 8 or more numbers.
+        A flag says "look", never "ban": a gap is also what a crash mid-cohort leaves."""
+        rates = {k: r.withheld / (r.max_seq + 1) for k, r in self.records.items() if r.max_seq >= 0}
+        ripe = [v for k, v in rates.items() if self.records[k].max_seq >= 7]
+        if not ripe:
+            return {k: (v, False) for k, v in rates.items()}
+        med = float(np.median(ripe))
+        limit = med + self.cfg.audit.worker_mads * max(float(np.median(np.abs(np.array(ripe) - med))), 0.05)
+        return {k: (v, self.records[k].max_seq >= 7 and v > limit) for k, v in rates.items()}
+
     def trained(self, batch: Batch, episodes: int) -> None:
         self._record(batch.key_id, batch.worker_id).trained_episodes += episodes
 
@@ -347,6 +385,8 @@ class TrustGate:
         for i, b in enumerate(batches):
             if verdicts[i] is None and self.float_scorer is not None:
                 verdicts[i] = self._guarded(self._audit, b, trainer_version)
+            if verdicts[i] is None and self.int8 is not None and self.assign is not None and b.key_id:
+                verdicts[i] = self._guarded(self._draws, b)
         for b, v in zip(batches, verdicts):
             if v is None or v[0] != "hold":
                 self._holds.pop(b.key, None)
@@ -447,6 +487,9 @@ class TrustGate:
         return verdict
 
     def _spot_check(self, b: Batch, first: list[int], reason: str) -> tuple[str, str] | None:
+        """Re-score some episodes with the int8 policy of the claimed version: their log-probs
+        token by token, and (when the batch's work was assigned) every token against the draw the
+        sampling rule makes from the assigned seed. A confirmed mismatch bans the key."""
         if self.int8 is None:
             return None
         rest = [i for i in self._rng.permutation(len(b.episodes)).tolist() if i not in first]
@@ -458,17 +501,67 @@ class TrustGate:
             return "unverifiable", (f"{reason}; the spot-check cannot be made: version {b.version}'s int8 weights "
                                     "are neither held nor rebuildable from the weight chain")
         result = spot_check(lambda _: scored, eps, self.audit.config)
+        drawn = None if result.confirmed or self.assign is None else self._sampling(b, eps)
         self.seconds["spot_check"] += time.perf_counter() - t0
         self.counts["spot_checks"] += 1
         rec = self._record(b.key_id, b.worker_id)
         rec.spot_checks += 1
-        if not result.confirmed:
+        if not result.confirmed and drawn is None:
             log.info("spot-check of %s (%s): %s", b.key, reason, result.detail)
             return None
         rec.spot_check_failures += 1
-        why = f"log-prob audit: {reason}; spot-check: {result.detail}"
+        why = f"log-prob audit: {reason}; spot-check: {result.detail if result.confirmed else drawn}"
         self.ban(b.key_id, why)
-        return "audit", why
+        return ("audit" if result.confirmed else "sampling"), why
+
+    def _draws(self, b: Batch) -> tuple[str, str] | None:
+        """Every batch: ``audit.sampling_episodes`` random episodes, and every episode whose tokens
+        repeat another's in the batch (a variant copy, or an honest near-deterministic sample),
+        re-derived from the assigned seed; a token the rule did not draw bans the key."""
+        seen: dict[bytes, int] = {}
+        dup = []
+        for i, e in enumerate(b.episodes):
+            d = _episode_digest(e)
+            if d in seen:
+                dup += [seen[d], i]
+            seen.setdefault(d, i)
+        pick = sorted(set(dup) | set(self._rng.permutation(len(b.episodes))[: self.cfg.audit.sampling_episodes].tolist()))
+        t0 = time.perf_counter()
+        eps, seed = [b.episodes[i] for i in pick], self.assign(b).seed  # type: ignore[misc]
+        margins = self.int8.sampling_margins(b.version, eps, [seed] * len(eps))  # type: ignore[union-attr]
+        if margins is None:  # never accepted unchecked
+            return "unverifiable", (f"the sampling check cannot be made: version {b.version}'s int8 weights are "
+                                    "neither held nor rebuildable from the weight chain")
+        why = self._sampling(b, eps, margins)
+        self.seconds["sampling"] += time.perf_counter() - t0
+        if why is None:
+            return None
+        rec = self._record(b.key_id, b.worker_id)
+        rec.spot_check_failures += 1
+        self.ban(b.key_id, why)
+        return "sampling", why
+
+    def _sampling(self, b: Batch, eps: list[Episode], margins: list[np.ndarray] | None = None) -> str | None:
+        """Why some of ``eps``' tokens are not the ones the sampling rule draws from the batch's
+        assigned seed under the claimed version's int8 weights (``margins``, computed here when
+        not given), or None."""
+        if margins is None:
+            seed = self.assign(b).seed  # type: ignore[misc]
+            margins = self.int8.sampling_margins(b.version, eps, [seed] * len(eps))  # type: ignore[union-attr]
+            if margins is None:  # only after the log-prob re-score of the same version succeeded
+                return None
+        band = self.cfg.audit.sampling_band
+        flat = np.concatenate(margins) if margins else np.zeros(0)
+        self.counts["sampled_tokens_checked"] += int(flat.size)
+        self.counts["sampled_tokens_ambiguous"] += int((np.abs(flat) <= band).sum())
+        bad = [(e, int((m < -band).sum()), int(m.size)) for e, m in zip(eps, margins) if (m < -band).any()]
+        if not bad:
+            return None
+        self.counts["sampling_violations"] += sum(n for _, n, _ in bad)
+        e, n, total = bad[0]
+        return (f"sampling: {len(bad)} of {len(eps)} episodes hold tokens the sampling rule does not draw from the "
+                f"assigned seed at temperature {e.temperature:g}, top_p {e.top_p:g} (group {e.group_id[:40]!r} sample "
+                f"{e.sample_index}: {n} of {total} tokens further than {band:g} outside their slice of the CDF)")
 
     def calibrate(self, episodes: Sequence[Episode], trainer_logprobs: Sequence[np.ndarray]) -> float:
         """The int8-versus-float floor, from the trainer's own int8 episodes at one version."""
@@ -483,6 +576,8 @@ class TrustGate:
         out: dict[str, float] = {
             "trust/workers": float(len(self.records)),
             "trust/banned_workers": float(sum(bool(r.banned) for r in recs)),
+            "trust/withheld_batches": float(sum(r.withheld for r in recs)),
+            "trust/withholding_flagged": float(sum(f for _, f in self.withholding().values())),
             "trust/accepted_batches": float(sum(r.accepted_batches for r in recs)),
             "trust/rejected_batches": float(sum(r.rejected_batches for r in recs)
                                             + sum(sum(d.values()) for d in self.anonymous.values())),
@@ -506,9 +601,12 @@ class TrustGate:
 
     def report(self, version: int) -> dict[str, Any]:
         recs = sorted(self.records.items(), key=lambda kv: -kv[1].last_seen)[:_MAX_REPORT_WORKERS]
+        held = self.withholding()
         return {"run": self.run, "version": version, "time": time.time(), "mode": self.cfg.mode,
                 "floor": self.audit.floor,
-                "workers": {kid: {**asdict(r), "audit": self.audit.summary(kid)} for kid, r in sorted(recs)},
+                "workers": {kid: {**asdict(r), "audit": self.audit.summary(kid), "withheld": r.withheld,
+                                  "withheld_rate": round(held.get(kid, (0.0, False))[0], 4),
+                                  "withholding_flagged": held.get(kid, (0.0, False))[1]} for kid, r in sorted(recs)},
                 "anonymous": {w: d for w, d in list(self.anonymous.items())[:_MAX_REPORT_WORKERS]}}
 
     def write_report(self, version: int = -1, force: bool = False) -> None:
