@@ -51,12 +51,12 @@ def dequantize_torch(codes: torch.Tensor, scales: torch.Tensor, biases: torch.Te
                      group_size: int = GROUP_SIZE) -> torch.Tensor:
     """``codes * scales + biases`` per group, rounded as ``mx.dequantize`` rounds (result in
     scales' dtype): the product is rounded to that dtype before the bias is added."""
-    out_shape = codes.shape
-    c = codes.reshape(-1, group_size).to(torch.float32)
-    s = scales.reshape(-1, 1).to(torch.float32)
-    b = biases.reshape(-1, 1).to(torch.float32)
-    dt = scales.dtype
-    w = (c * s).to(dt).to(torch.float32) + b
+    out_shape, dt = codes.shape, scales.dtype
+    w = codes.reshape(-1, group_size).to(torch.float32)
+    w.mul_(scales.reshape(-1, 1).to(torch.float32))
+    if dt != torch.float32:  # round the product to the scales' dtype, as MLX does
+        w = w.to(dt).to(torch.float32)
+    w.add_(biases.reshape(-1, 1).to(torch.float32))
     return w.to(dt).reshape(out_shape)
 
 
@@ -122,7 +122,8 @@ class TorchInt8Scorer:
                                      _to_torch(np.asarray(b), self.device))
             else:
                 w = _to_torch(a, self.device)
-            p.copy_(w.to(self.dtype))
+            p.copy_(w)
+            del w
         self.version = int(version)
 
     @torch.no_grad()
@@ -160,7 +161,8 @@ class TorchInt8Scorer:
                              device=self.device)[:, None, None]
         # Right padding under a causal mask leaves every real position's logits unchanged.
         hidden = self._body(input_ids=xs).last_hidden_state
-        chunk = max(1, (1 << 22) // (len(eps) * self.vocab_size))  # bound the float32 logits held at once
+        # Bound the float32 logits held at once (~128 MB); each chunk re-reads the head matrix.
+        chunk = max(1, (1 << 25) // (len(eps) * self.vocab_size))
         parts = []
         for a in range(0, width - 1, chunk):
             b = min(width - 1, a + chunk)
