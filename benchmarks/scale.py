@@ -177,9 +177,20 @@ def _states(work: Path, n: int):
         yield v, cur
 
 
+def _trim() -> None:
+    """Return freed heap to the OS, so RSS counts what is held, not what glibc keeps cached."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
 def part_held(model: Path, work: Path, kind: str, max_lag: int) -> dict:
     """Trainer-side RAM for the states of versions v-max_lag..v, held as ``kind`` (dict|disk)."""
-    import gc
 
     import numpy as np
 
@@ -194,7 +205,7 @@ def part_held(model: Path, work: Path, kind: str, max_lag: int) -> dict:
             held[v] = s
             for old in [o for o in held if o < v - max_lag]:
                 del held[old]
-        gc.collect()
+        _trim()
         r = rss()
         touched = sum(int(a.reshape(-1)[::4096].sum()) for a in held[min(held)].values())
         out = {"versions": len(held)}
@@ -205,7 +216,7 @@ def part_held(model: Path, work: Path, kind: str, max_lag: int) -> dict:
         for v, s in _states(work, n + 2):
             disk.put(v, s)
             del s
-        gc.collect()
+        _trim()
         got = disk.get(disk.versions()[0])  # a spot-check reads the oldest claimable version
         touched = sum(int(np.asarray(a).sum(dtype=np.int64)) for a in got.values())
         r = rss()
@@ -334,18 +345,23 @@ def run_fleet(model: Path, work: Path, steps: int, timeout_s: float) -> dict:
         failed = f"trainer exited {procs['trainer'][0].returncode}"
     out: dict = {"fleet_wall_s": wall, "steps_done": len(train), "failed": failed,
                  "peak_rss_gb": {k: round(v, 3) for k, v in peaks.items()}}
-    # Cold join: process start to the "joined run" line (log time has 1 s resolution).
+    # Cold join: from when version 0 was committed (or the worker started, if later) to the
+    # worker's "joined run" line: download, verify, engine build. Log times have 1 s resolution.
+    try:
+        man = json.loads((store / "scale" / "weights" / f"{0:012d}" / "manifest.json").read_text())
+        v0_at = float(json.loads(man["body"])["created"])
+    except (OSError, ValueError, KeyError):
+        v0_at = 0.0
     joins = []
     for wid in ("worker-0", "worker-1"):
         text = (run_dir / f"{wid}.log").read_text(errors="replace")
         m = re.search(r"^(\d\d:\d\d:\d\d) \S+ INFO worker \S+ joined run", text, re.M)
         if m:
-            started = procs[wid][1]
+            since = max(procs[wid][1], v0_at)
             hh, mm, ss = (int(x) for x in m.group(1).split(":"))
-            lt = time.localtime(started)
+            lt = time.localtime(since)
             joined = time.mktime((lt.tm_year, lt.tm_mon, lt.tm_mday, hh, mm, ss, 0, 0, lt.tm_isdst))
-            joins.append(joined - started + 0.5)
-    # The trainer publishes v0 before the workers can join; waiting for it is not join cost.
+            joins.append(joined + 0.5 - since)
     out["join_s"] = joins
     syncs = []
     for line in (run_dir / "follower.log").read_text(errors="replace").splitlines():
@@ -378,6 +394,74 @@ def run_fleet(model: Path, work: Path, steps: int, timeout_s: float) -> dict:
     out["worker_tokens_per_s"] = [b.get("tokens_per_s") for b in beats if isinstance(b, dict) and "tokens_per_s" in b]
     tail = (run_dir / "trainer.log").read_text(errors="replace").splitlines()[-8:]
     out["trainer_log_tail"] = tail
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The cost model: per-parameter coefficients measured above, extrapolated to larger shapes
+# ---------------------------------------------------------------------------------------------
+
+LINKS = {"fiber300": 300, "cable100": 100, "dsl50": 50, "dsl25": 25, "overseas50": 50, "flaky10": 10}
+"""Download Mbit/s of docs/wan.md's link classes."""
+
+
+def _codes(cfg: dict) -> int:
+    from stoa.models.presets import tensor_specs
+
+    return sum(int(s[0]) * int(s[1]) for _, s, _ in tensor_specs(cfg) if len(s) == 2)
+
+
+def cost_model(res: dict, targets=("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen3-8b"),
+               change_rate: float = 0.005, max_lag: int = 8) -> dict:
+    """Extrapolate the measured per-parameter costs of ``res`` to the ``targets`` presets.
+
+    Linear in the parameter (or int8 code) count: state bytes, delta bytes per changed code,
+    hash/apply/quantize seconds, worker memory; generation tokens/s inversely (decode is bound
+    by reading the weights). Mac figures assume MLX's int8 kernels (no float copy) and are not
+    measured here."""
+    from stoa.models.presets import hf_config_for, num_params
+
+    m, t, p, f = res["mlx"], res["torch"], res["pulse"], res.get("fleet", {})
+    base = hf_config_for(res["preset"])
+    if res.get("quick"):
+        base = dict(base, num_hidden_layers=2)
+    P0, C0 = num_params(base), _codes(base)
+    state_per_code = m["state_bytes"] / C0
+    bytes_per_change = p["delta_bytes"] / (p["changed_code_frac"] * C0)
+    worker_peak = max((v for k, v in f.get("peak_rss_gb", {}).items() if k.startswith("worker")), default=m["peak_rss_gb"])
+    # A worker on a CPU holds the int8 state and its float32 copy (4 bytes a parameter); on a Mac
+    # MLX runs the int8 kernels on the state alone. The rest (runtime, tokenizer, KV cache) is
+    # the measured peak minus those two, taken as fixed.
+    overhead = max(0.0, worker_peak - (m["state_bytes"] + 4 * P0) / GB)
+    out = {"basis": {"params": P0, "worker_overhead_gb": overhead, "codes": C0, "state_bytes_per_code": state_per_code,
+                     "delta_bytes_per_changed_code": bytes_per_change, "worker_peak_gb_per_bparam": worker_peak / (P0 / 1e9),
+                     "change_rate": change_rate, "max_lag": max_lag}}
+    for name in targets:
+        cfg = hf_config_for(name)
+        P, C = num_params(cfg), _codes(cfg)
+        k = C / C0
+        state = state_per_code * C
+        delta = bytes_per_change * change_rate * C
+        row = {
+            "params": P, "state_gb": state / GB, "delta_mb": delta / 1e6, "full_vs_delta": state / delta,
+            "state_hash_s": p["state_hash_s"] * k, "apply_s": p["apply_s"] * k * change_rate / p["changed_code_frac"],
+            "quantize_s": p["quantize_s"] * k, "encode_s": p["encode_s"] * k,
+            "sync_s": {c: delta * 8 / (mb * 1e6) + p["apply_s"] * k + p["state_hash_s"] * k for c, mb in LINKS.items()},
+            "full_sync_s": {c: state * 8 / (mb * 1e6) for c, mb in LINKS.items()},
+            "worker_x86_gb": overhead + (state + 4 * P) / GB,
+            "worker_mac_gb": overhead + state / GB,
+            "trainer_held_dict_gb": (max_lag + 1) * state / GB,
+            "trainer_held_disk_gb": state / GB,
+            "trainer_mlx_eval_gb": (state + 4 * P) / GB,
+            "gpu_learner_gb": 16 * P / GB, "gpu_scorer_bf16_gb": 2 * P / GB,
+            "x86_gen_tok_s": m["gen_tokens_per_s"] * P0 / P,
+            "mlx_cpu_score_s_per_1k_tok": 1000 * m["score_s"] / m["score_tokens"] * P / P0,
+            "torch_cpu_score_s_per_1k_tok": 1000 * t["score_s"] / m["score_tokens"] * P / P0,
+            "mlx_spot_check_s": m["spot_check_s"] * P / P0,
+        }
+        if f.get("learner_s_per_1k_tokens"):
+            row["cpu_learner_s_per_1k_tok"] = f["learner_s_per_1k_tokens"] * P / P0
+        out[name] = row
     return out
 
 
@@ -428,6 +512,8 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--parts", default="mlx,torch,held,pulse,fleet", help="what to measure (comma-separated)")
+    ap.add_argument("--from-json", type=Path, help="start from a saved run's results (re-measure only --parts)")
     ap.add_argument("extra", nargs="*", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.part:
@@ -440,26 +526,36 @@ def main() -> None:
 
     work = a.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    t_all = time.perf_counter()
-    model, params, build_s = build(a.preset, a.quick, work)
-    print(f"model {model.name}: {params / 1e9:.3f}B params (built in {build_s:.0f} s)", flush=True)
-    res: dict = {"preset": a.preset, "quick": a.quick, "params": params, "build_s": build_s}
-    res["mlx"] = sub("mlx", model, work, str(2 if a.quick else a.groups))
-    print(f"mlx: {json.dumps(res['mlx'])[:400]}", flush=True)
-    res["torch"] = sub("torch", model, work, str(a.threads))
-    print(f"torch: {json.dumps(res['torch'])[:400]}", flush=True)
-    res["held_dict"] = sub("held", model, work, "dict", "8")
-    res["held_disk"] = sub("held", model, work, "disk", "8")
-    print(f"held: dict {res['held_dict'].get('rss_gb')} GB, disk {res['held_disk'].get('rss_gb')} GB", flush=True)
-    res["pulse"] = sub("pulse", model, work)
-    print(f"pulse: {json.dumps(res['pulse'])[:400]}", flush=True)
-    try:
-        import llama_cpp  # noqa: F401
-        res["llama_cpp"] = "installed, but this benchmark has no GGUF conversion step; not measured"
-    except ImportError:
-        res["llama_cpp"] = "skipped: llama-cpp-python is not installed"
-    print(f"llama.cpp peer: {res['llama_cpp']}", flush=True)
-    if not (a.quick or a.no_fleet):
+    parts = set(a.parts.split(",")) - {""}
+    if a.quick or a.no_fleet:
+        parts.discard("fleet")
+    res: dict = json.loads(a.from_json.read_text()) if a.from_json else {}
+    if parts:
+        model, params, build_s = build(res.get("preset", a.preset), res.get("quick", a.quick), work)
+        print(f"model {model.name}: {params / 1e9:.3f}B params (built in {build_s:.0f} s)", flush=True)
+        res.update({"preset": res.get("preset", a.preset), "quick": res.get("quick", a.quick), "params": params})
+    params = res["params"]
+    if "mlx" in parts:
+        res["mlx"] = sub("mlx", model, work, str(2 if a.quick else a.groups))
+        print(f"mlx: {json.dumps(res['mlx'])[:400]}", flush=True)
+    if "torch" in parts:
+        res["torch"] = sub("torch", model, work, str(a.threads))
+        print(f"torch: {json.dumps(res['torch'])[:400]}", flush=True)
+    if "held" in parts:
+        res["held_dict"] = sub("held", model, work, "dict", "8")
+        res["held_disk"] = sub("held", model, work, "disk", "8")
+        print(f"held: dict {res['held_dict'].get('rss_gb')} GB, disk {res['held_disk'].get('rss_gb')} GB", flush=True)
+    if "pulse" in parts:
+        res["pulse"] = sub("pulse", model, work)
+        print(f"pulse: {json.dumps(res['pulse'])[:400]}", flush=True)
+    if parts:
+        try:
+            import llama_cpp  # noqa: F401
+            res["llama_cpp"] = "installed, but this benchmark has no GGUF conversion step; not measured"
+        except ImportError:
+            res["llama_cpp"] = "skipped: llama-cpp-python is not installed"
+        print(f"llama.cpp peer: {res['llama_cpp']}", flush=True)
+    if "fleet" in parts:
         res["fleet"] = run_fleet(model, work, a.steps, a.fleet_timeout)
         print(f"fleet: {json.dumps(res['fleet'])[:600]}", flush=True)
     m, t, hd, hk, p = (res[k] for k in ("mlx", "torch", "held_dict", "held_disk", "pulse"))
@@ -487,8 +583,9 @@ def main() -> None:
         "held_ratio": (hd["rss_gb"] / max(hk["rss_gb"], 1e-3)) if hd.get("rss_gb") and hk.get("rss_gb") else None,
         "pulse_delta_bytes_0p5pct": p.get("delta_bytes"), "pulse_delta_vs_full": (
             p["delta_bytes"] / p["anchor_bytes"]) if p.get("delta_bytes") else None,
-        "fleet_steps": f.get("steps_done"), "wall_s": time.perf_counter() - t_all,
+        "fleet_steps": f.get("steps_done"),
     }
+    res["cost_model"] = cm = cost_model(res)
     rows = [
         ("params", f"{params / 1e9:.3f} B", ""),
         ("worker: load + quantize", f"{m.get('load_quantize_s', 0):.1f} s", f"RSS {m.get('rss_after_load_gb', 0):.2f} GB"),
@@ -516,6 +613,15 @@ def main() -> None:
     print(f"{'component':38s} {'measured':28s} detail")
     for name, v, d in rows:
         print(f"{name:38s} {v:28s} {d}")
+    print()
+    print("extrapolated (per-parameter coefficients measured above; 0.5% of codes change per version):")
+    print(f"{'model':14s} {'params':>7s} {'int8 state':>10s} {'delta':>8s} {'sync dsl50':>10s} {'full dsl50':>10s} "
+          f"{'held x9':>8s} {'MLX eval':>8s} {'worker x86':>10s} {'worker Mac':>10s}")
+    for name, r in cm.items():
+        if name != "basis":
+            print(f"{name:14s} {r['params'] / 1e9:6.2f}B {r['state_gb']:8.2f}GB {r['delta_mb']:6.1f}MB "
+                  f"{r['sync_s']['dsl50']:9.1f}s {r['full_sync_s']['dsl50']:9.0f}s {r['trainer_held_dict_gb']:6.1f}GB "
+                  f"{r['trainer_mlx_eval_gb']:6.1f}GB {r['worker_x86_gb']:8.1f}GB {r['worker_mac_gb']:8.1f}GB")
     if a.json:
         a.json.write_text(json.dumps(res, indent=1, default=str) + "\n")
 
