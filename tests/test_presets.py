@@ -102,3 +102,18 @@ def test_bad_inputs(tmp_path):
         build_preset(tmp_path / "x", shrink("qwen2.5-0.5b", vocab=600), texts(), tokenizer_vocab=2048)
     with pytest.raises(ValueError, match="model_type"):
         build_preset(tmp_path / "x", {**shrink("qwen2.5-0.5b"), "model_type": "gpt2"}, texts())
+
+
+def test_init_tiny_preset_cli(tmp_path):
+    from typer.testing import CliRunner
+
+    from stoa.cli import app
+
+    (tmp_path / "text.txt").write_text("\n".join(texts()))
+    (tmp_path / "config.json").write_text(json.dumps(shrink("qwen3-0.6b")))
+    r = CliRunner().invoke(app, ["init-tiny", str(tmp_path / "m"), "--text", str(tmp_path / "text.txt"),
+                                 "--vocab-size", "400", "--preset", str(tmp_path / "config.json")])
+    assert r.exit_code == 0, r.output
+    assert "vocab 4096" in r.output and json.loads((tmp_path / "m" / "config.json").read_text())["model_type"] == "qwen3"
+    r = CliRunner().invoke(app, ["init-tiny", str(tmp_path / "bad"), "--preset", "gpt-5"])
+    assert r.exit_code != 0 and "neither a preset" in r.output
