@@ -558,7 +558,7 @@ def main() -> None:
     if "fleet" in parts:
         res["fleet"] = run_fleet(model, work, a.steps, a.fleet_timeout)
         print(f"fleet: {json.dumps(res['fleet'])[:600]}", flush=True)
-    m, t, hd, hk, p = (res[k] for k in ("mlx", "torch", "held_dict", "held_disk", "pulse"))
+    m, t, hd, hk, p = (res.get(k, {}) for k in ("mlx", "torch", "held_dict", "held_disk", "pulse"))
     f = res.get("fleet", {})
     peaks = f.get("peak_rss_gb", {})
     res["summary"] = summary = {
@@ -585,7 +585,8 @@ def main() -> None:
             p["delta_bytes"] / p["anchor_bytes"]) if p.get("delta_bytes") else None,
         "fleet_steps": f.get("steps_done"),
     }
-    res["cost_model"] = cm = cost_model(res)
+    complete = all(res.get(k) and "failed" not in res[k] for k in ("mlx", "torch", "pulse"))
+    res["cost_model"] = cm = cost_model(res) if complete else {}
     rows = [
         ("params", f"{params / 1e9:.3f} B", ""),
         ("worker: load + quantize", f"{m.get('load_quantize_s', 0):.1f} s", f"RSS {m.get('rss_after_load_gb', 0):.2f} GB"),
