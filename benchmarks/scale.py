@@ -96,6 +96,7 @@ def part_mlx(model: Path, work: Path, groups: int) -> dict:
     ref = eng.score(eps)
     score_s = time.perf_counter() - t
     np.savez(work / "mlx_scores.npz", *ref)
+    shutil.rmtree(work / "held", ignore_errors=True)  # a rerun in the same folder writes v0 afresh
     held = HeldStates(work / "held", keep=2)
     t = time.perf_counter()
     held.put(0, eng.state)
