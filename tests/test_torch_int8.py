@@ -59,6 +59,9 @@ def test_scores_agree_with_the_mlx_int8_engine(tiny, engine, tmp_path):
     assert diffs.max() < 0.1, f"max |log-prob difference| {diffs.max():.2e} (audit tolerance 0.1 nats)"
     assert diffs.max() < 1e-3  # float32 on both sides: only summation order differs
     assert np.concatenate(ref).std() > 0.1  # the comparison is not between two near-constant outputs
+    # The MLX engine takes the same memory-mapped state (as a plain dict) and scores identically.
+    engine.load_state(4, dict(held.get(3)))
+    assert all(np.array_equal(a, b) for a, b in zip(engine.score(eps), ref))
     # Explicit temperature and a tiny forward budget (one episode per pass) give the same alignment.
     hot = scorer.score(eps[:3], temperature=1.7, max_tokens=1)
     ref_hot = engine.score(eps[:3], temperature=1.7)
