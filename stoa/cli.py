@@ -76,9 +76,18 @@ def init_tiny(
     num_kv_heads: Annotated[int, typer.Option(help="Key/value heads.")] = 2,
     intermediate_size: Annotated[int, typer.Option(help="MLP width (multiple of 64).")] = 512,
     seed: Annotated[int, typer.Option(help="Weight-initialisation seed.")] = 0,
+    preset: Annotated[
+        Optional[str],
+        typer.Option(help="Real shape instead of the tiny one: qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-3b, qwen2.5-7b, "
+                          "qwen3-0.6b, qwen3-8b, llama-3.2-1b, or a config.json path. --vocab-size then sets "
+                          "the tokenizer's size; the embedding keeps the shape's vocabulary."),
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="Weights on disk with --preset: float32 or bfloat16.")] = "float32",
 ) -> None:
-    """Build a small random Qwen2 model with a trained byte-level BPE tokenizer (HF format, offline)."""
-    from stoa.models.tiny import TinyConfig, build_tiny
+    """Build a random model with a trained byte-level BPE tokenizer (HF format, offline): a small
+    Qwen2 by default, or a public checkpoint's exact shape with --preset."""
+    import json
+    import time
 
     if text is not None:
         texts = [line for line in text.read_text().splitlines() if line.strip()]
@@ -86,14 +95,25 @@ def init_tiny(
         from stoa.envs.synthetic import SyntheticConfig, generate, tokenizer_texts
 
         texts = list(tokenizer_texts(generate(SyntheticConfig(seed=seed))))
-    cfg = TinyConfig(vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-                     num_kv_heads=num_kv_heads, intermediate_size=intermediate_size, seed=seed)
-    path = build_tiny(out_dir, texts, cfg)
-    cfg_json = (path / "config.json").read_text()
-    import json
+    t0 = time.perf_counter()
+    if preset is not None:
+        from stoa.models.presets import build_preset, num_params
 
-    c = json.loads(cfg_json)
-    typer.echo(f"wrote {path} (vocab {c['vocab_size']}, hidden {c['hidden_size']}, layers {c['num_hidden_layers']})")
+        try:
+            path = build_preset(out_dir, preset, texts, tokenizer_vocab=vocab_size, dtype=dtype, seed=seed)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
+    else:
+        from stoa.models.tiny import TinyConfig, build_tiny
+
+        cfg = TinyConfig(vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                         num_kv_heads=num_kv_heads, intermediate_size=intermediate_size, seed=seed)
+        path = build_tiny(out_dir, texts, cfg)
+    c = json.loads((path / "config.json").read_text())
+    extra = ""
+    if preset is not None:
+        extra = f", {num_params(c) / 1e9:.3f}B params, {time.perf_counter() - t0:.0f} s"
+    typer.echo(f"wrote {path} (vocab {c['vocab_size']}, hidden {c['hidden_size']}, layers {c['num_hidden_layers']}{extra})")
 
 
 retriever_app = typer.Typer(help="Build and serve BM25 retrieval indexes (Search-R1 API).", no_args_is_help=True)

@@ -1,0 +1,173 @@
+"""Score episodes under an int8 weight state with torch, on the trainer's own device.
+
+The trainer re-scores sampled episodes under the exact weights that produced them (spot-checks,
+audits) and evaluates the int8 policy. The MLX engine does that on Apple silicon; on a Linux
+trainer it would run MLX's CPU build with float32 weights (an 8B model: 32 GB of host RAM and
+minutes per check). :class:`TorchInt8Scorer` instead dequantizes the state into a transformers
+model on the learner's device and scores with the MLX engine's alignment:
+
+    scores[i][0] = 0,   scores[i][t] = log softmax(logits[t-1] / T)[tokens[t]]
+
+Dequantization follows MLX's affine rule bit for bit (``stoa.transport.quant.dequantize``:
+``code * scale`` rounded to the scales' dtype, then ``+ bias``), so the weights equal the MLX
+engine's; what remains is the two frameworks' float arithmetic, measured in docs/scale.md.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from stoa.types import Episode
+
+__all__ = ["Int8ScorerError", "TorchInt8Scorer"]
+
+GROUP_SIZE = 64
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Int8ScorerError(ValueError):
+    """The state does not fit the model, or an episode cannot be scored."""
+
+
+def _to_torch(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A device tensor of ``a`` (bfloat16 through its bits; read-only/mapped input is fine)."""
+    a = np.ascontiguousarray(a)
+    bf16 = a.dtype.name == "bfloat16"
+    if bf16:
+        a = a.view(np.int16)
+    with warnings.catch_warnings():  # a read-only (memory-mapped) array is only read here
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(a)
+    t = t.to(device)
+    return t.view(torch.bfloat16) if bf16 else t
+
+
+def dequantize_torch(codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
+                     group_size: int = GROUP_SIZE) -> torch.Tensor:
+    """``codes * scales + biases`` per group, rounded as ``mx.dequantize`` rounds (result in
+    scales' dtype): the product is rounded to that dtype before the bias is added."""
+    out_shape, dt = codes.shape, scales.dtype
+    w = codes.reshape(-1, group_size).to(torch.float32)
+    w.mul_(scales.reshape(-1, 1).to(torch.float32))
+    if dt != torch.float32:  # round the product to the scales' dtype, as MLX does
+        w = w.to(dt).to(torch.float32)
+    w.add_(biases.reshape(-1, 1).to(torch.float32))
+    return w.to(dt).reshape(out_shape)
+
+
+class TorchInt8Scorer:
+    """Teacher-forced log-probs of episodes under an int8 weight state, on ``device``.
+
+    ``hf_dir``: the run's Hugging Face folder (config; its weights are replaced by every
+    :meth:`load_state`). ``dtype``: compute dtype of the dequantized model (float32 reproduces the
+    MLX CPU engine; bfloat16 halves GPU memory at some agreement cost). ``version`` is the
+    version of the last state loaded (-1 before any).
+    """
+
+    def __init__(self, hf_dir: str | Path, device: str = "cpu", dtype: str = "float32") -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        if dtype not in _DTYPES:
+            raise Int8ScorerError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        self.hf_dir, self.device, self.dtype = Path(hf_dir), torch.device(device), _DTYPES[dtype]
+        cfg = AutoConfig.from_pretrained(self.hf_dir)
+        bar = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            if any(self.hf_dir.glob("model*.safetensors")):
+                model = AutoModelForCausalLM.from_pretrained(self.hf_dir, dtype=self.dtype, attn_implementation="sdpa")
+            else:
+                model = AutoModelForCausalLM.from_config(cfg, dtype=self.dtype, attn_implementation="sdpa")
+        finally:
+            if bar:
+                hf_logging.enable_progress_bar()
+        self.model = model.to(self.device).eval()
+        self.model.config.use_cache = False
+        self._body, self._head = self.model.get_decoder(), self.model.get_output_embeddings()
+        self._params = dict(self.model.named_parameters(remove_duplicate=True))
+        self.vocab_size = int(cfg.vocab_size)
+        self.version = -1
+
+    @torch.no_grad()
+    def load_state(self, version: int, state: Mapping[str, np.ndarray]) -> None:
+        """Dequantize ``state`` (``stoa.transport.quant.quantize_state`` layout) into the model,
+        one tensor at a time (peak extra memory: one float tensor). Names must match the model's
+        parameters exactly (a tied head has none of its own)."""
+        names: dict[str, str] = {}
+        for k in state:
+            stem, _, leaf = k.rpartition(".")
+            if leaf in ("scales", "biases"):
+                if f"{stem}.weight" not in state:
+                    raise Int8ScorerError(f"{k} has no {stem}.weight codes")
+                continue
+            names[k] = stem
+        missing, extra = sorted(set(self._params) - set(names)), sorted(set(names) - set(self._params))
+        if missing or extra:
+            raise Int8ScorerError(f"state does not fit the model: missing {missing[:5]}, unexpected {extra[:5]}")
+        for name, stem in names.items():
+            p, a = self._params[name], np.asarray(state[name])
+            if tuple(a.shape) != tuple(p.shape):
+                raise Int8ScorerError(f"{name}: shape {tuple(a.shape)}, the model needs {tuple(p.shape)}")
+            if a.dtype == np.uint8:
+                s, b = state.get(stem + ".scales"), state.get(stem + ".biases")
+                if s is None or b is None:
+                    raise Int8ScorerError(f"{name}: uint8 codes without {stem}.scales/.biases")
+                w = dequantize_torch(_to_torch(a, self.device), _to_torch(np.asarray(s), self.device),
+                                     _to_torch(np.asarray(b), self.device))
+            else:
+                w = _to_torch(a, self.device)
+            p.copy_(w)
+            del w
+        self.version = int(version)
+
+    @torch.no_grad()
+    def score(self, episodes: Sequence[Episode], temperature: float | None = None,
+              max_tokens: int = 8192) -> list[np.ndarray]:
+        """One float32 array ``[len(episode)]`` per episode, aligned with ``Episode.tokens()``
+        exactly as the MLX engine's ``score`` (entry 0 is 0.0; ``temperature`` None: each
+        episode's own). ``max_tokens`` bounds the tokens of one batched forward pass."""
+        if temperature is not None and not temperature > 0:
+            raise Int8ScorerError(f"temperature={temperature} must be > 0")
+        if self.version < 0:
+            raise Int8ScorerError("no state loaded: call load_state first")
+        batches: list[list[int]] = [[]]
+        for i in sorted(range(len(episodes)), key=lambda i: len(episodes[i])):
+            if batches[-1] and (len(batches[-1]) + 1) * len(episodes[i]) > max_tokens:
+                batches.append([])
+            batches[-1].append(i)
+        out: dict[int, np.ndarray] = {}
+        for b in batches:
+            if b:
+                out.update(zip(b, self._score_batch([episodes[i] for i in b], temperature)))
+        return [out[i] for i in range(len(episodes))]
+
+    def _score_batch(self, eps: Sequence[Episode], temperature: float | None) -> list[np.ndarray]:
+        toks = [ep.tokens() for ep in eps]
+        for t in toks:
+            if t.size and (t.min() < 0 or t.max() >= self.vocab_size):
+                raise Int8ScorerError(f"token id outside [0, {self.vocab_size})")
+        width = max(len(t) for t in toks)
+        x = np.zeros((len(toks), width), np.int64)
+        for r, t in enumerate(toks):
+            x[r, :len(t)] = t
+        xs = torch.from_numpy(x).to(self.device)
+        inv_t = torch.tensor([1.0 / (temperature or ep.temperature) for ep in eps], dtype=torch.float32,
+                             device=self.device)[:, None, None]
+        # Right padding under a causal mask leaves every real position's logits unchanged.
+        hidden = self._body(input_ids=xs).last_hidden_state
+        # Bound the float32 logits held at once (~128 MB); each chunk re-reads the head matrix.
+        chunk = max(1, (1 << 25) // (len(eps) * self.vocab_size))
+        parts = []
+        for a in range(0, width - 1, chunk):
+            b = min(width - 1, a + chunk)
+            z = self._head(hidden[:, a:b]).to(torch.float32) * inv_t
+            logp = z - torch.logsumexp(z, dim=-1, keepdim=True)
+            parts.append(torch.gather(logp, -1, xs[:, a + 1:b + 1, None])[..., 0])
+        lp = torch.cat(parts, dim=1).cpu().numpy() if parts else np.zeros((len(eps), 0), np.float32)
+        return [np.concatenate([[0.0], lp[r, :len(t) - 1]]).astype(np.float32) for r, t in enumerate(toks)]
