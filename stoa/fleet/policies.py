@@ -38,22 +38,25 @@ class HeldPolicies:
         chain: the run's weight chain, to rebuild a claimable version that is not held (None: never).
     """
 
-    def __init__(self, model_dir: Path, rollout: RolloutConfig, max_lag: int, chain: WeightSubscriber | None = None):
+    def __init__(self, model_dir: Path, rollout: RolloutConfig, max_lag: int, directory: Path,
+                 chain: WeightSubscriber | None = None):
+        from stoa.fleet.heldstates import HeldStates
+
         self.model_dir, self.rollout, self.max_lag, self.chain = Path(model_dir), rollout, max_lag, chain
-        self._states: dict[int, dict[str, np.ndarray]] = {}
+        self._states = HeldStates(directory, keep=max_lag + 1)
         self._engine: RolloutEngine | None = None
 
     def keep(self, version: int, state: dict[str, np.ndarray]) -> None:
         """Hold ``version``'s state; forget the ones more than ``max_lag`` behind it."""
-        self._states[version] = state
-        for v in [v for v in self._states if v < version - self.max_lag]:
-            del self._states[v]
+        if version not in self._states:
+            self._states.put(version, state)
+        self._states.prune(version - self.max_lag)
 
     def held(self, version: int) -> bool:
         """Whether ``version``'s state is at hand, rebuilding it from the chain if it may still be claimed."""
         if version in self._states:
             return True
-        newest = max(self._states, default=None)
+        newest = max(self._states.versions(), default=None)
         if self.chain is None or newest is None or not newest - self.max_lag <= version < newest:
             return False
         from stoa.transport.chain import SYNC_ERRORS
@@ -65,7 +68,7 @@ class HeldPolicies:
             return False
         if got.version != version:
             return False
-        self._states[version] = got.state
+        self._states.put(version, got.state)
         log.info("rebuilt version %d's int8 state from the weight chain (%d bytes read)", version, got.bytes_read)
         return True
 
@@ -73,7 +76,7 @@ class HeldPolicies:
         """The engine holding ``version`` (loaded only when it holds another one). KeyError if not held."""
         if not self.held(version):
             raise KeyError(f"version {version}'s int8 state is not held")
-        state = self._states[version]
+        state = dict(self._states.get(version) or {})  # the engine copies it into its own arrays
         if self._engine is None:
             from stoa.backends.engine import EngineConfig, make_engine
 
@@ -96,6 +99,6 @@ class HeldPolicies:
     def codec(self) -> TextCodec:
         """The engine's text codec (builds the engine from the newest held state on first use)."""
         if self._engine is None:
-            self.engine_at(max(self._states))
+            self.engine_at(max(self._states.versions()))
         assert self._engine is not None
         return self._engine.codec

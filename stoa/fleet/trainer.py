@@ -188,7 +188,8 @@ class Trainer:
         options = dataclasses.asdict(cfg.learner.megatron) if cfg.learner.kind == "megatron" else {}
         build = self.ranks.make_learner if self.ranks else make_learner  # all ranks build theirs with rank 0
         self.learner = build(cfg.learner.kind, self.model_dir, self._learner_config(), **options)
-        self.policies = HeldPolicies(self.model_dir, cfg.rollout, cfg.trainer.max_lag, chain=self.publisher.subscriber)
+        self.policies = HeldPolicies(self.model_dir, cfg.rollout, cfg.trainer.max_lag, self.run_dir / "held",
+                                     chain=self.publisher.subscriber)
         extra = self._resume(checkpoint) if checkpoint else self._start()
         self.intake = Intake(cfg, self.store, self.key, vocab_size=self.learner.vocab_size,
                              metric_types=self.metric_types, ledger=self.ledger, float_scorer=self.learner,

@@ -59,20 +59,8 @@ from stoa.transport.store import KeyNotFound, ObjectStore, ObjectTooLarge, Store
 from stoa.types import DEFAULT_LIMITS, Episode, EpisodeError, Limits, decode_episodes, encode_episodes
 
 __all__ = [
-    "Batch",
-    "PollLimits",
-    "PollReport",
-    "Progress",
-    "Rejection",
-    "RolloutReader",
-    "RolloutWriter",
-    "SequenceTaken",
-    "is_finished",
-    "mark_finished",
-    "parse_rollout_key",
-    "read_progress",
-    "rollout_key",
-    "write_progress",
+    "Batch", "PollLimits", "PollReport", "Progress", "Rejection", "RolloutReader", "RolloutWriter", "SequenceTaken",
+    "is_finished", "mark_finished", "parse_rollout_key", "read_progress", "rollout_key", "write_progress",
 ]
 
 log = logging.getLogger(__name__)
