@@ -30,7 +30,7 @@ def test_run_config_and_task(tmp_path):
         import_env_module(cfg.env)
     finally:
         os.chdir(cwd)
-    assert cfg.trainer.steps >= 3 and not cfg.trainer.skip_zero_variance_groups and cfg.trust.random_spot_check == 1
+    assert cfg.trainer.steps >= 3 and not cfg.trainer.skip_zero_variance_groups and cfg.trust.audit.random_spot_check == 1
     env = stoa.envs.make(cfg.env.id, split="train", **cfg.env.kwargs).unwrapped
     env.reset(options={"index": 0})
     _, r_text, *_ = env.step("some words")
