@@ -15,7 +15,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["MicroBatch", "VarlenLayout", "build_micro_batches", "plan_micro_batches"]
+__all__ = ["MicroBatch", "VarlenLayout", "build_micro_batches", "plan_micro_batches", "scoring_batches"]
+
+
+def scoring_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices of sequences grouped for padded forward passes (scoring): similar lengths together,
+    each group's ``rows x longest`` at most ``max_tokens`` (a longer sequence goes alone)."""
+    batches: list[list[int]] = [[]]
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if batches[-1] and (len(batches[-1]) + 1) * lengths[i] > max_tokens:
+            batches.append([])
+        batches[-1].append(i)
+    return [b for b in batches if b]
 
 
 @dataclass(frozen=True)

@@ -189,13 +189,20 @@ class Copy(_Adversary):
         assert self.engine is not None
         from stoa.fleet.trust import read_trust_report
 
-        version = self.engine.version
         report = read_trust_report(self.store, self.run_name) or {}
         trusted = {w["worker_id"] for w in report.get("workers", {}).values()
                    if w.get("accepted_batches") and not w.get("banned")} - {self.worker_id}
+        stolen = self._steal(lambda worker: worker in trusted)
+        for e in stolen:
+            e.group_id = f"{self.worker_id}-copy-{len(self._copied)}-{e.group_id}"[:200]
+        return stolen
+
+    def _steal(self, whose) -> list[Episode]:
+        """The newest batch at our version of a worker ``whose(worker id)`` accepts, relabelled as ours."""
+        assert self.engine is not None
         for key in reversed(self.store.list(f"{self.run_name}/rollouts/")):
             parsed = parse_rollout_key(self.run_name, key)
-            if parsed is None or parsed[0] not in trusted or key in self._copied or parsed[2] != version:
+            if parsed is None or not whose(parsed[0]) or key in self._copied or parsed[2] != self.engine.version:
                 continue
             self._copied.add(key)
             try:
@@ -205,7 +212,6 @@ class Copy(_Adversary):
                 continue
             for e in stolen:
                 e.worker_id = self.worker_id
-                e.group_id = f"{self.worker_id}-copy-{len(self._copied)}-{e.group_id}"[:200]
             log.info("copied %s (%d episodes)", key, len(stolen))
             return stolen
         return []
@@ -218,21 +224,7 @@ class Framer(Copy):
     kind = "framer"
 
     def finish_cohort(self, episodes: list[Episode]) -> list[Episode]:
-        assert self.engine is not None
-        for key in reversed(self.store.list(f"{self.run_name}/rollouts/")):
-            parsed = parse_rollout_key(self.run_name, key)
-            if parsed is None or parsed[0] == self.worker_id or key in self._copied or parsed[2] != self.engine.version:
-                continue
-            self._copied.add(key)
-            try:
-                _, payload = open_sealed(self.store.get(key))
-                stolen = decode_episodes(payload)
-            except (SealError, StoreError, EpisodeError):
-                continue
-            for e in stolen:
-                e.worker_id = self.worker_id
-            return stolen
-        return []
+        return self._steal(lambda worker: worker != self.worker_id)
 
 
 class CopyVariant(_Adversary):

@@ -21,6 +21,7 @@ from stoa.backends.engine import (
 from stoa.backends.mlx import fast
 from stoa.backends.mlx import weights as W
 from stoa.backends.mlx.rollout import Cohort
+from stoa.backends.packing import scoring_batches
 from stoa.backends.mlx.sampling import (
     HostSampler, _truncate_np, cdf_margins, device_sample, episode_key, uniforms,
 )
@@ -284,15 +285,9 @@ class MLXEngine:
         return out
 
     def _score(self, episodes: Sequence[Episode], temperature: float | None, max_tokens: int) -> list[np.ndarray]:
-        batches: list[list[int]] = [[]]
-        for i in sorted(range(len(episodes)), key=lambda i: len(episodes[i])):  # similar lengths together
-            if batches[-1] and (len(batches[-1]) + 1) * len(episodes[i]) > max_tokens:
-                batches.append([])
-            batches[-1].append(i)
         out: dict[int, np.ndarray] = {}
-        for b in batches:
-            if b:
-                out.update(zip(b, self._score_batch([episodes[i] for i in b], temperature)))
+        for b in scoring_batches([len(e) for e in episodes], max_tokens):
+            out.update(zip(b, self._score_batch([episodes[i] for i in b], temperature)))
         return [out[i] for i in range(len(episodes))]
 
     def _score_batch(self, eps: Sequence[Episode], temperature: float | None) -> list[np.ndarray]:

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from stoa.backends.packing import scoring_batches
 from stoa.types import Episode
 
 __all__ = ["Int8ScorerError", "TorchInt8Scorer"]
@@ -136,15 +137,9 @@ class TorchInt8Scorer:
             raise Int8ScorerError(f"temperature={temperature} must be > 0")
         if self.version < 0:
             raise Int8ScorerError("no state loaded: call load_state first")
-        batches: list[list[int]] = [[]]
-        for i in sorted(range(len(episodes)), key=lambda i: len(episodes[i])):
-            if batches[-1] and (len(batches[-1]) + 1) * len(episodes[i]) > max_tokens:
-                batches.append([])
-            batches[-1].append(i)
         out: dict[int, np.ndarray] = {}
-        for b in batches:
-            if b:
-                out.update(zip(b, self._score_batch([episodes[i] for i in b], temperature)))
+        for b in scoring_batches([len(e) for e in episodes], max_tokens):
+            out.update(zip(b, self._score_batch([episodes[i] for i in b], temperature)))
         return [out[i] for i in range(len(episodes))]
 
     def _score_batch(self, eps: Sequence[Episode], temperature: float | None) -> list[np.ndarray]:
