@@ -251,38 +251,55 @@ class MLXEngine:
         finally:
             self._lock.release()
 
-    def sampling_margins(self, episodes: Sequence[Episode], seeds: Sequence[int], top_k: int = 0) -> list[np.ndarray]:
-        """See the protocol."""
+    def sampling_margins(self, episodes: Sequence[Episode], seeds: Sequence[int], top_k: int = 0,
+                         max_tokens: int = 8192) -> list[np.ndarray]:
+        """See the protocol. ``max_tokens`` bounds the tokens of one batched forward pass."""
         if len(seeds) != len(episodes):
             raise EngineError("one seed per episode")
         self._exclusive("sampling_margins")
         try:
-            return [self._margins(ep, int(seed), top_k) for ep, seed in zip(episodes, seeds)]
+            out: dict[int, np.ndarray] = {}
+            for b in scoring_batches([len(e) for e in episodes], max_tokens):
+                out.update(zip(b, self._margins_batch([episodes[i] for i in b], [int(seeds[i]) for i in b], top_k)))
+            return [out[i] for i in range(len(episodes))]
         finally:
             self._lock.release()
 
-    def _margins(self, ep: Episode, seed: int, top_k: int) -> np.ndarray:
-        toks = ep.tokens()
-        if toks.size and (toks.min() < 0 or toks.max() >= self._vocab):
-            raise EngineError(f"token id outside [0, {self._vocab})")
-        pos = np.flatnonzero(ep.loss_mask())
-        if pos.size == 0 or pos[0] == 0:
-            return np.zeros(0, np.float64)
-        xs = mx.array(toks[None, :].astype(np.int32))
+    def _margins_batch(self, eps: Sequence[Episode], seeds: Sequence[int], top_k: int) -> list[np.ndarray]:
+        toks = [ep.tokens() for ep in eps]
+        for t in toks:
+            if t.size and (t.min() < 0 or t.max() >= self._vocab):
+                raise EngineError(f"token id outside [0, {self._vocab})")
+        x = np.zeros((len(toks), max(len(t) for t in toks)), np.int32)
+        for r, t in enumerate(toks):
+            x[r, :len(t)] = t
+        pos = [np.flatnonzero(ep.loss_mask()) for ep in eps]
+        pos = [p if p.size and p[0] > 0 else p[:0] for p in pos]
+        rows = np.concatenate([np.full(p.size, r, np.int32) for r, p in enumerate(pos)])
+        at = np.concatenate(pos).astype(np.int64)
+        if at.size == 0:
+            return [np.zeros(0, np.float64) for _ in eps]
+        keys = [episode_key(seed, ep.group_id, int(ep.item_index or 0), ep.sample_index) for ep, seed in zip(eps, seeds)]
+        u = uniforms(np.array([keys[r] for r in rows], np.uint64), at).astype(np.float64)
+        inv_t = np.array([1.0 / eps[r].temperature for r in rows], np.float32)[:, None]
+        top_p = np.array([eps[r].top_p for r in rows])
+        chosen = x[rows, at]
+        xs = mx.array(x)
         hidden = self._body(xs) if self._head is not None else None
         full = self._model(xs) if hidden is None else None
-        key = episode_key(seed, ep.group_id, int(ep.item_index or 0), ep.sample_index)
-        u = uniforms(np.full(pos.size, key, np.uint64), pos.astype(np.int64)).astype(np.float64)
-        out = np.empty(pos.size, np.float64)
-        rows = max(1, (1 << 22) // self._vocab)  # bound the float32 logits held at once
-        for a in range(0, pos.size, rows):
-            at = mx.array((pos[a:a + rows] - 1).astype(np.int32))
-            logits = self._head(hidden[0, at]) if hidden is not None else full[0, at]
-            z = np.array(logits.astype(mx.float32), dtype=np.float32) * np.float32(1.0 / ep.temperature)
-            if top_k or ep.top_p < 1.0:
-                _truncate_np(z, top_k, ep.top_p)
-            out[a:a + rows] = cdf_margins(z, toks[pos[a:a + rows]], u[a:a + rows])
-        return out
+        flat = np.empty(at.size, np.float64)
+        step = max(1, (1 << 22) // self._vocab)  # bound the float32 logits held at once
+        for a in range(0, at.size, step):
+            r, c = mx.array(rows[a:a + step]), mx.array((at[a:a + step] - 1).astype(np.int32))
+            logits = self._head(hidden[r, c]) if hidden is not None else full[r, c]
+            z = np.array(logits.astype(mx.float32), dtype=np.float32) * inv_t[a:a + step]
+            for p in np.unique(top_p[a:a + step]) if top_k or (top_p[a:a + step] < 1.0).any() else ():
+                sel = np.flatnonzero(top_p[a:a + step] == p)
+                sub = z[sel]
+                _truncate_np(sub, top_k, float(p))
+                z[sel] = sub
+            flat[a:a + step] = cdf_margins(z, chosen[a:a + step], u[a:a + step])
+        return np.split(flat, np.cumsum([p.size for p in pos])[:-1])
 
     def _score(self, episodes: Sequence[Episode], temperature: float | None, max_tokens: int) -> list[np.ndarray]:
         out: dict[int, np.ndarray] = {}
