@@ -5,7 +5,8 @@ A batch's route, and the file that owns each step::
     store  -> RolloutReader.poll          stoa/transport/exchange.py   size, codec, token ranges, seal;
                                                                        a sealed batch's key checked
                                                                        against the roster (TrustGate.admit)
-           -> version and run bounds      stoa/fleet/trust/admission.py  sampling settings, reward range,
+           -> version and run bounds      here: not newer than the trainer's, not staler than max_lag
+                                          stoa/fleet/trust/admission.py  sampling settings, reward range,
                                                                        metric types, task id
            -> assigned work               stoa/fleet/trust/assign.py    items, group ids and samples are the
                                                                        key's assignment for its number
@@ -193,6 +194,11 @@ class Intake:
                 self.counters.future_version_batches += 1
                 continue
             self.gate.saw(batch.key_id, batch.worker_id, batch.seq)
+            if version - batch.version > cfg.trainer.max_lag:  # never trained: dropped before any check
+                stale = sorted({scoped(batch.key_id, e.group_id) for e in batch.episodes})
+                self.counters.dropped_stale_groups += len(stale)
+                self.ledger.write(dropped={"stale": stale})
+                continue
             try:
                 why = batch_problem(batch.episodes, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                     group_size=cfg.rollout.group_size, reward_range=cfg.trainer.reward_range,
