@@ -561,3 +561,27 @@ def test_gaps_in_a_keys_sequence_numbers_are_counted_and_a_withholder_flagged():
     assert gate.records["sel"].withheld == 12 and held["sel"][1]
     assert all(gate.records[k].withheld == 0 and not held[k][1] for k in ("h1", "h2", "h3"))
     assert gate.metrics()["trust/withheld_batches"] == 12 and gate.metrics()["trust/withholding_flagged"] == 1
+
+
+def test_a_stale_roster_put_back_while_the_trainer_is_down_undoes_no_ban(tmp_path):
+    """A correctly signed but older workers.json put back during a restart used to un-ban a key
+    banned after the trainer's newest checkpoint: the restarted trainer read the store as is."""
+    from stoa.transport.identity import roster_key
+    from stoa.transport.store import LocalStore
+
+    store, run_key, kept = LocalStore(tmp_path / "store"), generate_private_key(), tmp_path / "run" / "roster"
+    cheat = generate_private_key()
+    kid = key_id(cheat.public_key())
+    first = TrustGate(TrustConfig(), store, RUN, run_key, roster_copy=kept)
+    first.refresh(force=True)
+    assert first.admit(_seal(cheat, "cheat")) is None  # an open run binds it on first use
+    first.refresh(force=True)
+    stale = store.get(roster_key(RUN))  # a signed roster from before the ban
+    first.ban(kid, "forged log-probs")
+    banned_rev = read_roster(store, RUN, run_key.public_key()).revision
+    store.put(roster_key(RUN), stale)  # put back while the trainer is down
+    restarted = TrustGate(TrustConfig(), store, RUN, run_key, roster_copy=kept)  # no checkpoint state
+    restarted.refresh(force=True)
+    assert "banned" in restarted.admit(_seal(cheat, "cheat"))
+    now = read_roster(store, RUN, run_key.public_key())
+    assert kid in now.banned and now.revision > banned_rev  # rewritten, and revisions never go back

@@ -32,6 +32,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -89,11 +90,13 @@ class Intake:
         int8: the held int8 policies (spot-checks; replay's text codec).
         make_env: builds the run's training environment (replay).
         event: called with an event row's fields for every rejection and ban (the metrics log).
+        roster_copy: where the gate keeps the newest roster it has seen (see :class:`TrustGate`).
     """
 
     def __init__(self, cfg: RunConfig, store: ObjectStore, private_key: Any, *, vocab_size: int,
                  metric_types: dict[str, Any], ledger: Ledger, float_scorer: FloatScorer, int8: HeldPolicies,
-                 make_env: Callable[[], Any], event: Callable[..., Any] = lambda **_: None):
+                 make_env: Callable[[], Any], event: Callable[..., Any] = lambda **_: None,
+                 roster_copy: Path | None = None):
         from stoa.fleet.trust.replay import Replayer
 
         self.cfg, self.store, self.key = cfg, store, private_key
@@ -103,7 +106,7 @@ class Intake:
                              max_episode_tokens=rc.max_episode_tokens) if cfg.trust.replay else None)
         self.n_items = len(make_env().unwrapped)
         self.gate = TrustGate(cfg.trust, store, cfg.name, private_key, ledger=ledger, replayer=replayer,
-                              float_scorer=float_scorer, int8=int8, assign=self.assigned)
+                              float_scorer=float_scorer, int8=int8, assign=self.assigned, roster_copy=roster_copy)
         self.gate.refresh(force=True)
         self.reader = RolloutReader(store, cfg.name, vocab_size=vocab_size, admit=self.gate.admit, require_seal=True,
                                     max_hashes=cfg.trust.max_hashes)
@@ -162,8 +165,8 @@ class Intake:
         back: dict[str, tuple[Batch, dict[str, list[Episode]]]] = {}
         for batch, g in zip(taken.batches, taken.groups):
             if batch.key not in bad:
-                raw = [dataclasses.replace(e, group_id=e.group_id[len(batch.key_id) + 1:] if batch.key_id else e.group_id)
-                       for e in g]
+                cut = len(batch.key_id) + 1 if batch.key_id else 0
+                raw = [dataclasses.replace(e, group_id=e.group_id[cut:]) for e in g]
                 back.setdefault(batch.key, (batch, {}))[1][raw[0].group_id] = raw
         self.pool = list(back.values()) + self.pool
 

@@ -194,7 +194,7 @@ class Trainer:
         self.intake = Intake(cfg, self.store, self.key, vocab_size=self.learner.vocab_size,
                              metric_types=self.metric_types, ledger=self.ledger, float_scorer=self.learner,
                              int8=self.policies, make_env=lambda: self._make_env(cfg.env.train_split),
-                             event=lambda **row: self._log("event", **row))
+                             event=lambda **row: self._log("event", **row), roster_copy=self.run_dir / "roster")
         if extra is not None:
             self.intake.restore(extra["intake"])
         else:

@@ -279,7 +279,8 @@ class MLXEngine:
         at = np.concatenate(pos).astype(np.int64)
         if at.size == 0:
             return [np.zeros(0, np.float64) for _ in eps]
-        keys = [episode_key(seed, ep.group_id, int(ep.item_index or 0), ep.sample_index) for ep, seed in zip(eps, seeds)]
+        keys = [episode_key(seed, ep.group_id, int(ep.item_index or 0), ep.sample_index)
+                for ep, seed in zip(eps, seeds)]
         u = uniforms(np.array([keys[r] for r in rows], np.uint64), at).astype(np.float64)
         inv_t = np.array([1.0 / eps[r].temperature for r in rows], np.float32)[:, None]
         top_p = np.array([eps[r].top_p for r in rows])

@@ -33,6 +33,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
@@ -40,7 +41,7 @@ import numpy as np
 from stoa.fleet.trust.audit import AuditConfig, LogprobAudit, episode_stats, spot_check
 from stoa.transport.identity import Ban, BatchSeal, Roster, WorkerEntry, read_roster, write_roster
 from stoa.transport.signing import SignatureError, read_signed, sign_document
-from stoa.transport.store import ObjectStore, StoreError
+from stoa.transport.store import LocalStore, ObjectStore, StoreError
 
 if TYPE_CHECKING:
     from stoa.fleet.trust.assign import Assignment
@@ -49,8 +50,8 @@ if TYPE_CHECKING:
     from stoa.transport.exchange import Batch, Rejection
     from stoa.types import Episode
 
-__all__ = ["FloatScorer", "Int8Scorer", "TrustConfig", "TrustGate", "WorkerRecord", "group_episodes", "group_fingerprint",
-           "read_trust_report", "scoped"]
+__all__ = ["FloatScorer", "Int8Scorer", "TrustConfig", "TrustGate", "WorkerRecord", "group_episodes",
+           "group_fingerprint", "read_trust_report", "scoped"]
 
 log = logging.getLogger("stoa.trust")
 
@@ -189,6 +190,9 @@ class TrustGate:
         int8: the held int8 policies, for spot-checks (None: suspicion is logged, never confirmed).
         assign: a batch's assigned work (:mod:`stoa.fleet.trust.assign`); given, a spot-check also
             re-derives every sampled token from the assigned seed.
+        roster_copy: a local folder (the trainer's run folder) keeping the newest roster seen, so a
+            stale ``workers.json`` put back while the trainer is down cannot undo a ban or a
+            binding: revisions never go back, across restarts too.
         seed: only for tests that need the same choices twice. By default which episodes are
             audited and when a random spot-check comes are drawn from the operating system's
             entropy, so nothing public (the run's seed is in its world-readable config) predicts them.
@@ -197,7 +201,8 @@ class TrustGate:
     def __init__(self, cfg: TrustConfig, store: ObjectStore, run: str, private_key: Any, *,
                  ledger: Ledger | None = None, replayer: Replayer | None = None,
                  float_scorer: FloatScorer | None = None, int8: Int8Scorer | None = None,
-                 assign: Callable[[Batch], Assignment] | None = None, seed: int | None = None):
+                 assign: Callable[[Batch], Assignment] | None = None, roster_copy: Path | None = None,
+                 seed: int | None = None):
         self.cfg, self.store, self.run, self.key = cfg, store, run, private_key
         self.ledger = ledger
         self.audit = LogprobAudit(cfg.audit)
@@ -205,6 +210,12 @@ class TrustGate:
         self.anonymous: dict[str, dict[str, int]] = {}
         self.fingerprints: dict[str, str] = {}  # group fingerprint -> key id, oldest first
         self.roster = Roster(run)
+        self._copy = None if roster_copy is None else LocalStore(roster_copy)
+        if self._copy is not None:
+            try:
+                self.roster = read_roster(self._copy, run, private_key.public_key())
+            except (SignatureError, StoreError) as e:
+                log.warning("ignoring the kept copy of the roster: %s", e)
         self._round = 0
         self.version = 0
         self._rng = np.random.default_rng(seed)  # None: fresh OS entropy
@@ -246,8 +257,12 @@ class TrustGate:
             if rec is not None and not rec.banned:
                 rec.banned = ban.reason or "banned by hand"
                 self._new_bans.append(kid)
-        if merged != stored:
-            merged = Roster(merged.run, merged.enrolled, merged.banned, stored.revision + 1, time.time())
+        if stored.revision < self.roster.revision:  # a stale roster put back: ours is newer, whatever it lacks
+            log.warning("the store's roster (revision %d) is older than one this trainer has seen (%d); "
+                        "rewriting it with every ban and binding kept", stored.revision, self.roster.revision)
+        if merged != stored or stored.revision < self.roster.revision:
+            rev = max(stored.revision, self.roster.revision) + 1  # revisions never go back
+            merged = Roster(merged.run, merged.enrolled, merged.banned, rev, time.time())
             try:
                 write_roster(self.store, self.run, merged, self.key)
             except StoreError as e:
@@ -255,6 +270,11 @@ class TrustGate:
                 self.roster = merged
                 return
         self.roster, self._roster_dirty = merged, False
+        if self._copy is not None:  # the newest roster seen, kept beside the trainer (restarts start from it)
+            try:
+                write_roster(self._copy, self.run, merged, self.key)
+            except (StoreError, OSError) as e:
+                log.warning("could not keep a copy of the roster (%s)", e)
 
     def admit(self, seal: BatchSeal) -> str | None:
         """Whether the seal's key may upload as the seal's worker id (the reader's ``admit``)."""
@@ -525,7 +545,8 @@ class TrustGate:
             if d in seen:
                 dup += [seen[d], i]
             seen.setdefault(d, i)
-        pick = sorted(set(dup) | set(self._rng.permutation(len(b.episodes))[: self.cfg.audit.sampling_episodes].tolist()))
+        drawn = self._rng.permutation(len(b.episodes))[: self.cfg.audit.sampling_episodes].tolist()
+        pick = sorted(set(dup) | set(drawn))
         t0 = time.perf_counter()
         eps, seed = [b.episodes[i] for i in pick], self.assign(b).seed  # type: ignore[misc]
         margins = self.int8.sampling_margins(b.version, eps, [seed] * len(eps))  # type: ignore[union-attr]
