@@ -10,12 +10,14 @@ torch, no transformers), so planning a batch is as light as ``import stoa``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-__all__ = ["MicroBatch", "VarlenLayout", "build_micro_batches", "plan_micro_batches", "scoring_batches"]
+__all__ = ["MicroBatch", "VarlenLayout", "build_micro_batches", "by_length", "padded_tokens", "plan_micro_batches",
+           "scoring_batches"]
 
 
 def scoring_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -27,6 +29,28 @@ def scoring_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
             batches.append([])
         batches[-1].append(i)
     return [b for b in batches if b]
+
+
+def by_length(lengths: Sequence[int], max_tokens: int, run: Callable[[list[int]], list]) -> list:
+    """``run(indices)`` over each of :func:`scoring_batches`, its results put back in index order."""
+    out: dict[int, Any] = {}
+    for b in scoring_batches(lengths, max_tokens):
+        out.update(zip(b, run(b)))
+    return [out[i] for i in range(len(lengths))]
+
+
+def padded_tokens(episodes: Sequence[Any], vocab_size: int, dtype: Any = np.int64,
+                  error: type[Exception] = ValueError) -> tuple[list[np.ndarray], np.ndarray]:
+    """Each episode's tokens, and all of them right-padded with 0 into one ``[rows, longest]``
+    array; raises ``error`` for a token id outside ``[0, vocab_size)``."""
+    toks = [ep.tokens() for ep in episodes]
+    for t in toks:
+        if t.size and (t.min() < 0 or t.max() >= vocab_size):
+            raise error(f"token id outside [0, {vocab_size})")
+    x = np.zeros((len(toks), max(len(t) for t in toks)), dtype)
+    for r, t in enumerate(toks):
+        x[r, :len(t)] = t
+    return toks, x
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from stoa.backends.engine import (
 from stoa.backends.mlx import fast
 from stoa.backends.mlx import weights as W
 from stoa.backends.mlx.rollout import Cohort
-from stoa.backends.packing import scoring_batches
+from stoa.backends.packing import by_length, padded_tokens
 from stoa.backends.mlx.sampling import (
     HostSampler, _truncate_np, cdf_margins, device_sample, episode_key, uniforms,
 )
@@ -258,21 +258,13 @@ class MLXEngine:
             raise EngineError("one seed per episode")
         self._exclusive("sampling_margins")
         try:
-            out: dict[int, np.ndarray] = {}
-            for b in scoring_batches([len(e) for e in episodes], max_tokens):
-                out.update(zip(b, self._margins_batch([episodes[i] for i in b], [int(seeds[i]) for i in b], top_k)))
-            return [out[i] for i in range(len(episodes))]
+            return by_length([len(e) for e in episodes], max_tokens, lambda b: self._margins_batch(
+                [episodes[i] for i in b], [int(seeds[i]) for i in b], top_k))
         finally:
             self._lock.release()
 
     def _margins_batch(self, eps: Sequence[Episode], seeds: Sequence[int], top_k: int) -> list[np.ndarray]:
-        toks = [ep.tokens() for ep in eps]
-        for t in toks:
-            if t.size and (t.min() < 0 or t.max() >= self._vocab):
-                raise EngineError(f"token id outside [0, {self._vocab})")
-        x = np.zeros((len(toks), max(len(t) for t in toks)), np.int32)
-        for r, t in enumerate(toks):
-            x[r, :len(t)] = t
+        _, x = padded_tokens(eps, self._vocab, np.int32, EngineError)
         pos = [np.flatnonzero(ep.loss_mask()) for ep in eps]
         pos = [p if p.size and p[0] > 0 else p[:0] for p in pos]
         rows = np.concatenate([np.full(p.size, r, np.int32) for r, p in enumerate(pos)])
@@ -303,20 +295,12 @@ class MLXEngine:
         return np.split(flat, np.cumsum([p.size for p in pos])[:-1])
 
     def _score(self, episodes: Sequence[Episode], temperature: float | None, max_tokens: int) -> list[np.ndarray]:
-        out: dict[int, np.ndarray] = {}
-        for b in scoring_batches([len(e) for e in episodes], max_tokens):
-            out.update(zip(b, self._score_batch([episodes[i] for i in b], temperature)))
-        return [out[i] for i in range(len(episodes))]
+        return by_length([len(e) for e in episodes], max_tokens,
+                         lambda b: self._score_batch([episodes[i] for i in b], temperature))
 
     def _score_batch(self, eps: Sequence[Episode], temperature: float | None) -> list[np.ndarray]:
-        toks = [ep.tokens() for ep in eps]
-        for t in toks:
-            if t.size and (t.min() < 0 or t.max() >= self._vocab):
-                raise EngineError(f"token id outside [0, {self._vocab})")
-        width = max(len(t) for t in toks)
-        x = np.zeros((len(toks), width), np.int32)
-        for r, t in enumerate(toks):
-            x[r, :len(t)] = t
+        toks, x = padded_tokens(eps, self._vocab, np.int32, EngineError)
+        width = x.shape[1]
         inv_t = mx.array([1.0 / (temperature or ep.temperature) for ep in eps], dtype=mx.float32)[:, None, None]
         xs = mx.array(x)
         hidden = self._body(xs) if self._head is not None else None

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stoa.backends.packing import scoring_batches
+from stoa.backends.packing import by_length, padded_tokens
 from stoa.types import Episode
 
 __all__ = ["Int8ScorerError", "TorchInt8Scorer"]
@@ -137,20 +137,12 @@ class TorchInt8Scorer:
             raise Int8ScorerError(f"temperature={temperature} must be > 0")
         if self.version < 0:
             raise Int8ScorerError("no state loaded: call load_state first")
-        out: dict[int, np.ndarray] = {}
-        for b in scoring_batches([len(e) for e in episodes], max_tokens):
-            out.update(zip(b, self._score_batch([episodes[i] for i in b], temperature)))
-        return [out[i] for i in range(len(episodes))]
+        return by_length([len(e) for e in episodes], max_tokens,
+                         lambda b: self._score_batch([episodes[i] for i in b], temperature))
 
     def _score_batch(self, eps: Sequence[Episode], temperature: float | None) -> list[np.ndarray]:
-        toks = [ep.tokens() for ep in eps]
-        for t in toks:
-            if t.size and (t.min() < 0 or t.max() >= self.vocab_size):
-                raise Int8ScorerError(f"token id outside [0, {self.vocab_size})")
-        width = max(len(t) for t in toks)
-        x = np.zeros((len(toks), width), np.int64)
-        for r, t in enumerate(toks):
-            x[r, :len(t)] = t
+        toks, x = padded_tokens(eps, self.vocab_size, np.int64, Int8ScorerError)
+        width = x.shape[1]
         xs = torch.from_numpy(x).to(self.device)
         inv_t = torch.tensor([1.0 / (temperature or ep.temperature) for ep in eps], dtype=torch.float32,
                              device=self.device)[:, None, None]
