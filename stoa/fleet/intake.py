@@ -191,12 +191,12 @@ class Intake:
                 log.warning("could not write the progress document (%s); will retry", e)
         admitted: list[Batch] = []
         for batch in batches:
+            self.gate.saw(batch.key_id, batch.worker_id, batch.seq)  # every number that came counts, whatever its fate
             if batch.version > version:
                 self.reject(batch, f"policy version {batch.version} is newer than the trainer's "
                                    f"{version}: not produced by this run's weights")
                 self.counters.future_version_batches += 1
                 continue
-            self.gate.saw(batch.key_id, batch.worker_id, batch.seq)
             if version - batch.version > cfg.trainer.max_lag:  # never trained: dropped before any check
                 stale = sorted({scoped(batch.key_id, e.group_id) for e in batch.episodes})
                 self.counters.dropped_stale_groups += len(stale)
