@@ -277,13 +277,17 @@ class MLXEngine:
         inv_t = np.array([1.0 / eps[r].temperature for r in rows], np.float32)[:, None]
         top_p = np.array([eps[r].top_p for r in rows])
         chosen = x[rows, at]
+        # Identical token rows have identical logits (a near-deterministic policy repeats itself):
+        # one forward pass per distinct row; each episode keeps its own uniforms.
+        x, same = np.unique(x, axis=0, return_inverse=True)
+        src = same.reshape(-1)[rows].astype(np.int32)
         xs = mx.array(x)
         hidden = self._body(xs) if self._head is not None else None
         full = self._model(xs) if hidden is None else None
         flat = np.empty(at.size, np.float64)
         step = max(1, (1 << 22) // self._vocab)  # bound the float32 logits held at once
         for a in range(0, at.size, step):
-            r, c = mx.array(rows[a:a + step]), mx.array((at[a:a + step] - 1).astype(np.int32))
+            r, c = mx.array(src[a:a + step]), mx.array((at[a:a + step] - 1).astype(np.int32))
             logits = self._head(hidden[r, c]) if hidden is not None else full[r, c]
             z = np.array(logits.astype(mx.float32), dtype=np.float32) * inv_t[a:a + step]
             for p in np.unique(top_p[a:a + step]) if top_k or (top_p[a:a + step] < 1.0).any() else ():
