@@ -180,3 +180,23 @@ def test_ctrl_c_finishes_the_upload_and_says_what_it_did(tmp_path, tiny_model):
     assert p.returncode == 0, err[-2000:]
     assert "Ctrl-C again to stop at once" in err and "stopped by a signal:" in err
     assert "kept in" in err and (tmp_path / "c" / "weights.safetensors").exists()
+
+
+def test_a_key_restarted_under_another_id_is_told_which_id_is_its_own(tmp_path, tiny_model, caplog):
+    """An honest worker restarted with its own key under a new --id used to be refused batch by
+    batch with no signal to it; now it stops at once, naming the id the roster binds its key to."""
+    from stoa.fleet.worker import EXIT_CONFIG
+    from stoa.transport.identity import enroll_worker
+
+    key, mine, other, fresh = (generate_private_key() for _ in range(4))
+    store = LocalStore(tmp_path / "store")
+    _publish_tiny_run(tmp_path, tiny_model, store, key)
+    enroll_worker(store, RUN, key, mine, "alice")  # what its first accepted batch does in an open run
+    enroll_worker(store, RUN, key, other, "bob")
+    for wid, k in (("alice-2", mine), ("bob", fresh)):
+        w = Worker(store, RUN, key.public_key(), wid, tmp_path / f"cache-{wid}", private_key=k, wait_seconds=5)
+        with caplog.at_level(logging.INFO, logger="stoa.worker"):
+            assert w.run() == EXIT_CONFIG
+        assert not store.list(f"{RUN}/rollouts/")  # nothing uploaded that the trainer would refuse
+    assert "is bound to worker id 'alice'" in caplog.text and "--id alice" in caplog.text
+    assert "worker id 'bob' belongs to another key" in caplog.text

@@ -112,6 +112,7 @@ class Intake:
                                     max_hashes=cfg.trust.max_hashes)
         self.pool: list[tuple[Batch, dict[str, list[Episode]]]] = []
         self.held: list[Batch] = []  # batches the gate reviews again (contested groups)
+        self.waiting: list[Batch] = []  # newcomers' batches past this poll's quota (trust.newcomers_per_poll)
         self.used_groups: set[str] = set()
         self.counters = IntakeCounters()
         self._progress_written = 0.0
@@ -216,7 +217,7 @@ class Intake:
                 self.reject(batch, why if category == "invalid" else f"not the assigned work: {why}", category)
                 continue
             admitted.append(batch)
-        admitted, self.held = self.held + admitted, []
+        admitted, self.held = self._newcomers(self.held + admitted, version), []
         for batch, verdict in zip(admitted, self.gate.review(admitted, version)):
             if verdict is not None and verdict[0] == "hold":  # a contested group: judged again next poll
                 self.held.append(batch)
@@ -230,6 +231,23 @@ class Intake:
             for batch in [b for b, _ in self.pool if b.key_id == kid]:
                 self.pool = [(b, g) for b, g in self.pool if b.key != batch.key]
                 self.reject(batch, f"worker key {kid} was banned: {reason[:300]}", "banned")
+
+    def _newcomers(self, batches: list[Batch], version: int) -> list[Batch]:
+        """``batches`` and the waiting ones, less the newcomers' batches past this poll's quota
+        (:meth:`TrustGate.pace_newcomers`), which wait for a later poll: at most 64 per allowed
+        batch, the newest versions kept (the others are refused, not struck)."""
+        lag = self.cfg.trainer.max_lag
+        for b in self.waiting:
+            if version - b.version > lag:
+                self.counters.dropped_stale_groups += len({e.group_id for e in b.episodes})
+        now, wait = self.gate.pace_newcomers([b for b in self.waiting if version - b.version <= lag] + batches)
+        cap = 64 * self.cfg.trust.newcomers_per_poll
+        wait.sort(key=lambda b: b.version)
+        for b in wait[:-cap] if len(wait) > cap else []:
+            self.reject(b, f"more than {cap} batches from keys without accepted work are waiting; this one is "
+                           "refused unread (trust.newcomers_per_poll)", "refused")
+        self.waiting = wait[-cap:]
+        return now
 
     def _choose(self, version: int) -> Taken | None:
         tc, G = self.cfg.trainer, self.cfg.rollout.group_size
@@ -285,7 +303,7 @@ class Intake:
     def state(self) -> dict[str, Any]:
         """JSON-ready state for a checkpoint: pooled and held batches stay unconsumed, so a restart
         from it delivers them again (:meth:`RolloutReader.state`)."""
-        pending = [b for b, g in self.pool if g] + self.held
+        pending = [b for b, g in self.pool if g] + self.held + self.waiting
         pending_groups = {scoped(b.key_id, gid) for b, g in self.pool for gid in g}
         pending_used = sorted(gid for b, _ in self.pool for gid in {scoped(b.key_id, e.group_id) for e in b.episodes}
                               if gid in self.used_groups and gid not in pending_groups)

@@ -24,7 +24,9 @@ and what the worker keeps doing; the held weights keep serving. What ends it (ex
 * ``0`` the run finished, ``max_batches`` were uploaded, the time limit passed, or the user
   stopped it (SIGINT / SIGTERM finish the current upload first; a second SIGINT stops at once);
 * ``2`` a configuration error: a run config that does not verify under the given public key, a
-  model the worker cannot load (the message names it);
+  model the worker cannot load (the message names it), or a worker id the run's roster gives to
+  another key, or a key the roster binds to another id (a restart under a new ``--id``: the
+  message names the id to use);
 * ``3`` the run's roster bans this worker's key;
 * ``4`` no such run: the store holds other runs (named in the message), or none appeared within
   ``wait_seconds``;
@@ -244,16 +246,31 @@ class Worker:
             self._taken = max(self._taken, progress.taken.get(self.worker_id, 0))
         return max(0, writer.next_seq - self._taken)
 
-    def _banned(self) -> bool:
-        """Whether the run's roster bans this worker's key (a roster that does not verify is ignored)."""
+    def _roster_says(self) -> WorkerExit | None:
+        """Why the run's signed roster stops this worker, or None: its key is banned, its key is
+        bound to another worker id (a restart under a new ``--id``), or its id belongs to another
+        key. A roster that does not verify is ignored."""
         try:
-            ban = read_roster(self.store, self.run_name, self.public_key).banned.get(self.key_id)
+            roster = read_roster(self.store, self.run_name, self.public_key)
         except SignatureError as e:
             log.warning("workers.json does not verify (%s); ignoring it", e)
-            return False
+            return None
+        ban = roster.banned.get(self.key_id)
         if ban is not None:
             log.error("this worker's key %s is banned from run %s: %s", self.key_id, self.run_name, ban.reason)
-        return ban is not None
+            return WorkerExit(EXIT_BANNED, f"this worker's key {self.key_id} is banned from run {self.run_name!r}; "
+                                           "stopping")
+        entry = roster.enrolled.get(self.key_id)
+        if entry is not None and entry.worker_id != self.worker_id:
+            return WorkerExit(EXIT_CONFIG, f"this worker's key {self.key_id} is bound to worker id "
+                                           f"{entry.worker_id!r} in run {self.run_name!r}, so batches sent as "
+                                           f"{self.worker_id!r} are refused: start it with --id {entry.worker_id} "
+                                           "(or without --id)")
+        owner = roster.key_for(self.worker_id)
+        if owner is not None and owner != self.key_id:
+            return WorkerExit(EXIT_CONFIG, f"worker id {self.worker_id!r} belongs to another key ({owner}) in run "
+                                           f"{self.run_name!r}: start this worker with another --id (or without --id)")
+        return None
 
     def _finished(self) -> bool:
         """Whether the trainer marked the run finished: only a marker that verifies under the run's
@@ -503,9 +520,9 @@ class Worker:
                     self._stop_for("the run finished")
                     break
                 if time.time() - roster_read > _ROSTER_EVERY_S:
-                    if self._banned():
-                        raise WorkerExit(EXIT_BANNED, f"this worker's key {self.key_id} is banned from run "
-                                                      f"{self.run_name!r}; stopping")
+                    stop = self._roster_says()
+                    if stop is not None:
+                        raise stop
                     roster_read = time.time()
                 head = self.sub.head()
                 self._head = head

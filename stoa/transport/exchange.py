@@ -149,6 +149,7 @@ class Batch:
         seq: the worker's sequence number of this upload.
         key_id: the key id of the worker key that sealed it ("" for an unsealed batch).
         sha256: hex sha256 of the episode batch bytes (the payload).
+        public_key: the sealing key, 64 hex characters ("" for an unsealed batch).
     """
 
     key: str
@@ -158,6 +159,7 @@ class Batch:
     seq: int = 0
     key_id: str = ""
     sha256: str = ""
+    public_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -575,36 +577,37 @@ class RolloutReader:
             del self._groups[next(iter(self._groups))]
         return out
 
-    def _open(self, key: str, worker: str, seq: int, version: int, blob: bytes) -> tuple[bytes, str, str, str | None]:
-        """(payload, signer key id or "", category, reason) of an object: the seal checks, before
-        any decoding. ``reason`` None means it may be decoded."""
-        kid = ""
+    def _open(self, key: str, worker: str, seq: int, version: int,
+              blob: bytes) -> tuple[bytes, str, str, str, str | None]:
+        """(payload, signer key id or "", signer public key or "", category, reason) of an object:
+        the seal checks, before any decoding. ``reason`` None means it may be decoded."""
+        kid = pub = ""
         if is_sealed(blob):
             try:
                 seal, blob = open_sealed(blob, key)
             except SealError as e:
-                return blob, "", "signature", str(e)
+                return blob, "", "", "signature", str(e)
             named = (self.run, worker, seq, version)
             if (seal.run, seal.worker_id, seal.seq, seal.version) != named:
-                return blob, "", "signature", (
+                return blob, "", "", "signature", (
                     f"sealed for run {seal.run[:80]!r}, worker {seal.worker_id[:64]!r}, seq {seal.seq}, version "
                     f"{seal.version}; its name says {named[1:]} in run {self.run!r} (copied or renamed)")
-            kid = seal.key_id
+            kid, pub = seal.key_id, seal.public_key
             try:
                 why = self.admit(seal) if self.admit is not None else None
             except Exception as e:  # the caller's policy failing must not crash the poll
                 why = f"checking the worker key failed: {type(e).__name__}: {e}"
             if why:
-                return blob, kid, "refused", why
+                return blob, kid, pub, "refused", why
         elif self.require_seal:
-            return blob, "", "unsigned", "unsigned batch: this run takes only batches sealed with a worker key"
-        return blob, kid, "", None
+            return blob, "", "", "unsigned", "unsigned batch: this run takes only batches sealed with a worker key"
+        return blob, kid, pub, "", None
 
     def _load(self, key: str, worker: str, seq: int, version: int, blob: bytes, rep: PollReport) -> Any:
         """The batch, None if it was quarantined, or ``_DEFER`` when its decoded size does not fit
         what is left of this poll's budget."""
         stored = blob
-        blob, kid, category, why = self._open(key, worker, seq, version, blob)
+        blob, kid, pub, category, why = self._open(key, worker, seq, version, blob)
         if why is None:
             budget = self.poll_limits.max_decoded_bytes
             declared = _declared_size(blob)
@@ -640,7 +643,7 @@ class RolloutReader:
             self._hashes[digest[:32]] = None
             while len(self._hashes) > self.max_hashes:
                 del self._hashes[next(iter(self._hashes))]
-        return Batch(key, worker, version, episodes, seq, kid, digest)
+        return Batch(key, worker, version, episodes, seq, kid, digest, pub)
 
     def _quarantine_safely(self, key: str, parsed: tuple[str, int, int] | None, reason: str,
                            blob: bytes | None, rep: PollReport, category: str = "invalid",

@@ -6,7 +6,12 @@ batch meets it:
 1. **Identity** (:meth:`TrustGate.admit`, the rollout reader's callback): the batch's seal names
    a key; the roster (``stoa.transport.identity``) says whether that key may upload as that
    worker id. ``[trust] mode = "enrolled"``: only enrolled keys; ``"open"``: any key, bound to
-   its worker id on first use. Banned keys and impersonations are refused.
+   its worker id by its first *accepted* batch (a refused or junk batch binds nothing, so nobody
+   takes an id without doing the work). Banned keys and impersonations are refused. Keys without
+   accepted work ("newcomers") are reviewed at most ``newcomers_per_poll`` batches a poll (the
+   intake keeps the rest waiting), and when the roster is full a binding idle for
+   ``idle_expiry_hours`` makes room, so a flood of throwaway keys neither fills the roster nor
+   eats the trainer's time.
 2. **Review** (:meth:`TrustGate.review`, after the run's own bounds in
    :mod:`stoa.fleet.trust.admission`): replay every episode (:mod:`stoa.fleet.trust.replay`);
    refuse groups whose tokens were already taken from another key (a copy); score a sample with
@@ -63,6 +68,9 @@ _ROSTER_REFRESH_S = 2.0
 _REPORT_EVERY_S = 2.0
 _MAX_REPORT_WORKERS = 2048
 _MAX_HOLDS = 20
+_MAX_RECORDS = 8192
+"""Records beyond this: those of keys with no accepted batch and no ban, seen longest ago, are
+forgotten (a throwaway key's record is a few hundred bytes; a flood of them must stay bounded)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,13 @@ class TrustConfig:
     max_hashes: int = 16384
     """Accepted batch and group hashes remembered to refuse copies (bounded memory, checkpointed;
     a copy older than ``trainer.max_lag`` versions is dropped as stale anyway)."""
+    newcomers_per_poll: int = 4
+    """Batches reviewed per poll from keys with no accepted work yet, one per key, chosen at random
+    (the others wait, at most 64 per allowed batch); enrolled keys and keys with accepted work are
+    never held back."""
+    idle_expiry_hours: float = 24.0
+    """In an open run, a key bound by its work but with no accepted batch for this long loses its
+    binding when the roster is full and a newcomer's accepted work needs the room."""
 
     def __post_init__(self) -> None:
         if self.ban_after < 0:
@@ -92,6 +107,10 @@ class TrustConfig:
             raise ValueError("trust.max_worker_share must lie in (0, 1]")
         if self.max_hashes < 1:
             raise ValueError("trust.max_hashes must be >= 1")
+        if self.newcomers_per_poll < 1:
+            raise ValueError("trust.newcomers_per_poll must be >= 1")
+        if not self.idle_expiry_hours > 0:
+            raise ValueError("trust.idle_expiry_hours must be > 0")
 
 
 class FloatScorer(Protocol):
@@ -141,6 +160,8 @@ class WorkerRecord:
     banned: str = ""
     """Why the key is banned ("" if it is not)."""
     last_seen: float = 0.0
+    last_accepted: float = 0.0
+    """When its last batch was accepted (0: never)."""
     batches_seen: int = 0
     """Batches of this key the intake read (any outcome)."""
     max_seq: int = -1
@@ -218,11 +239,12 @@ class TrustGate:
                 log.warning("ignoring the kept copy of the roster: %s", e)
         self._round = 0
         self.version = 0
-        self._rng = np.random.default_rng(seed)  # None: fresh OS entropy
+        self.rng = np.random.default_rng(seed)  # None: fresh OS entropy
         self._roster_read = self._report_written = 0.0
         self._roster_dirty = False
         self._new_bans: list[str] = []
         self._holds: dict[str, int] = {}  # batch key -> polls it was held for a contested group
+        self._expired: set[str] = set()  # first-use bindings let expire for room (kept out of the roster)
         self.seconds = {"replay": 0.0, "audit": 0.0, "spot_check": 0.0, "sampling": 0.0}
         self.counts = {"spot_checks": 0, "episodes_replayed": 0, "episodes_audited": 0, "sampled_tokens_checked": 0,
                        "sampled_tokens_ambiguous": 0, "sampling_violations": 0}
@@ -246,12 +268,19 @@ class TrustGate:
             log.warning("the roster does not read (%s); keeping the one in memory", e)
             return
         merged = stored
+        gone = {k for k in self._expired if k in merged.enrolled and merged.enrolled[k].source == "first-use"}
+        if gone:  # bindings this trainer let expire stay expired
+            merged = Roster(merged.run, {k: e for k, e in merged.enrolled.items() if k not in gone}, merged.banned,
+                            merged.revision, merged.time)
         for kid, ban in self.roster.banned.items():
             if kid not in merged.banned:
                 merged = merged.with_ban(kid, ban)
         for kid, entry in self.roster.enrolled.items():
             if kid not in merged.enrolled and merged.key_for(entry.worker_id) is None and entry.source == "first-use":
-                merged = merged.with_entry(kid, entry)
+                try:
+                    merged = merged.with_entry(kid, entry)
+                except ValueError as e:  # a full roster: that binding is lost, the key's record keeps its work
+                    log.warning("cannot keep the binding of key %s: %s", kid, e)
         for kid, ban in merged.banned.items():  # bans made by hand (stoa ban) reach the records too
             rec = self.records.get(kid)
             if rec is not None and not rec.banned:
@@ -285,20 +314,85 @@ class TrustGate:
         entry = self.roster.enrolled.get(kid)
         if entry is not None:
             if entry.worker_id != wid:
-                return f"key {kid} is enrolled as worker {entry.worker_id!r}, not {wid!r}"
+                return (f"key {kid} is bound to worker id {entry.worker_id!r} in this run, not {wid!r}: restart "
+                        f"the worker with --id {entry.worker_id} (or without --id)")
             return None
         bound = self.roster.key_for(wid)
         if bound is not None:
             return f"worker id {wid!r} belongs to key {bound}; this batch is signed by key {kid} (impersonation)"
         if self.cfg.mode == "enrolled":
             return f"key {kid} is not enrolled in this run (stoa enroll); mode is 'enrolled'"
+        return None  # open run: reviewed; bound to ``wid`` only if accepted (:meth:`_bind`)
+
+    def established(self, kid: str) -> bool:
+        """Whether ``kid`` has standing: in the roster (enrolled, or bound by accepted work) or
+        with accepted batches. The others are newcomers (``newcomers_per_poll``)."""
+        rec = self.records.get(kid)
+        return kid in self.roster.enrolled or (rec is not None and rec.accepted_batches > 0)
+
+    def pace_newcomers(self, batches: Sequence[Batch]) -> tuple[list[Batch], list[Batch]]:
+        """``(review now, wait)``: every batch of a key with standing (:meth:`established`) or
+        unsealed, and at most ``newcomers_per_poll`` of the others, one per key (its lowest
+        sequence number), the keys drawn from operating-system entropy. A flood of fresh keys
+        costs the trainer a bounded number of full reviews per poll, and cannot predict whose
+        turn it is."""
+        now, by_key = [], {}
+        for b in batches:
+            if not b.key_id or self.established(b.key_id) or self.is_banned(b.key_id):  # the ban: refused cheaply
+                now.append(b)
+            else:
+                by_key.setdefault(b.key_id, []).append(b)
+        keys, wait = list(by_key), []
+        self.rng.shuffle(keys)
+        for i, k in enumerate(keys):
+            mine = sorted(by_key[k], key=lambda b: b.seq)
+            if i < self.cfg.newcomers_per_poll:
+                now.append(mine.pop(0))
+            wait += mine
+        return now, wait
+
+    def _bind(self, b: Batch) -> str | None:
+        """Bind an accepted batch's unbound key to its worker id (open runs); why not, or None.
+        (A batch without its seal's public key, built by hand, binds nothing.)"""
+        if not b.public_key:
+            return None
+        entry = self.roster.enrolled.get(b.key_id)
+        if entry is not None:
+            return None if entry.worker_id == b.worker_id else (
+                f"key {b.key_id} was bound to worker id {entry.worker_id!r} while this batch waited")
+        owner = self.roster.key_for(b.worker_id)
+        if owner is not None:
+            return f"worker id {b.worker_id!r} was bound to key {owner} by its accepted work first"
+        if self.cfg.mode != "open":
+            return f"key {b.key_id} is not enrolled in this run"
+        new = WorkerEntry(b.public_key, b.worker_id, time.time(), "first-use")
         try:
-            self.roster = self.roster.with_entry(kid, WorkerEntry(seal.public_key, wid, time.time(), "first-use"))
-        except ValueError as e:
-            return str(e)
+            self.roster = self.roster.with_entry(b.key_id, new)
+        except ValueError:
+            idle = self._idle_binding()
+            if idle is None:  # the work is still taken: only the id stays unprotected until there is room
+                log.warning("the roster is full (no binding idle for %g h): worker %s (key %s) is accepted but its "
+                            "id is not bound", self.cfg.idle_expiry_hours, b.worker_id, b.key_id)
+                return None
+            log.info("roster full: key %s (idle) loses its binding to worker id %r", idle,
+                     self.roster.enrolled[idle].worker_id)
+            rest = {k: e for k, e in self.roster.enrolled.items() if k != idle}
+            self._expired.add(idle)
+            self.roster = Roster(self.run, rest, self.roster.banned, self.roster.revision, self.roster.time)
+            self.roster = self.roster.with_entry(b.key_id, new)
         self._roster_dirty = True
-        log.info("open run: worker %s bound to key %s on first use", wid, kid)
+        self._expired.discard(b.key_id)
+        log.info("open run: worker %s bound to key %s by its first accepted batch", b.worker_id, b.key_id)
         return None
+
+    def _idle_binding(self) -> str | None:
+        """The first-use binding whose key's last accepted batch is oldest, if older than
+        ``idle_expiry_hours`` (enrolled keys never expire)."""
+        cutoff = time.time() - 3600 * self.cfg.idle_expiry_hours
+        idle = [(self.records[k].last_accepted if k in self.records else 0.0, k)
+                for k, e in self.roster.enrolled.items() if e.source == "first-use"]
+        oldest = min(idle, default=None)
+        return oldest[1] if oldest is not None and oldest[0] < cutoff else None
 
     # -- accounting -------------------------------------------------------------------------------
     def _record(self, kid: str, worker_id: str) -> WorkerRecord:
@@ -407,15 +501,31 @@ class TrustGate:
                 verdicts[i] = self._guarded(self._audit, b, trainer_version)
             if verdicts[i] is None and self.int8 is not None and self.assign is not None and b.key_id:
                 verdicts[i] = self._guarded(self._draws, b)
-        for b, v in zip(batches, verdicts):
+        for i, b in enumerate(batches):
+            if verdicts[i] is None and b.key_id and (why := self._bind(b)):
+                verdicts[i] = ("refused", why)
+            v = verdicts[i]
             if v is None or v[0] != "hold":
                 self._holds.pop(b.key, None)
             if v is None:
                 rec = self._record(b.key_id, b.worker_id)
                 rec.accepted_batches += 1
                 rec.accepted_episodes += len(b.episodes)
+                rec.last_accepted = time.time()
                 self._remember(b)
+        self._forget_strangers()
         return verdicts
+
+    def _forget_strangers(self) -> None:
+        """Keep the records bounded (:data:`_MAX_RECORDS`): forget keys that never had a batch
+        accepted and are not banned, seen longest ago first."""
+        if len(self.records) <= _MAX_RECORDS:
+            return
+        idle = sorted((r.last_seen, k) for k, r in self.records.items()
+                      if not r.accepted_batches and not r.banned and k not in self.roster.enrolled)
+        for _, k in idle[: len(self.records) - _MAX_RECORDS]:
+            del self.records[k]
+            self.audit.forget(k)
 
     @staticmethod
     def _guarded(check: Callable[..., tuple[str, str] | None], *args: Any) -> tuple[str, str] | None:
@@ -488,7 +598,7 @@ class TrustGate:
     def _audit(self, b: Batch, trainer_version: int) -> tuple[str, str] | None:
         eps = b.episodes
         n = max(1, math.ceil(self.cfg.audit.fraction * len(eps)))
-        pick = sorted(self._rng.choice(len(eps), size=min(n, len(eps)), replace=False).tolist())
+        pick = sorted(self.rng.choice(len(eps), size=min(n, len(eps)), replace=False).tolist())
         t0 = time.perf_counter()
         lps = self.float_scorer.logprobs([eps[i] for i in pick], temperature=None)  # type: ignore[union-attr]
         self.seconds["audit"] += time.perf_counter() - t0
@@ -498,7 +608,7 @@ class TrustGate:
         suspicious = [(i, why) for i, st in zip(pick, stats) if (why := self.audit.episode_verdict(staleness, st))]
         why_worker = self.audit.worker_verdict(b.key_id, extra=(staleness, stats))
         verdict = None
-        if suspicious or why_worker or self._rng.random() < self.cfg.audit.random_spot_check:
+        if suspicious or why_worker or self.rng.random() < self.cfg.audit.random_spot_check:
             reason = suspicious[0][1] if suspicious else why_worker or "random spot-check"
             verdict = self._spot_check(b, [i for i, _ in suspicious], reason)
         if verdict is None:  # what passed (a spot-check, if any) shapes the worker's statistics and the fleet's range
@@ -512,7 +622,7 @@ class TrustGate:
         sampling rule makes from the assigned seed. A confirmed mismatch bans the key."""
         if self.int8 is None:
             return None
-        rest = [i for i in self._rng.permutation(len(b.episodes)).tolist() if i not in first]
+        rest = [i for i in self.rng.permutation(len(b.episodes)).tolist() if i not in first]
         pick = (first + rest)[: self.cfg.audit.spot_check_episodes]
         eps = [b.episodes[i] for i in pick]
         t0 = time.perf_counter()
@@ -545,7 +655,7 @@ class TrustGate:
             if d in seen:
                 dup += [seen[d], i]
             seen.setdefault(d, i)
-        drawn = self._rng.permutation(len(b.episodes))[: self.cfg.audit.sampling_episodes].tolist()
+        drawn = self.rng.permutation(len(b.episodes))[: self.cfg.audit.sampling_episodes].tolist()
         pick = sorted(set(dup) | set(drawn))
         t0 = time.perf_counter()
         eps, seed = [b.episodes[i] for i in pick], self.assign(b).seed  # type: ignore[misc]
