@@ -677,3 +677,22 @@ def test_a_flood_of_throwaway_keys_neither_fills_the_roster_nor_locks_a_newcomer
     later = generate_private_key()
     assert gate.review([_sealed_batch(later, "later", episodes("later", group="m", seed=6))], 99) == [None]
     assert key_id(later.public_key()) not in gate.roster.enrolled and gate.established(key_id(later.public_key()))
+
+
+def test_two_keys_whose_converged_policy_plays_alike_are_not_struck_for_copying(engine_and_episodes, tmp_path):
+    """A converged (near-deterministic) policy gives two honest workers assigned the same item the
+    same group; the group fingerprint struck the later one as a copier (seen in the demo at
+    version 57). With assigned work a copy is the assignment's and the sampling check's business."""
+    from stoa.transport.store import LocalStore
+
+    engine, honest = engine_and_episodes
+    gate = TrustGate(TrustConfig(audit=AuditConfig(random_spot_check=0.0)), LocalStore(tmp_path), RUN,
+                     generate_private_key(), float_scorer=_Echo(), int8=_AtVersion(engine), assign=_assigned(1))
+    alike = copy.deepcopy(honest[:4])
+    for e in alike:
+        e.worker_id = "b"
+    assert gate.review([_batch("ak", "a", honest[:4])], 0) == [None]
+    assert gate.review([_batch("bk", "b", alike, 1)], 0) == [None]  # later: no "copied" strike
+    again = copy.deepcopy(alike)
+    assert gate.review([_batch("ak", "a", honest[:4], 2), _batch("bk", "b", again, 3)], 0) == [None, None]  # one poll
+    assert gate.records["bk"].strikes == 0 and gate.records["ak"].strikes == 0

@@ -14,7 +14,7 @@ batch meets it:
    eats the trainer's time.
 2. **Review** (:meth:`TrustGate.review`, after the run's own bounds in
    :mod:`stoa.fleet.trust.admission`): replay every episode (:mod:`stoa.fleet.trust.replay`);
-   refuse groups whose tokens were already taken from another key (a copy); score a sample with
+   re-derive sampled tokens from the assigned seed (a copy is not its sender's draws); score a sample with
    the learner and audit its log-probs (:mod:`stoa.fleet.trust.audit`), spot-checking suspicious
    ones with the int8 policy of the claimed version. A failed check rejects the whole batch with
    the reason.
@@ -495,7 +495,8 @@ class TrustGate:
                 verdicts[i] = ("refused", f"key {b.key_id} is banned")
             elif self.replayer is not None:
                 verdicts[i] = self._guarded(self._replay, b)
-        self._fingerprint(batches, verdicts)
+        if self.assign is None:  # with assigned work a copy is caught as not the copier's work (see _fingerprint)
+            self._fingerprint(batches, verdicts)
         for i, b in enumerate(batches):
             if verdicts[i] is None and self.float_scorer is not None:
                 verdicts[i] = self._guarded(self._audit, b, trainer_version)
@@ -512,7 +513,8 @@ class TrustGate:
                 rec.accepted_batches += 1
                 rec.accepted_episodes += len(b.episodes)
                 rec.last_accepted = time.time()
-                self._remember(b)
+                if self.assign is None:
+                    self._remember(b)
         self._forget_strangers()
         return verdicts
 
@@ -548,6 +550,12 @@ class TrustGate:
                           f"(group {ep.group_id[:48]!r}, item {ep.item_index}): {why}")
 
     def _fingerprint(self, batches: Sequence[Batch], verdicts: list[tuple[str, str] | None]) -> None:
+        """Refuse groups whose episodes were taken from another key (only when work is not assigned).
+
+        With assigned work (the trainer's case) this is not done: a copy relabelled as the
+        copier's own work fails the assignment or the sampling check, and two honest keys whose
+        near-deterministic policy plays the same item alike (which happens once a policy has
+        converged) would otherwise be struck for copying each other."""
         holder: dict[str, int] = {}  # fingerprint -> batch index in this poll
         for i, b in enumerate(batches):
             if verdicts[i] is not None:
