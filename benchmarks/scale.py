@@ -8,7 +8,8 @@ Builds a random-weight model of the preset's exact shape (``stoa init-tiny --pre
    - ``mlx``: int8 worker engine load + quantize, generation tokens/s on the search task, MLX
      scoring, a spot-check as the trainer does it (load another version's state + score);
    - ``torch``: :class:`stoa.backends.torch.int8.TorchInt8Scorer` on the same state and episodes:
-     agreement with MLX (max and p99 per-token |log-prob difference|) and speed;
+     agreement with MLX (max and p99 per-token |log-prob difference|, and the sampling
+     margins of the generated tokens) and speed;
    - ``held``: trainer RAM for the int8 states a spot-check may claim at ``max_lag`` 8: a dict of
      states in RAM (the baseline) vs :class:`stoa.fleet.heldstates.HeldStates` on disk;
    - ``pulse``: quantize, PULSE delta at a 0.5% code change rate vs the full state, apply, hash;
@@ -96,6 +97,10 @@ def part_mlx(model: Path, work: Path, groups: int) -> dict:
     ref = eng.score(eps)
     score_s = time.perf_counter() - t
     np.savez(work / "mlx_scores.npz", *ref)
+    t = time.perf_counter()
+    margins = eng.sampling_margins(eps, [sampling.seed] * len(eps))
+    margins_s = time.perf_counter() - t
+    np.savez(work / "mlx_margins.npz", *margins)
     shutil.rmtree(work / "held", ignore_errors=True)  # a rerun in the same folder writes v0 afresh
     held = HeldStates(work / "held", keep=2)
     t = time.perf_counter()
@@ -113,7 +118,8 @@ def part_mlx(model: Path, work: Path, groups: int) -> dict:
     spot_score_s = time.perf_counter() - t
     return {"load_quantize_s": load_s, "rss_after_load_gb": after_load["VmRSS"], "gen_s": gen_s,
             "gen_tokens": gen_tokens, "gen_tokens_per_s": gen_tokens / gen_s, "episodes": len(eps),
-            "score_tokens": int(sum(len(e) for e in eps)), "score_s": score_s, "held_put_s": put_s,
+            "score_tokens": int(sum(len(e) for e in eps)), "score_s": score_s, "margins_s": margins_s,
+            "held_put_s": put_s,
             "state_hash_s": hash_s, "state_hash": h, "spot_load_state_s": load_state_s,
             "spot_score_s": spot_score_s, "spot_check_s": load_state_s + spot_score_s,
             "state_bytes": int(sum(a.nbytes for a in eng.state.values())), "peak_rss_gb": rss()["VmHWM"],
@@ -149,13 +155,21 @@ def part_torch(model: Path, work: Path, threads: int) -> dict:
     t = time.perf_counter()
     scorer.score(eps[:2])
     spot_score_s = time.perf_counter() - t
+    mref = np.load(work / "mlx_margins.npz")
+    mref = np.concatenate([mref[f"arr_{i}"] for i in range(len(eps))])
+    t = time.perf_counter()
+    margins = np.concatenate(scorer.sampling_margins(eps, [0] * len(eps)))  # part_mlx samples with seed 0
+    margins_s = time.perf_counter() - t
     d_all = np.concatenate([np.abs(a[1:] - b[1:]) for a, b in zip(got, ref)])
     d_model = np.concatenate([np.abs(a - b)[e.loss_mask()] for a, b, e in zip(got, ref, eps)])
     return {"init_s": init_s, "first_load_state_s": first_load_s, "load_state_s": load_state_s, "score_s": score_s, "spot_score_s": spot_score_s,
             "spot_check_s": load_state_s + spot_score_s, "diff_max": float(d_all.max()),
             "diff_p99": float(np.percentile(d_all, 99)), "diff_model_max": float(d_model.max()) if d_model.size else 0.0,
             "diff_model_p99": float(np.percentile(d_model, 99)) if d_model.size else 0.0,
-            "logprob_mean": float(np.mean(np.concatenate([r[1:] for r in ref]))), "peak_rss_gb": rss()["VmHWM"]}
+            "logprob_mean": float(np.mean(np.concatenate([r[1:] for r in ref]))), "margins_s": margins_s,
+            "margin_tokens": int(margins.size), "margin_diff_max": float(np.abs(margins - mref).max(initial=0.0)),
+            "margin_min": float(margins.min(initial=1.0)), "margin_mlx_min": float(mref.min(initial=1.0)),
+            "margin_within_band": int((np.abs(margins) < 1e-4).sum()), "peak_rss_gb": rss()["VmHWM"]}
 
 
 def _states(work: Path, n: int):
@@ -580,6 +594,7 @@ def main() -> None:
         "worker_load_quantize_s": m.get("load_quantize_s"),
         "torch_vs_mlx_score_speedup": (m["score_s"] / t["score_s"]) if t.get("score_s") and m.get("score_s") else None,
         "torch_vs_mlx_logprob_max": t.get("diff_max"), "torch_vs_mlx_logprob_p99": t.get("diff_p99"),
+        "torch_vs_mlx_margin_max": t.get("margin_diff_max"),
         "held_dict_gb": hd.get("rss_gb"), "held_disk_gb": hk.get("rss_gb"),
         "held_ratio": (hd["rss_gb"] / max(hk["rss_gb"], 1e-3)) if hd.get("rss_gb") and hk.get("rss_gb") else None,
         "pulse_delta_bytes_0p5pct": p.get("delta_bytes"), "pulse_delta_vs_full": (
@@ -595,6 +610,9 @@ def main() -> None:
         ("MLX score", f"{m.get('score_s', 0):.2f} s", f"{m.get('score_tokens')} tokens"),
         ("torch int8 score", f"{t.get('score_s', 0):.2f} s",
          f"x{summary['torch_vs_mlx_score_speedup'] or 0:.2f} vs MLX; |dlogp| max {t.get('diff_max', 0):.2e} p99 {t.get('diff_p99', 0):.2e}"),
+        ("sampling margins", f"MLX {m.get('margins_s', 0):.2f} s", f"torch {t.get('margins_s', 0):.2f} s; "
+         f"|dmargin| max {t.get('margin_diff_max', 0):.2e} over {t.get('margin_tokens')} tokens, "
+         f"min {t.get('margin_min', 0):.2e}, {t.get('margin_within_band')} within 1e-4 of an edge"),
         ("spot-check (load state + 2 eps)", f"MLX {m.get('spot_check_s', 0):.2f} s", f"torch {t.get('spot_check_s', 0):.2f} s"),
         ("held states, max_lag 8", f"dict {hd.get('rss_gb', 0):.2f} GB", f"disk {hk.get('rss_gb', 0):.2f} GB (one state {hd.get('state_gb', 0):.2f} GB)"),
         ("PULSE delta (0.5% of codes)", f"{p.get('delta_bytes', 0) / 1e6:.1f} MB", f"full {p.get('anchor_bytes', 0) / 1e6:.0f} MB; "
