@@ -189,7 +189,8 @@ class Trainer:
         build = self.ranks.make_learner if self.ranks else make_learner  # all ranks build theirs with rank 0
         self.learner = build(cfg.learner.kind, self.model_dir, self._learner_config(), **options)
         self.policies = HeldPolicies(self.model_dir, cfg.rollout, cfg.trainer.max_lag, self.run_dir / "held",
-                                     chain=self.publisher.subscriber)
+                                     chain=self.publisher.subscriber, scorer=cfg.trainer.int8_scorer,
+                                     device=self.learner.config.device, dtype=cfg.pulse.dtype)
         extra = self._resume(checkpoint) if checkpoint else self._start()
         self.intake = Intake(cfg, self.store, self.key, vocab_size=self.learner.vocab_size,
                              metric_types=self.metric_types, ledger=self.ledger, float_scorer=self.learner,
@@ -361,7 +362,9 @@ class Trainer:
         score the step's episodes with the float learner and with the int8 policy of this version."""
         from stoa.fleet.mismatch import decompose
 
-        int8 = self.policies.engine_at(self.version).score(episodes)
+        int8 = self.policies.score(self.version, episodes)
+        if int8 is None:  # the current version is always held; a lost one leaves the split out
+            return {}
         return decompose(episodes, self.learner.logprobs(episodes, temperature=None), int8)
 
     # -- checkpoints --------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from stoa.backends.packing import by_length, padded_tokens
 from stoa.backends.sampling import margin_plan
 from stoa.types import Episode
 
-__all__ = ["Int8ScorerError", "TorchInt8Scorer"]
+__all__ = ["Int8ScorerError", "TorchInt8Scorer", "make_scorer", "resolve_device"]
 
 GROUP_SIZE = 64
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -60,6 +60,21 @@ def dequantize_torch(codes: torch.Tensor, scales: torch.Tensor, biases: torch.Te
         w = w.to(dt).to(torch.float32)
     w.add_(biases.reshape(-1, 1).to(torch.float32))
     return w.to(dt).reshape(out_shape)
+
+
+def resolve_device(setting: str) -> str:
+    """The device a learner's ``device`` setting names, as the learners resolve it (``"auto"``:
+    ``"cuda"`` if torch sees a CUDA device, else ``"cpu"``)."""
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if setting.startswith("cuda") and not torch.cuda.is_available():
+        raise Int8ScorerError(f"device={setting!r} but torch sees no CUDA device")
+    return setting
+
+
+def make_scorer(hf_dir: str | Path, device: str = "auto", dtype: str = "float32") -> TorchInt8Scorer:
+    """A :class:`TorchInt8Scorer` on the device a learner's ``device`` setting names."""
+    return TorchInt8Scorer(hf_dir, resolve_device(device), dtype)
 
 
 class TorchInt8Scorer:
