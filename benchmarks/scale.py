@@ -13,6 +13,9 @@ Builds a random-weight model of the preset's exact shape (``stoa init-tiny --pre
    - ``held``: trainer RAM for the int8 states a spot-check may claim at ``max_lag`` 8: a dict of
      states in RAM (the baseline) vs :class:`stoa.fleet.heldstates.HeldStates` on disk;
    - ``pulse``: quantize, PULSE delta at a 0.5% code change rate vs the full state, apply, hash;
+   - ``publish`` (only when named in ``--parts``): one publish's export + quantize on the torch
+     learner, the whole float copy first (the baseline) vs one tensor at a time, peak RSS above
+     the learner's and whether both give the same state;
 2. **fleet** (not with ``--quick``): ``stoa trainer`` + 2 ``stoa worker`` + 1 ``stoa worker
    --follow-only`` subprocesses on a local store for ``benchmarks/scale.toml``'s RL steps, with
    each process's peak RSS (``VmHWM``), cold join, sync per version, learner seconds per 1k
@@ -242,6 +245,27 @@ def part_held(model: Path, work: Path, kind: str, max_lag: int) -> dict:
     return {**out, "kind": kind, "max_lag": max_lag, "rss_gb": r["VmRSS"] - base_rss, "rss_anon_gb": r["RssAnon"],
             "rss_file_gb": r["RssFile"], "state_gb": state_bytes / GB, "seconds": time.perf_counter() - t0,
             "checksum": touched, "peak_rss_gb": rss()["VmHWM"]}
+
+
+def part_publish(model: Path, work: Path, how: str) -> dict:
+    """One publish's export + quantize on the torch learner (CPU, float32): the whole float copy
+    then quantize (``whole``, the trainer's way before) or one tensor at a time (``streamed``)."""
+    from stoa.backends.learner import LearnerConfig, make_learner
+    from stoa.transport.pulse import state_hash
+    from stoa.transport.quant import quantize_state
+
+    ln = make_learner("torch", model, LearnerConfig(device="cpu", threads=1))
+    previous = quantize_state(ln.iter_weights("float32"))  # the last published state, as the trainer holds it
+    before = rss()["VmRSS"]
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    t = time.perf_counter()
+    weights = ln.export_weights("float32") if how == "whole" else ln.iter_weights("float32")
+    state = quantize_state(weights, previous=previous)
+    seconds = time.perf_counter() - t
+    peak = rss()["VmHWM"]
+    del weights
+    return {"rss_before_gb": before, "peak_gb": peak, "extra_gb": peak - before, "export_quantize_s": seconds,
+            "state_gb": sum(a.nbytes for a in state.values()) / GB, "state_hash": state_hash(state)}
 
 
 def part_pulse(model: Path, work: Path) -> dict:
@@ -535,7 +559,8 @@ def main() -> None:
         fn = {"mlx": lambda: part_mlx(a.model, a.work, int(a.extra[0])),
               "torch": lambda: part_torch(a.model, a.work, int(a.extra[0])),
               "held": lambda: part_held(a.model, a.work, a.extra[0], int(a.extra[1])),
-              "pulse": lambda: part_pulse(a.model, a.work)}[a.part]
+              "pulse": lambda: part_pulse(a.model, a.work),
+              "publish": lambda: part_publish(a.model, a.work, a.extra[0])}[a.part]
         a.out.write_text(json.dumps(fn(), indent=1))
         return
 
@@ -563,6 +588,11 @@ def main() -> None:
     if "pulse" in parts:
         res["pulse"] = sub("pulse", model, work)
         print(f"pulse: {json.dumps(res['pulse'])[:400]}", flush=True)
+    if "publish" in parts:
+        res["publish_whole"] = sub("publish", model, work, "whole")
+        res["publish_streamed"] = sub("publish", model, work, "streamed")
+        print(f"publish: whole {json.dumps(res['publish_whole'])[:300]}; streamed "
+              f"{json.dumps(res['publish_streamed'])[:300]}", flush=True)
     if parts:
         try:
             import llama_cpp  # noqa: F401
@@ -574,6 +604,7 @@ def main() -> None:
         res["fleet"] = run_fleet(model, work, a.steps, a.fleet_timeout)
         print(f"fleet: {json.dumps(res['fleet'])[:600]}", flush=True)
     m, t, hd, hk, p = (res.get(k, {}) for k in ("mlx", "torch", "held_dict", "held_disk", "pulse"))
+    pw, ps = res.get("publish_whole", {}), res.get("publish_streamed", {})
     f = res.get("fleet", {})
     peaks = f.get("peak_rss_gb", {})
     res["summary"] = summary = {
@@ -600,6 +631,9 @@ def main() -> None:
         "pulse_delta_bytes_0p5pct": p.get("delta_bytes"), "pulse_delta_vs_full": (
             p["delta_bytes"] / p["anchor_bytes"]) if p.get("delta_bytes") else None,
         "fleet_steps": f.get("steps_done"),
+        "publish_extra_rss_whole_gb": pw.get("extra_gb"), "publish_extra_rss_streamed_gb": ps.get("extra_gb"),
+        "publish_same_state": (pw["state_hash"] == ps["state_hash"]) if pw.get("state_hash") and ps.get("state_hash")
+        else None,
     }
     complete = all(res.get(k) and "failed" not in res[k] for k in ("mlx", "torch", "pulse"))
     res["cost_model"] = cm = cost_model(res) if complete else {}
@@ -619,6 +653,11 @@ def main() -> None:
          f"changed {100 * p.get('changed_code_frac', 0):.2f}%; encode {p.get('encode_s', 0):.2f} s apply {p.get('apply_s', 0):.2f} s"),
         ("state hash (full)", f"{p.get('state_hash_s', 0):.2f} s", ""),
     ]
+    if pw and ps:
+        rows.append(("publish: export + quantize, RSS over", f"whole {pw.get('extra_gb', 0):.2f} GB, "
+                     f"{pw.get('export_quantize_s', 0):.1f} s", f"streamed {ps.get('extra_gb', 0):.2f} GB, "
+                     f"{ps.get('export_quantize_s', 0):.1f} s (x{pw.get('extra_gb', 0) / max(ps.get('extra_gb', 0), 1e-3):.1f} "
+                     f"less); same state: {summary['publish_same_state']}"))
     if f:
         rows += [
             ("fleet", f"{f.get('steps_done')} RL steps in {f.get('fleet_wall_s', 0):.0f} s", f.get("failed") or "ok"),

@@ -233,8 +233,8 @@ class Trainer:
         """Quantize the learner's weights to int8, hold them for spot-checks, publish them as ``self.version``."""
         from stoa.transport.quant import quantize_state
 
-        weights = self.learner.export_weights(self.cfg.pulse.dtype)
-        self.state = quantize_state(weights, previous=self.state)
+        # One float tensor on the host at a time (a whole float copy is 4 bytes a parameter).
+        self.state = quantize_state(self.learner.iter_weights(self.cfg.pulse.dtype), previous=self.state)
         self.policies.keep(self.version, self.state)
         return self.publisher.publish(self.version, self.state, {"rl_step": self.rl_step, **metadata})
 
