@@ -149,6 +149,7 @@ class Trainer:
         self.version = 0
         self.rl_step = 0
         self.state: dict[str, np.ndarray] | None = None
+        self.quantize_s = 0.0  # export + quantize seconds of the last publish
         self._t0 = time.time()
 
     # -- helpers ------------------------------------------------------------------------------
@@ -233,8 +234,10 @@ class Trainer:
         """Quantize the learner's weights to int8, hold them for spot-checks, publish them as ``self.version``."""
         from stoa.transport.quant import quantize_state
 
+        t0 = time.perf_counter()
         # One float tensor on the host at a time (a whole float copy is 4 bytes a parameter).
         self.state = quantize_state(self.learner.iter_weights(self.cfg.pulse.dtype), previous=self.state)
+        self.quantize_s = time.perf_counter() - t0
         self.policies.keep(self.version, self.state)
         return self.publisher.publish(self.version, self.state, {"rl_step": self.rl_step, **metadata})
 
@@ -304,6 +307,7 @@ class Trainer:
         self._log("train", rl_step=self.rl_step, **rollout, **learn,
                   **{"pulse/bytes": pub.bytes_written, "pulse/full_bytes": pub.full_state_bytes,
                      "pulse/anchor": pub.kind == "anchor", "pulse/seconds": pub.seconds,
+                     "pulse/quantize_s": self.quantize_s,
                      "time/step_s": now - t0, "time/elapsed_s": now - self._t0,
                      "throughput/episodes_per_s": self.counters.episodes_trained / (now - self._t0),
                      "fleet/workers_alive": sum(now - b.time < 30 and b.status != "stopped" for b in beats)},
