@@ -52,6 +52,17 @@ def rss() -> dict[str, float]:
     return out
 
 
+def rss_of(pid: int) -> dict[str, float]:
+    """Another process's current resident set (GB): total, anonymous and file-backed (mapped files,
+    e.g. held states: reclaimable) parts."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    return {k: int(v.split()[0]) * 1024 / GB for k, _, v in (x.partition(":") for x in lines)
+            if k in ("VmRSS", "RssAnon", "RssFile")}
+
+
 def peak_of(pid: int) -> float | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -355,6 +366,8 @@ def run_fleet(model: Path, work: Path, steps: int, timeout_s: float, overrides: 
     procs["follower"] = spawn("follower", ["worker", "--follow-only", "--store", str(store), "--run", "scale",
                                            "--public-key", public_hex, "--id", "follower"])
     peaks: dict[str, float] = {}
+    anon: dict[str, float] = {}
+    series: list[tuple[float, float, float, float]] = []  # the trainer's (s, RSS, anon, file) every 0.5 s
     t0, failed = time.time(), None
     try:
         while procs["trainer"][0].poll() is None:
@@ -362,6 +375,12 @@ def run_fleet(model: Path, work: Path, steps: int, timeout_s: float, overrides: 
                 v = peak_of(p.pid)
                 if v is not None:
                     peaks[name] = max(peaks.get(name, 0.0), v)
+                now = rss_of(p.pid)
+                if "RssAnon" in now:
+                    anon[name] = max(anon.get(name, 0.0), now["RssAnon"])
+                    if name == "trainer":
+                        series.append((round(time.time() - t0, 1), round(now["VmRSS"], 3), round(now["RssAnon"], 3),
+                                       round(now["RssFile"], 3)))
             if time.time() - t0 > timeout_s:
                 failed = f"timed out after {timeout_s:.0f} s"
                 break
@@ -384,7 +403,8 @@ def run_fleet(model: Path, work: Path, steps: int, timeout_s: float, overrides: 
     if procs["trainer"][0].returncode not in (0, None) and failed is None:
         failed = f"trainer exited {procs['trainer'][0].returncode}"
     out: dict = {"fleet_wall_s": wall, "steps_done": len(train), "failed": failed,
-                 "peak_rss_gb": {k: round(v, 3) for k, v in peaks.items()}}
+                 "peak_rss_gb": {k: round(v, 3) for k, v in peaks.items()},
+                 "peak_anon_gb": {k: round(v, 3) for k, v in anon.items()}, "trainer_rss_series": series}
     # Cold join: from when version 0 was committed (or the worker started, if later) to the
     # worker's "joined run" line: download, verify, engine build. Log times have 1 s resolution.
     try:
@@ -395,7 +415,7 @@ def run_fleet(model: Path, work: Path, steps: int, timeout_s: float, overrides: 
     joins = []
     for wid in ("worker-0", "worker-1"):
         text = (run_dir / f"{wid}.log").read_text(errors="replace")
-        m = re.search(r"^(\d\d:\d\d:\d\d) \S+ INFO worker \S+ joined run", text, re.M)
+        m = re.search(r"^(\d\d:\d\d:\d\d) \S+ INFO worker \S+ (?:\(key \S+\) )?joined run", text, re.M)
         if m:
             since = max(procs[wid][1], v0_at)
             hh, mm, ss = (int(x) for x in m.group(1).split(":"))
