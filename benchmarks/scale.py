@@ -8,10 +8,14 @@ Builds a random-weight model of the preset's exact shape (``stoa init-tiny --pre
    - ``mlx``: int8 worker engine load + quantize, generation tokens/s on the search task, MLX
      scoring, a spot-check as the trainer does it (load another version's state + score);
    - ``torch``: :class:`stoa.backends.torch.int8.TorchInt8Scorer` on the same state and episodes:
-     agreement with MLX (max and p99 per-token |log-prob difference|) and speed;
+     agreement with MLX (max and p99 per-token |log-prob difference|, and the sampling
+     margins of the generated tokens) and speed;
    - ``held``: trainer RAM for the int8 states a spot-check may claim at ``max_lag`` 8: a dict of
      states in RAM (the baseline) vs :class:`stoa.fleet.heldstates.HeldStates` on disk;
    - ``pulse``: quantize, PULSE delta at a 0.5% code change rate vs the full state, apply, hash;
+   - ``publish`` (only when named in ``--parts``): one publish's export + quantize on the torch
+     learner, the whole float copy first (the baseline) vs one tensor at a time, peak RSS above
+     the learner's and whether both give the same state;
 2. **fleet** (not with ``--quick``): ``stoa trainer`` + 2 ``stoa worker`` + 1 ``stoa worker
    --follow-only`` subprocesses on a local store for ``benchmarks/scale.toml``'s RL steps, with
    each process's peak RSS (``VmHWM``), cold join, sync per version, learner seconds per 1k
@@ -46,6 +50,17 @@ def rss() -> dict[str, float]:
         if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
             out[k] = int(v.split()[0]) * 1024 / GB
     return out
+
+
+def rss_of(pid: int) -> dict[str, float]:
+    """Another process's current resident set (GB): total, anonymous and file-backed (mapped files,
+    e.g. held states: reclaimable) parts."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    return {k: int(v.split()[0]) * 1024 / GB for k, _, v in (x.partition(":") for x in lines)
+            if k in ("VmRSS", "RssAnon", "RssFile")}
 
 
 def peak_of(pid: int) -> float | None:
@@ -96,6 +111,10 @@ def part_mlx(model: Path, work: Path, groups: int) -> dict:
     ref = eng.score(eps)
     score_s = time.perf_counter() - t
     np.savez(work / "mlx_scores.npz", *ref)
+    t = time.perf_counter()
+    margins = eng.sampling_margins(eps, [sampling.seed] * len(eps))
+    margins_s = time.perf_counter() - t
+    np.savez(work / "mlx_margins.npz", *margins)
     shutil.rmtree(work / "held", ignore_errors=True)  # a rerun in the same folder writes v0 afresh
     held = HeldStates(work / "held", keep=2)
     t = time.perf_counter()
@@ -113,7 +132,8 @@ def part_mlx(model: Path, work: Path, groups: int) -> dict:
     spot_score_s = time.perf_counter() - t
     return {"load_quantize_s": load_s, "rss_after_load_gb": after_load["VmRSS"], "gen_s": gen_s,
             "gen_tokens": gen_tokens, "gen_tokens_per_s": gen_tokens / gen_s, "episodes": len(eps),
-            "score_tokens": int(sum(len(e) for e in eps)), "score_s": score_s, "held_put_s": put_s,
+            "score_tokens": int(sum(len(e) for e in eps)), "score_s": score_s, "margins_s": margins_s,
+            "held_put_s": put_s,
             "state_hash_s": hash_s, "state_hash": h, "spot_load_state_s": load_state_s,
             "spot_score_s": spot_score_s, "spot_check_s": load_state_s + spot_score_s,
             "state_bytes": int(sum(a.nbytes for a in eng.state.values())), "peak_rss_gb": rss()["VmHWM"],
@@ -149,13 +169,21 @@ def part_torch(model: Path, work: Path, threads: int) -> dict:
     t = time.perf_counter()
     scorer.score(eps[:2])
     spot_score_s = time.perf_counter() - t
+    mref = np.load(work / "mlx_margins.npz")
+    mref = np.concatenate([mref[f"arr_{i}"] for i in range(len(eps))])
+    t = time.perf_counter()
+    margins = np.concatenate(scorer.sampling_margins(eps, [0] * len(eps)))  # part_mlx samples with seed 0
+    margins_s = time.perf_counter() - t
     d_all = np.concatenate([np.abs(a[1:] - b[1:]) for a, b in zip(got, ref)])
     d_model = np.concatenate([np.abs(a - b)[e.loss_mask()] for a, b, e in zip(got, ref, eps)])
     return {"init_s": init_s, "first_load_state_s": first_load_s, "load_state_s": load_state_s, "score_s": score_s, "spot_score_s": spot_score_s,
             "spot_check_s": load_state_s + spot_score_s, "diff_max": float(d_all.max()),
             "diff_p99": float(np.percentile(d_all, 99)), "diff_model_max": float(d_model.max()) if d_model.size else 0.0,
             "diff_model_p99": float(np.percentile(d_model, 99)) if d_model.size else 0.0,
-            "logprob_mean": float(np.mean(np.concatenate([r[1:] for r in ref]))), "peak_rss_gb": rss()["VmHWM"]}
+            "logprob_mean": float(np.mean(np.concatenate([r[1:] for r in ref]))), "margins_s": margins_s,
+            "margin_tokens": int(margins.size), "margin_diff_max": float(np.abs(margins - mref).max(initial=0.0)),
+            "margin_min": float(margins.min(initial=1.0)), "margin_mlx_min": float(mref.min(initial=1.0)),
+            "margin_within_band": int((np.abs(margins) < 1e-4).sum()), "peak_rss_gb": rss()["VmHWM"]}
 
 
 def _states(work: Path, n: int):
@@ -230,6 +258,27 @@ def part_held(model: Path, work: Path, kind: str, max_lag: int) -> dict:
             "checksum": touched, "peak_rss_gb": rss()["VmHWM"]}
 
 
+def part_publish(model: Path, work: Path, how: str) -> dict:
+    """One publish's export + quantize on the torch learner (CPU, float32): the whole float copy
+    then quantize (``whole``, the trainer's way before) or one tensor at a time (``streamed``)."""
+    from stoa.backends.learner import LearnerConfig, make_learner
+    from stoa.transport.pulse import state_hash
+    from stoa.transport.quant import quantize_state
+
+    ln = make_learner("torch", model, LearnerConfig(device="cpu", threads=1))
+    previous = quantize_state(ln.iter_weights("float32"))  # the last published state, as the trainer holds it
+    before = rss()["VmRSS"]
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    t = time.perf_counter()
+    weights = ln.export_weights("float32") if how == "whole" else ln.iter_weights("float32")
+    state = quantize_state(weights, previous=previous)
+    seconds = time.perf_counter() - t
+    peak = rss()["VmHWM"]
+    del weights
+    return {"rss_before_gb": before, "peak_gb": peak, "extra_gb": peak - before, "export_quantize_s": seconds,
+            "state_gb": sum(a.nbytes for a in state.values()) / GB, "state_hash": state_hash(state)}
+
+
 def part_pulse(model: Path, work: Path) -> dict:
     import numpy as np
     from safetensors.numpy import load_file
@@ -286,7 +335,7 @@ def part_pulse(model: Path, work: Path) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def run_fleet(model: Path, work: Path, steps: int, timeout_s: float) -> dict:
+def run_fleet(model: Path, work: Path, steps: int, timeout_s: float, overrides: list[str] = ()) -> dict:
     import numpy as np
 
     from stoa.transport.signing import generate_private_key, load_private_key, save_keypair
@@ -309,13 +358,16 @@ def run_fleet(model: Path, work: Path, steps: int, timeout_s: float) -> dict:
     procs = {"trainer": spawn("trainer", ["trainer", str(ROOT / "benchmarks" / "scale.toml"), "--store", str(store),
                                            "--run-dir", str(run_dir), "--key", str(key),
                                            "--set", f"model.path={json.dumps(str(model))}",
-                                           "--set", f"trainer.steps={steps}"])}
+                                           "--set", f"trainer.steps={steps}",
+                                           *(x for o in overrides for x in ("--set", o))])}
     for wid in ("worker-0", "worker-1"):
         procs[wid] = spawn(wid, ["worker", "--store", str(store), "--run", "scale", "--public-key", public_hex,
                                  "--id", wid, "--cache", str(run_dir / "cache" / wid)])
     procs["follower"] = spawn("follower", ["worker", "--follow-only", "--store", str(store), "--run", "scale",
                                            "--public-key", public_hex, "--id", "follower"])
     peaks: dict[str, float] = {}
+    anon: dict[str, float] = {}
+    series: list[tuple[float, float, float, float]] = []  # the trainer's (s, RSS, anon, file) every 0.5 s
     t0, failed = time.time(), None
     try:
         while procs["trainer"][0].poll() is None:
@@ -323,6 +375,12 @@ def run_fleet(model: Path, work: Path, steps: int, timeout_s: float) -> dict:
                 v = peak_of(p.pid)
                 if v is not None:
                     peaks[name] = max(peaks.get(name, 0.0), v)
+                now = rss_of(p.pid)
+                if "RssAnon" in now:
+                    anon[name] = max(anon.get(name, 0.0), now["RssAnon"])
+                    if name == "trainer":
+                        series.append((round(time.time() - t0, 1), round(now["VmRSS"], 3), round(now["RssAnon"], 3),
+                                       round(now["RssFile"], 3)))
             if time.time() - t0 > timeout_s:
                 failed = f"timed out after {timeout_s:.0f} s"
                 break
@@ -345,7 +403,8 @@ def run_fleet(model: Path, work: Path, steps: int, timeout_s: float) -> dict:
     if procs["trainer"][0].returncode not in (0, None) and failed is None:
         failed = f"trainer exited {procs['trainer'][0].returncode}"
     out: dict = {"fleet_wall_s": wall, "steps_done": len(train), "failed": failed,
-                 "peak_rss_gb": {k: round(v, 3) for k, v in peaks.items()}}
+                 "peak_rss_gb": {k: round(v, 3) for k, v in peaks.items()},
+                 "peak_anon_gb": {k: round(v, 3) for k, v in anon.items()}, "trainer_rss_series": series}
     # Cold join: from when version 0 was committed (or the worker started, if later) to the
     # worker's "joined run" line: download, verify, engine build. Log times have 1 s resolution.
     try:
@@ -356,7 +415,7 @@ def run_fleet(model: Path, work: Path, steps: int, timeout_s: float) -> dict:
     joins = []
     for wid in ("worker-0", "worker-1"):
         text = (run_dir / f"{wid}.log").read_text(errors="replace")
-        m = re.search(r"^(\d\d:\d\d:\d\d) \S+ INFO worker \S+ joined run", text, re.M)
+        m = re.search(r"^(\d\d:\d\d:\d\d) \S+ INFO worker \S+ (?:\(key \S+\) )?joined run", text, re.M)
         if m:
             since = max(procs[wid][1], v0_at)
             hh, mm, ss = (int(x) for x in m.group(1).split(":"))
@@ -380,6 +439,7 @@ def run_fleet(model: Path, work: Path, steps: int, timeout_s: float) -> dict:
             "learner_s_per_1k_tokens": 1000 * secs / toks if toks else None,
             "step_s": [round(r["time/step_s"], 2) for r in train],
             "publish_s": float(np.median([r["pulse/seconds"] for r in train])),
+            "quantize_s": float(np.median([r.get("pulse/quantize_s", np.nan) for r in train])),
             "delta_bytes": [r["pulse/bytes"] for r in train], "full_bytes": train[-1]["pulse/full_bytes"],
             "spot_check_s_total": train[-1].get("trust/spot_check_s"), "audit_s_total": train[-1].get("trust/audit_s"),
             "replay_s_total": train[-1].get("trust/replay_s"),
@@ -509,6 +569,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the scorer part")
     ap.add_argument("--no-fleet", action="store_true")
     ap.add_argument("--fleet-timeout", type=float, default=3600)
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a run-config override for the fleet's trainer (repeatable), e.g. trainer.int8_scorer=\"torch\"")
     ap.add_argument("--part", help=argparse.SUPPRESS)
     ap.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
@@ -521,7 +583,8 @@ def main() -> None:
         fn = {"mlx": lambda: part_mlx(a.model, a.work, int(a.extra[0])),
               "torch": lambda: part_torch(a.model, a.work, int(a.extra[0])),
               "held": lambda: part_held(a.model, a.work, a.extra[0], int(a.extra[1])),
-              "pulse": lambda: part_pulse(a.model, a.work)}[a.part]
+              "pulse": lambda: part_pulse(a.model, a.work),
+              "publish": lambda: part_publish(a.model, a.work, a.extra[0])}[a.part]
         a.out.write_text(json.dumps(fn(), indent=1))
         return
 
@@ -549,6 +612,11 @@ def main() -> None:
     if "pulse" in parts:
         res["pulse"] = sub("pulse", model, work)
         print(f"pulse: {json.dumps(res['pulse'])[:400]}", flush=True)
+    if "publish" in parts:
+        res["publish_whole"] = sub("publish", model, work, "whole")
+        res["publish_streamed"] = sub("publish", model, work, "streamed")
+        print(f"publish: whole {json.dumps(res['publish_whole'])[:300]}; streamed "
+              f"{json.dumps(res['publish_streamed'])[:300]}", flush=True)
     if parts:
         try:
             import llama_cpp  # noqa: F401
@@ -557,9 +625,11 @@ def main() -> None:
             res["llama_cpp"] = "skipped: llama-cpp-python is not installed"
         print(f"llama.cpp peer: {res['llama_cpp']}", flush=True)
     if "fleet" in parts:
-        res["fleet"] = run_fleet(model, work, a.steps, a.fleet_timeout)
+        res["fleet"] = run_fleet(model, work, a.steps, a.fleet_timeout, a.overrides)
+        res["fleet"]["overrides"] = a.overrides
         print(f"fleet: {json.dumps(res['fleet'])[:600]}", flush=True)
     m, t, hd, hk, p = (res.get(k, {}) for k in ("mlx", "torch", "held_dict", "held_disk", "pulse"))
+    pw, ps = res.get("publish_whole", {}), res.get("publish_streamed", {})
     f = res.get("fleet", {})
     peaks = f.get("peak_rss_gb", {})
     res["summary"] = summary = {
@@ -575,16 +645,21 @@ def main() -> None:
         "gen_tokens_per_s": m.get("gen_tokens_per_s"),
         "learner_s_per_1k_tokens": f.get("learner_s_per_1k_tokens"),
         "publish_s": f.get("publish_s"),
+        "publish_quantize_s": f.get("quantize_s"),
         "spot_check_s": m.get("spot_check_s"),
         "spot_check_torch_s": t.get("spot_check_s"),
         "worker_load_quantize_s": m.get("load_quantize_s"),
         "torch_vs_mlx_score_speedup": (m["score_s"] / t["score_s"]) if t.get("score_s") and m.get("score_s") else None,
         "torch_vs_mlx_logprob_max": t.get("diff_max"), "torch_vs_mlx_logprob_p99": t.get("diff_p99"),
+        "torch_vs_mlx_margin_max": t.get("margin_diff_max"),
         "held_dict_gb": hd.get("rss_gb"), "held_disk_gb": hk.get("rss_gb"),
         "held_ratio": (hd["rss_gb"] / max(hk["rss_gb"], 1e-3)) if hd.get("rss_gb") and hk.get("rss_gb") else None,
         "pulse_delta_bytes_0p5pct": p.get("delta_bytes"), "pulse_delta_vs_full": (
             p["delta_bytes"] / p["anchor_bytes"]) if p.get("delta_bytes") else None,
         "fleet_steps": f.get("steps_done"),
+        "publish_extra_rss_whole_gb": pw.get("extra_gb"), "publish_extra_rss_streamed_gb": ps.get("extra_gb"),
+        "publish_same_state": (pw["state_hash"] == ps["state_hash"]) if pw.get("state_hash") and ps.get("state_hash")
+        else None,
     }
     complete = all(res.get(k) and "failed" not in res[k] for k in ("mlx", "torch", "pulse"))
     res["cost_model"] = cm = cost_model(res) if complete else {}
@@ -595,12 +670,20 @@ def main() -> None:
         ("MLX score", f"{m.get('score_s', 0):.2f} s", f"{m.get('score_tokens')} tokens"),
         ("torch int8 score", f"{t.get('score_s', 0):.2f} s",
          f"x{summary['torch_vs_mlx_score_speedup'] or 0:.2f} vs MLX; |dlogp| max {t.get('diff_max', 0):.2e} p99 {t.get('diff_p99', 0):.2e}"),
+        ("sampling margins", f"MLX {m.get('margins_s', 0):.2f} s", f"torch {t.get('margins_s', 0):.2f} s; "
+         f"|dmargin| max {t.get('margin_diff_max', 0):.2e} over {t.get('margin_tokens')} tokens, "
+         f"min {t.get('margin_min', 0):.2e}, {t.get('margin_within_band')} within 1e-4 of an edge"),
         ("spot-check (load state + 2 eps)", f"MLX {m.get('spot_check_s', 0):.2f} s", f"torch {t.get('spot_check_s', 0):.2f} s"),
         ("held states, max_lag 8", f"dict {hd.get('rss_gb', 0):.2f} GB", f"disk {hk.get('rss_gb', 0):.2f} GB (one state {hd.get('state_gb', 0):.2f} GB)"),
         ("PULSE delta (0.5% of codes)", f"{p.get('delta_bytes', 0) / 1e6:.1f} MB", f"full {p.get('anchor_bytes', 0) / 1e6:.0f} MB; "
          f"changed {100 * p.get('changed_code_frac', 0):.2f}%; encode {p.get('encode_s', 0):.2f} s apply {p.get('apply_s', 0):.2f} s"),
         ("state hash (full)", f"{p.get('state_hash_s', 0):.2f} s", ""),
     ]
+    if pw and ps:
+        rows.append(("publish: export + quantize, RSS over", f"whole {pw.get('extra_gb', 0):.2f} GB, "
+                     f"{pw.get('export_quantize_s', 0):.1f} s", f"streamed {ps.get('extra_gb', 0):.2f} GB, "
+                     f"{ps.get('export_quantize_s', 0):.1f} s (x{pw.get('extra_gb', 0) / max(ps.get('extra_gb', 0), 1e-3):.1f} "
+                     f"less); same state: {summary['publish_same_state']}"))
     if f:
         rows += [
             ("fleet", f"{f.get('steps_done')} RL steps in {f.get('fleet_wall_s', 0):.0f} s", f.get("failed") or "ok"),
@@ -609,7 +692,8 @@ def main() -> None:
             ("cold join", f"{summary['cold_join_s'] or 0:.0f} s", ""),
             ("sync per version (p50)", f"{summary['sync_p50_s'] or 0:.2f} s", f"{summary['delta_bytes_per_version'] or 0:,.0f} bytes"),
             ("learner", f"{summary['learner_s_per_1k_tokens'] or 0:.1f} s / 1k tokens", ""),
-            ("publish (export+quantize excluded)", f"{summary['publish_s'] or 0:.2f} s", ""),
+            ("publish (export+quantize excluded)", f"{summary['publish_s'] or 0:.2f} s",
+             f"export + quantize before it {summary['publish_quantize_s'] or 0:.2f} s"),
         ]
     print()
     print(f"{'component':38s} {'measured':28s} detail")

@@ -39,6 +39,8 @@ for step in range(3):
     metrics.append(ln.train_step(eps, adv, objective))
 ln.save_checkpoint(out / "ckpt", {"steps": 3})
 w = ln.export_weights()
+streamed = list(ln.iter_weights())  # the other ranks join the gather; rank 0 hands over one tensor at a time
+assert [k for k, _ in streamed] == list(w) and all(np.array_equal(v, w[k]) for k, v in streamed)
 from safetensors.numpy import save_file  # noqa: E402
 
 save_file(w, str(out / "weights.safetensors"))

@@ -324,6 +324,9 @@ def test_export_weights_equal_the_hf_folder(which, qwen2_dir, untied_dir, megatr
     assert all(w[k].dtype == np.float32 and np.array_equal(w[k], disk[k]) for k in disk)
     b = m.export_weights("bfloat16")
     assert all(v.dtype == ml_dtypes.bfloat16 and v.shape == disk[k].shape for k, v in b.items())
+    streamed = list(m.iter_weights("bfloat16"))  # one tensor at a time: the same arrays, in the same order
+    assert [k for k, _ in streamed] == list(b) and all(np.array_equal(v.view(np.uint16), b[k].view(np.uint16))
+                                                        for k, v in streamed)
 
 
 def test_checkpoint_resumes_bit_exactly(qwen2_dir, untied_dir, megatron_cpu, tmp_path):

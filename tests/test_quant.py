@@ -310,3 +310,11 @@ def test_state_layout_and_dequantize_state():
     assert np.abs(d["m.embed.weight"].astype(np.float32) - w["m.embed.weight"].astype(np.float32)).max() < 0.05
     with pytest.raises(ValueError, match="collides"):
         quantize_state({**w, "m.embed.scales": np.ones((10, 1), np.float32)})
+    streamed = quantize_state(iter(w.items()))  # (name, array) pairs, quantized as they come
+    assert list(streamed) == list(s) and all(np.array_equal(streamed[k].view(np.uint8), s[k].view(np.uint8)) for k in s)
+    for pairs in ([("m.embed.scales", np.ones((10, 1), np.float32)), *w.items()],
+                  [*w.items(), ("m.embed.biases", np.ones((10, 1), np.float32))]):
+        with pytest.raises(ValueError, match="collides"):  # either order
+            quantize_state(iter(pairs))
+    with pytest.raises(ValueError, match="twice"):
+        quantize_state(iter([*w.items(), ("m.q.bias", w["m.q.bias"])]))

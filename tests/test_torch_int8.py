@@ -81,3 +81,57 @@ def test_refuses_what_does_not_fit(tiny, engine):
     scorer.load_state(1, engine.state)
     with pytest.raises(Int8ScorerError, match="outside"):
         scorer.score(random_episodes(1, engine.vocab_size + 50, seed=3) * 8)
+
+
+def _rollout(engine, seed, **sampling):
+    import stoa.envs
+    from stoa.backends.engine import RolloutRequest, SamplingConfig
+
+    make_env = lambda: stoa.envs.make("stoa/SyntheticSearch-v0", num_entities=20, num_test_facts=5)  # noqa: E731
+    return engine.rollout(make_env, [RolloutRequest(i, f"g-{i}", 3) for i in range(4)],
+                          SamplingConfig(max_turn_tokens=8, max_episode_tokens=160, seed=seed, **sampling))
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7, "top_p": 0.9}, {"top_k": 40}])
+def test_sampling_margins_agree_with_the_mlx_int8_engine(tiny, engine, sampling):
+    """Episodes the MLX int8 engine really sampled: the torch scorer re-derives every token as the
+    engine does, and a token the rule did not draw is a violation under both."""
+    import copy
+
+    top_k = sampling.get("top_k", 0)
+    eps = _rollout(engine, 11, **sampling)
+    scorer = TorchInt8Scorer(tiny)
+    scorer.load_state(engine.version, engine.state)
+    ref = engine.sampling_margins(eps, [11] * len(eps), top_k=top_k)
+    got = scorer.sampling_margins(eps, [11] * len(eps), top_k=top_k, max_tokens=200)
+    assert [a.shape for a in got] == [a.shape for a in ref] and sum(a.size for a in got) > 50
+    diff = np.concatenate([np.abs(a - b) for a, b in zip(got, ref)])
+    if sampling.get("top_p", 1.0) < 1.0:
+        # A ~1e-6 logit difference can move a near-tied token across the nucleus threshold, which
+        # shifts the renormalized CDF by about one token's mass; only near-ties do that.
+        assert (diff < 1e-5).mean() > 0.95 and diff.max() < 5e-3, np.sort(diff)[-5:]
+    else:
+        assert diff.max() < 1e-5, f"max |margin difference| {diff.max():.2e}"
+    assert min(a.min() for a in got if a.size) > -1e-4  # every honest token is the rule's draw
+    # One token changed: the rule draws another one there, under both.
+    forged = copy.deepcopy(eps)
+    ep = next(e for e in forged if any(s.kind == "model" and len(s.tokens) > 2 for s in e.segments))
+    seg = next(s for s in ep.segments if s.kind == "model" and len(s.tokens) > 2)
+    seg.tokens = seg.tokens.copy()
+    seg.tokens[1] = (seg.tokens[1] + 1) % scorer.vocab_size
+    bad = scorer.sampling_margins([ep], [11], top_k=top_k)[0]
+    assert bad.min() < -1e-3 and (bad < -1e-4).sum() >= 1, bad
+    assert np.abs(bad - engine.sampling_margins([ep], [11], top_k=top_k)[0]).max() < 1e-5
+    # The wrong seed re-derives other uniforms: many honest tokens become violations.
+    wrong = np.concatenate(scorer.sampling_margins(eps, [12] * len(eps), top_k=top_k))
+    assert (wrong < -1e-4).mean() > 0.1
+
+
+def test_sampling_margins_refuse_what_they_cannot_check(tiny, engine):
+    scorer = TorchInt8Scorer(tiny)
+    eps = random_episodes(2, 50)
+    with pytest.raises(Int8ScorerError, match="no state"):
+        scorer.sampling_margins(eps, [0, 0])
+    scorer.load_state(0, engine.state)
+    with pytest.raises(Int8ScorerError, match="one seed"):
+        scorer.sampling_margins(eps, [0])

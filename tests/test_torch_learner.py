@@ -338,6 +338,39 @@ def test_export_weights_match_the_hf_folder(which, qwen2_dir, untied_dir):
     assert np.abs(emb - ref).max() <= np.abs(ref).max() / 256  # bf16 keeps 8 significant bits
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_streamed_export_quantizes_to_the_same_state_bit_for_bit(dtype, untied_dir):
+    """Publishing one tensor at a time (``iter_weights`` into ``quantize_state``) gives the state the
+    whole-dict path gave, with and without a previous state (the ``keep`` requantization)."""
+    import ml_dtypes
+
+    from stoa.transport.quant import quantize_state
+
+    ln = learner(untied_dir)
+
+    def whole() -> dict[str, np.ndarray]:  # the whole-dict export, written out independently
+        seen, out = set(), {}
+        for k, v in ln.model.state_dict().items():
+            if v.data_ptr() not in seen:
+                seen.add(v.data_ptr())
+                out[k] = (v.detach().float().numpy().copy() if dtype == "float32" else
+                          v.detach().to(torch.bfloat16).view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy())
+        return out
+
+    first = quantize_state(whole())
+    it = ln.iter_weights(dtype)
+    name, arr = next(it)  # one host tensor at a time, in the folder's order
+    assert name == next(iter(first)) and isinstance(arr, np.ndarray)
+    streamed = quantize_state(ln.iter_weights(dtype))
+    ln.train_step(random_episodes(8, 300, seed=3), np.random.default_rng(0).standard_normal(8))
+    again, streamed_again = quantize_state(whole(), previous=first), quantize_state(ln.iter_weights(dtype), previous=streamed)
+    for a, b in ((first, streamed), (again, streamed_again)):
+        assert list(a) == list(b)
+        assert all(a[k].dtype == b[k].dtype and np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8)) for k in a)
+    assert any(not np.array_equal(first[k], again[k]) for k in first)  # the step moved some codes
+    assert {k: v.tobytes() for k, v in ln.export_weights(dtype).items()} == {k: v.tobytes() for k, v in whole().items()}
+
+
 def test_checkpoint_resumes_bit_exactly(qwen2_dir, tmp_path):
     eps_a, eps_b = random_episodes(8, 300, seed=12), random_episodes(8, 300, seed=13)
     adv = np.random.default_rng(2).standard_normal(8)

@@ -696,3 +696,17 @@ def test_two_keys_whose_converged_policy_plays_alike_are_not_struck_for_copying(
     again = copy.deepcopy(alike)
     assert gate.review([_batch("ak", "a", honest[:4], 2), _batch("bk", "b", again, 3)], 0) == [None, None]  # one poll
     assert gate.records["bk"].strikes == 0 and gate.records["ak"].strikes == 0
+
+
+def test_repeated_episodes_share_a_forward_pass_but_keep_their_own_draws(engine_and_episodes):
+    """The sampling check re-derives every repeated episode; they are scored as one row, and each
+    still gets the margins of its own uniforms (as if scored alone)."""
+    engine, honest = engine_and_episodes
+    twins = [copy.deepcopy(honest[0]) for _ in range(3)]
+    for i, e in enumerate(twins):
+        e.sample_index = i + 7
+    batch = [honest[1], *twins, honest[2]]
+    together = engine.sampling_margins(batch, [1] * len(batch))
+    alone = [engine.sampling_margins([e], [1])[0] for e in batch]
+    assert all(np.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(together, alone))
+    assert not np.array_equal(together[1], together[2])  # other sample indices, other uniforms

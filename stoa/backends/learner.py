@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
@@ -358,6 +358,13 @@ class Learner(Protocol):
         copies the caller owns: float32, or bfloat16 as ``ml_dtypes.bfloat16`` (round to nearest
         even). This is the input of ``stoa.transport.quant.quantize_state``.
         """
+        ...
+
+    def iter_weights(self, dtype: Literal["float32", "bfloat16"] = "float32") -> Iterator[tuple[str, np.ndarray]]:
+        """:meth:`export_weights` one tensor at a time: ``(hf_name, array)`` in the same order and
+        bit for bit the same arrays, so the host holds one float tensor at a time (the input of
+        ``stoa.transport.quant.quantize_state`` when publishing). Consume it before the next
+        weight update; collective work (a multi-rank gather) is done when it is called."""
         ...
 
     def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:

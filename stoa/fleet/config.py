@@ -165,6 +165,11 @@ class TrainerConfig:
     mismatch_every: int = 0
     """Every this many steps, split the behaviour/trainer mismatch into its int8 and staleness parts
     (``stoa.fleet.mismatch``: one extra int8 prefill and one float scoring pass); 0 = never."""
+    int8_scorer: Literal["auto", "engine", "torch"] = "auto"
+    """What re-scores episodes under a version's int8 weights (spot-checks, sampling checks, the
+    mismatch split): ``engine`` (the rollout engine, on the host), ``torch`` (the int8 state
+    dequantized into a torch model on the learner's device), ``auto`` (torch when the learner
+    runs on CUDA, else the engine). Evaluation always runs on the engine."""
 
     def __post_init__(self) -> None:
         _check(self.steps >= 0 and self.groups_per_step >= 1, "trainer.steps >= 0 and groups_per_step >= 1")

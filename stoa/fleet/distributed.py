@@ -7,7 +7,7 @@ The other ranks hold their share of the Megatron model and do only what rank 0 t
 a gloo control group (:class:`Ranks`), in the order it tells them:
 
 * rank 0's learner is a :class:`LeaderLearner`: every learner call that the other ranks must
-  join (``train_step``, ``sft_step``, ``logprobs``, ``export_weights``, checkpoints,
+  join (``train_step``, ``sft_step``, ``logprobs``, ``export_weights`` and ``iter_weights``, checkpoints,
   ``reset_optimizer``) is first broadcast (its episodes as the episode codec's bytes, its
   advantages as raw float bytes, the rest as JSON), then run on rank 0 too;
 * every other rank runs :func:`follow`: receive, run the same call, repeat until ``stop``.
@@ -34,7 +34,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -242,6 +242,10 @@ class LeaderLearner:
     def export_weights(self, dtype: str = "float32") -> dict[str, np.ndarray]:
         self.ranks.send("export_weights", dtype=dtype)
         return self.learner.export_weights(dtype)
+
+    def iter_weights(self, dtype: str = "float32") -> Iterator[tuple[str, np.ndarray]]:
+        self.ranks.send("export_weights", dtype=dtype)  # the other ranks join the same gather, then drop it
+        return self.learner.iter_weights(dtype)
 
     def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
         self.ranks.send("save_checkpoint", path=os.path.abspath(path))  # rank 0 alone writes ``extra`` (meta.json)

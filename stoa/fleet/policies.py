@@ -8,6 +8,12 @@ that can still be claimed and one rollout engine (built on first use) that it lo
 whichever of them is asked for; versions never repeat within a run, so a version names one state.
 A version it does not hold (after a restart the trainer holds only the version it resumed as) is
 rebuilt from the weight chain in the store, verified like a worker's sync, when it is asked for.
+
+Scoring (:meth:`HeldPolicies.score`, :meth:`HeldPolicies.sampling_margins`: spot-checks, sampling
+checks, the mismatch split) runs on the rollout engine or, with ``trainer.int8_scorer = "torch"``
+(the default on a CUDA learner), on :class:`stoa.backends.torch.int8.TorchInt8Scorer` on the
+learner's device: the same dequantized weights, and agreement with the engine measured in
+docs/scale.md. Evaluation generates, so it always runs on the engine.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from stoa.backends.engine import RolloutEngine, TextCodec
+    from stoa.backends.torch.int8 import TorchInt8Scorer
     from stoa.fleet.config import RolloutConfig
     from stoa.transport.chain import WeightSubscriber
     from stoa.types import Episode
@@ -36,15 +43,34 @@ class HeldPolicies:
         rollout: the run's ``[rollout]`` (engine backend, mode, batch).
         max_lag: versions behind the newest that a worker may still claim (``trainer.max_lag``).
         chain: the run's weight chain, to rebuild a claimable version that is not held (None: never).
+        scorer: what scores (``trainer.int8_scorer``): ``"engine"``, ``"torch"``, or ``"auto"``
+            (torch when ``device`` resolves to CUDA, else the engine).
+        device: the learner's ``device`` setting; the torch scorer runs there.
+        dtype: the torch scorer's compute dtype (the state's, ``pulse.dtype``).
     """
 
     def __init__(self, model_dir: Path, rollout: RolloutConfig, max_lag: int, directory: Path,
-                 chain: WeightSubscriber | None = None):
+                 chain: WeightSubscriber | None = None, scorer: str = "engine", device: str = "cpu",
+                 dtype: str = "float32"):
         from stoa.fleet.heldstates import HeldStates
 
+        if scorer not in ("auto", "engine", "torch"):
+            raise ValueError(f"scorer={scorer!r} must be auto, engine or torch")
         self.model_dir, self.rollout, self.max_lag, self.chain = Path(model_dir), rollout, max_lag, chain
         self._states = HeldStates(directory, keep=max_lag + 1)
         self._engine: RolloutEngine | None = None
+        self._torch: TorchInt8Scorer | None = None
+        self._device, self._dtype = device, dtype
+        if scorer == "auto":
+            scorer = "engine" if device == "cpu" else self._auto(device)  # the learner has imported torch
+        self.scorer = scorer
+        """What scores: ``"engine"`` or ``"torch"`` (``"auto"`` resolved)."""
+
+    @staticmethod
+    def _auto(device: str) -> str:
+        from stoa.backends.torch.int8 import resolve_device
+
+        return "torch" if resolve_device(device).startswith("cuda") else "engine"
 
     def keep(self, version: int, state: dict[str, np.ndarray]) -> None:
         """Hold ``version``'s state; forget the ones more than ``max_lag`` behind it."""
@@ -87,13 +113,28 @@ class HeldPolicies:
             self._engine.load_state(version, state)
         return self._engine
 
+    def scorer_at(self, version: int) -> RolloutEngine | TorchInt8Scorer:
+        """What scores ``version`` (see :attr:`scorer`), holding its state. KeyError if not held."""
+        if self.scorer == "engine":
+            return self.engine_at(version)
+        if not self.held(version):
+            raise KeyError(f"version {version}'s int8 state is not held")
+        if self._torch is None:
+            from stoa.backends.torch.int8 import make_scorer
+
+            self._torch = make_scorer(self.model_dir, self._device, self._dtype)
+            log.info("int8 scoring on torch: %s, %s", self._torch.device, self._dtype)
+        if self._torch.version != version:
+            self._torch.load_state(version, self._states.get(version) or {})  # mapped: read tensor by tensor
+        return self._torch
+
     def score(self, version: int, episodes: Sequence[Episode]) -> list[np.ndarray] | None:
         """Prefill log-probs of ``version``'s int8 policy, or None when it cannot be had."""
-        return self.engine_at(version).score(episodes) if self.held(version) else None
+        return self.scorer_at(version).score(episodes) if self.held(version) else None
 
     def sampling_margins(self, version: int, episodes: Sequence[Episode], seeds: Sequence[int]) -> list[np.ndarray] | None:
         """``RolloutEngine.sampling_margins`` under ``version``'s int8 policy, or None when it cannot be had."""
-        return self.engine_at(version).sampling_margins(episodes, seeds) if self.held(version) else None
+        return self.scorer_at(version).sampling_margins(episodes, seeds) if self.held(version) else None
 
     @property
     def codec(self) -> TextCodec:

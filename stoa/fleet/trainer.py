@@ -149,6 +149,7 @@ class Trainer:
         self.version = 0
         self.rl_step = 0
         self.state: dict[str, np.ndarray] | None = None
+        self.quantize_s = 0.0  # export + quantize seconds of the last publish
         self._t0 = time.time()
 
     # -- helpers ------------------------------------------------------------------------------
@@ -189,7 +190,8 @@ class Trainer:
         build = self.ranks.make_learner if self.ranks else make_learner  # all ranks build theirs with rank 0
         self.learner = build(cfg.learner.kind, self.model_dir, self._learner_config(), **options)
         self.policies = HeldPolicies(self.model_dir, cfg.rollout, cfg.trainer.max_lag, self.run_dir / "held",
-                                     chain=self.publisher.subscriber)
+                                     chain=self.publisher.subscriber, scorer=cfg.trainer.int8_scorer,
+                                     device=self.learner.config.device, dtype=cfg.pulse.dtype)
         extra = self._resume(checkpoint) if checkpoint else self._start()
         self.intake = Intake(cfg, self.store, self.key, vocab_size=self.learner.vocab_size,
                              metric_types=self.metric_types, ledger=self.ledger, float_scorer=self.learner,
@@ -232,8 +234,10 @@ class Trainer:
         """Quantize the learner's weights to int8, hold them for spot-checks, publish them as ``self.version``."""
         from stoa.transport.quant import quantize_state
 
-        weights = self.learner.export_weights(self.cfg.pulse.dtype)
-        self.state = quantize_state(weights, previous=self.state)
+        t0 = time.perf_counter()
+        # One float tensor on the host at a time (a whole float copy is 4 bytes a parameter).
+        self.state = quantize_state(self.learner.iter_weights(self.cfg.pulse.dtype), previous=self.state)
+        self.quantize_s = time.perf_counter() - t0
         self.policies.keep(self.version, self.state)
         return self.publisher.publish(self.version, self.state, {"rl_step": self.rl_step, **metadata})
 
@@ -303,6 +307,7 @@ class Trainer:
         self._log("train", rl_step=self.rl_step, **rollout, **learn,
                   **{"pulse/bytes": pub.bytes_written, "pulse/full_bytes": pub.full_state_bytes,
                      "pulse/anchor": pub.kind == "anchor", "pulse/seconds": pub.seconds,
+                     "pulse/quantize_s": self.quantize_s,
                      "time/step_s": now - t0, "time/elapsed_s": now - self._t0,
                      "throughput/episodes_per_s": self.counters.episodes_trained / (now - self._t0),
                      "fleet/workers_alive": sum(now - b.time < 30 and b.status != "stopped" for b in beats)},
@@ -361,7 +366,9 @@ class Trainer:
         score the step's episodes with the float learner and with the int8 policy of this version."""
         from stoa.fleet.mismatch import decompose
 
-        int8 = self.policies.engine_at(self.version).score(episodes)
+        int8 = self.policies.score(self.version, episodes)
+        if int8 is None:  # the current version is always held; a lost one leaves the split out
+            return {}
         return decompose(episodes, self.learner.logprobs(episodes, temperature=None), int8)
 
     # -- checkpoints --------------------------------------------------------------------------

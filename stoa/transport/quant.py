@@ -22,6 +22,7 @@ step changes only the codes it really moved (see :class:`RequantPolicy`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -196,33 +197,47 @@ def _requant_keep(w: np.ndarray, codes0: np.ndarray, scales0: np.ndarray, biases
 
 
 def quantize_state(
-    weights: dict[str, np.ndarray],
+    weights: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]],
     group_size: int = 64,
     bits: int = 8,
-    previous: dict[str, np.ndarray] | None = None,
+    previous: Mapping[str, np.ndarray] | None = None,
     policy: RequantPolicy = RequantPolicy(),
 ) -> dict[str, np.ndarray]:
     """The weight state of HF-named float ``weights`` (see the module docstring).
 
-    Tensors selected by :func:`is_quantized` must be float32/float16/bfloat16; each becomes
-    ``X.weight`` (uint8 codes), ``X.scales`` and ``X.biases``. Other tensors are copied unchanged.
-    With ``previous`` (the last published state of the same weights) and ``policy.kind == "keep"``,
-    groups whose values still fit their previous scale and bias keep them; with
-    ``previous=None`` or ``kind == "fresh"`` the result equals what ``mlx_lm`` holds after
-    ``nn.quantize(model, group_size, bits)`` on the same weights.
+    ``weights``: a mapping, or ``(name, array)`` pairs (e.g. ``Learner.iter_weights``), which are
+    quantized as they come, so only one float tensor need exist at a time; the result is the
+    same either way. Tensors selected by :func:`is_quantized` must be float32/float16/bfloat16;
+    each becomes ``X.weight`` (uint8 codes), ``X.scales`` and ``X.biases``. Other tensors are
+    copied unchanged. With ``previous`` (the last published state of the same weights) and
+    ``policy.kind == "keep"``, groups whose values still fit their previous scale and bias keep
+    them; with ``previous=None`` or ``kind == "fresh"`` the result equals what ``mlx_lm`` holds
+    after ``nn.quantize(model, group_size, bits)`` on the same weights.
+
+    Raises:
+        ValueError: a name given twice, or one that collides with another tensor's ``.scales`` /
+            ``.biases``.
     """
     if bits != 8:
         raise ValueError(f"only bits=8 is supported, got {bits}")
     state: dict[str, np.ndarray] = {}
-    for name, w in weights.items():
+    made: dict[str, str] = {}  # a quantization parameter's name -> the tensor it belongs to
+
+    def put(name: str, a: np.ndarray, owner: str | None = None) -> None:
+        if name in made or (owner is not None and name in state):
+            raise ValueError(f"{name!r} collides with the quantization parameters of {made.get(name, owner)!r}")
+        if name in state:
+            raise ValueError(f"{name!r} is given twice")
+        state[name] = a
+        if owner is not None:
+            made[name] = owner
+
+    for name, w in (weights.items() if isinstance(weights, Mapping) else weights):
         w = np.asarray(w)
         if not is_quantized(name, w.shape, group_size):
-            state[name] = np.array(w, copy=True)
+            put(name, np.array(w, copy=True))
             continue
         stem = _stem(name)
-        for extra in (stem + ".scales", stem + ".biases"):
-            if extra in weights:
-                raise ValueError(f"{extra!r} collides with the quantization parameters of {name!r}")
         prev = None
         if previous is not None and policy.kind == "keep":
             p = [previous.get(stem + s) for s in (".weight", ".scales", ".biases")]
@@ -235,7 +250,9 @@ def quantize_state(
         else:
             _check(w, group_size, bits)
             codes, scales, biases = _requant_keep(w, *prev, group_size=group_size, policy=policy)
-        state[name], state[stem + ".scales"], state[stem + ".biases"] = codes, scales, biases
+        put(name, codes)
+        put(stem + ".scales", scales, name)
+        put(stem + ".biases", biases, name)
     return state
 
 

@@ -51,6 +51,7 @@ from stoa.algos import Objective
 from stoa.backends.learner import Counters, LearnerConfig, LearnerError, check_episodes, lr_at
 from stoa.backends.packing import plan_micro_batches
 from stoa.backends.torch.objective import ObjectiveBatch
+from stoa.backends.torch.weights import host_arrays
 from stoa.types import Episode
 
 from . import checkpoint
@@ -674,15 +675,13 @@ class MegatronLearner(Counters):
         return out if dist.get_rank() == 0 else {}
 
     def export_weights(self, dtype: Literal["float32", "bfloat16"] = "float32") -> dict[str, np.ndarray]:
+        return dict(self.iter_weights(dtype))
+
+    def iter_weights(self, dtype: Literal["float32", "bfloat16"] = "float32") -> Iterator[tuple[str, np.ndarray]]:
         if dtype not in ("float32", "bfloat16"):
             raise LearnerError(f"dtype must be float32 or bfloat16, got {dtype!r}")
-        hf = self._gather_hf(self._master())
-        if dtype == "float32":
-            return {k: v.detach().float().cpu().numpy().copy() for k, v in hf.items()}
-        import ml_dtypes
-
-        return {k: v.detach().to(torch.bfloat16).cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
-                for k, v in hf.items()}
+        # The gather is collective: it runs now, on every rank; only the host copies are lazy.
+        return host_arrays(self._gather_hf(self._master()), dtype)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:

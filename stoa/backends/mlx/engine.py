@@ -22,9 +22,8 @@ from stoa.backends.mlx import fast
 from stoa.backends.mlx import weights as W
 from stoa.backends.mlx.rollout import Cohort
 from stoa.backends.packing import by_length, padded_tokens
-from stoa.backends.mlx.sampling import (
-    HostSampler, _truncate_np, cdf_margins, device_sample, episode_key, uniforms,
-)
+from stoa.backends.mlx.sampling import HostSampler, device_sample
+from stoa.backends.sampling import margin_plan
 from stoa.types import Episode
 
 MODES = ("auto", "quantized", "dequantized")
@@ -265,38 +264,20 @@ class MLXEngine:
 
     def _margins_batch(self, eps: Sequence[Episode], seeds: Sequence[int], top_k: int) -> list[np.ndarray]:
         _, x = padded_tokens(eps, self._vocab, np.int32, EngineError)
-        pos = [np.flatnonzero(ep.loss_mask()) for ep in eps]
-        pos = [p if p.size and p[0] > 0 else p[:0] for p in pos]
-        rows = np.concatenate([np.full(p.size, r, np.int32) for r, p in enumerate(pos)])
-        at = np.concatenate(pos).astype(np.int64)
-        if at.size == 0:
-            return [np.zeros(0, np.float64) for _ in eps]
-        keys = [episode_key(seed, ep.group_id, int(ep.item_index or 0), ep.sample_index)
-                for ep, seed in zip(eps, seeds)]
-        u = uniforms(np.array([keys[r] for r in rows], np.uint64), at).astype(np.float64)
-        inv_t = np.array([1.0 / eps[r].temperature for r in rows], np.float32)[:, None]
-        top_p = np.array([eps[r].top_p for r in rows])
-        chosen = x[rows, at]
-        # Identical token rows have identical logits (a near-deterministic policy repeats itself):
-        # one forward pass per distinct row; each episode keeps its own uniforms.
-        x, same = np.unique(x, axis=0, return_inverse=True)
-        src = same.reshape(-1)[rows].astype(np.int32)
-        xs = mx.array(x)
+        plan = margin_plan(eps, seeds, x)
+        flat = np.empty(plan.at.size, np.float64)
+        if flat.size == 0:
+            return plan.split(flat)
+        xs = mx.array(plan.x)
         hidden = self._body(xs) if self._head is not None else None
         full = self._model(xs) if hidden is None else None
-        flat = np.empty(at.size, np.float64)
         step = max(1, (1 << 22) // self._vocab)  # bound the float32 logits held at once
-        for a in range(0, at.size, step):
-            r, c = mx.array(src[a:a + step]), mx.array((at[a:a + step] - 1).astype(np.int32))
+        for a in range(0, flat.size, step):
+            r = mx.array(plan.src[a:a + step].astype(np.int32))
+            c = mx.array((plan.at[a:a + step] - 1).astype(np.int32))
             logits = self._head(hidden[r, c]) if hidden is not None else full[r, c]
-            z = np.array(logits.astype(mx.float32), dtype=np.float32) * inv_t[a:a + step]
-            for p in np.unique(top_p[a:a + step]) if top_k or (top_p[a:a + step] < 1.0).any() else ():
-                sel = np.flatnonzero(top_p[a:a + step] == p)
-                sub = z[sel]
-                _truncate_np(sub, top_k, float(p))
-                z[sel] = sub
-            flat[a:a + step] = cdf_margins(z, chosen[a:a + step], u[a:a + step])
-        return np.split(flat, np.cumsum([p.size for p in pos])[:-1])
+            flat[a:a + step] = plan.margins(a, np.array(logits.astype(mx.float32), dtype=np.float32), top_k)
+        return plan.split(flat)
 
     def _score(self, episodes: Sequence[Episode], temperature: float | None, max_tokens: int) -> list[np.ndarray]:
         return by_length([len(e) for e in episodes], max_tokens,

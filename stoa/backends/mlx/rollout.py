@@ -24,7 +24,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
 from stoa.backends.engine import EngineError, RolloutRequest, RolloutStats, SamplingConfig, TurnRule
-from stoa.backends.mlx.sampling import episode_key, uniforms
+from stoa.backends.sampling import episode_key, uniforms
 from stoa.types import Episode, Segment
 
 if TYPE_CHECKING:

@@ -1,8 +1,8 @@
 """Token sampling with exact behaviour log-probs, reproducible per episode.
 
-Each token gets one uniform ``u`` in (0, 1): a hash of the episode's 64-bit key and the token's
-position, so an episode's draws do not depend on which other episodes share its batch. The token
-is the inverse-CDF draw ``min {i : cumsum(exp(z))[i] >= u * sum(exp(z))}`` with
+Each token gets one uniform ``u`` in (0, 1) (:func:`stoa.backends.sampling.uniforms`: a hash of the
+episode's 64-bit key and the token's position, so an episode's draws do not depend on which other
+episodes share its batch). The token is the inverse-CDF draw ``min {i : cumsum(exp(z))[i] >= u * sum(exp(z))}`` with
 ``z = logits / T - max`` (after top-k / top-p truncation, see :mod:`stoa.backends.engine`), and
 its log-prob is ``z[i] - log(sum(exp(z)))``. The landing index always has positive probability.
 
@@ -12,44 +12,12 @@ elementwise ``exp`` is ~10x slower than numpy's) and :func:`device_sample` (MLX,
 
 from __future__ import annotations
 
-import hashlib
-
 import mlx.core as mx
 import numpy as np
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+from stoa.backends.sampling import cdf_margins, episode_key, truncate, uniforms
 
-
-def episode_key(seed: int, group_id: str, index: int, sample_index: int) -> int:
-    """A 64-bit key naming one episode's random stream."""
-    h = hashlib.blake2b(f"{seed}\x1f{group_id}\x1f{index}\x1f{sample_index}".encode(), digest_size=8)
-    return int.from_bytes(h.digest(), "little")
-
-
-def uniforms(keys: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """float32 ``u`` in [2^-24, 1 - 2^-24] for each (key, position): splitmix64 of the pair."""
-    x = keys.astype(np.uint64) ^ (positions.astype(np.uint64) * _GOLDEN)
-    x ^= x >> np.uint64(30)
-    x *= _M1
-    x ^= x >> np.uint64(27)
-    x *= _M2
-    x ^= x >> np.uint64(31)
-    # 23 bits + 0.5 is exact in float32 and never rounds to 0 or 1.
-    return (((x >> np.uint64(41)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-23)).astype(np.float32)
-
-
-def _truncate_np(z: np.ndarray, top_k: int, top_p: float) -> None:
-    b, v = z.shape
-    if 0 < top_k < v:
-        kth = np.partition(z, v - top_k, axis=1)[:, v - top_k:v - top_k + 1]
-        z[z < kth] = -np.inf
-    if top_p < 1.0:
-        p = np.exp(z - z.max(axis=1, keepdims=True))
-        p /= p.sum(axis=1, keepdims=True)
-        ps = -np.sort(-p, axis=1)
-        k = np.minimum((np.cumsum(ps, axis=1) < np.float32(top_p)).sum(axis=1), v - 1)
-        z[p < ps[np.arange(b), k][:, None]] = -np.inf
+__all__ = ["HostSampler", "cdf_margins", "device_sample", "episode_key", "uniforms"]
 
 
 class HostSampler:
@@ -68,7 +36,7 @@ class HostSampler:
         z, e = self._z[:b], self._e[:b]
         np.multiply(logits, np.float32(1.0 / temperature), out=z, casting="same_kind")
         if top_k or top_p < 1.0:
-            _truncate_np(z, top_k, top_p)
+            truncate(z, top_k, top_p)
         z -= z.max(axis=1, keepdims=True)
         np.exp(z, out=e)
         np.cumsum(e, axis=1, out=e)
@@ -77,22 +45,6 @@ class HostSampler:
         tok = np.fromiter((np.searchsorted(e[i], x[i], side="left") for i in range(b)), np.int64, count=b)
         lp = z[np.arange(b), tok] - np.log(total)
         return tok, lp.astype(np.float32)
-
-
-def cdf_margins(z: np.ndarray, tokens: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """Where each row's uniform ``u`` lands relative to its token's slice of the CDF of
-    ``softmax(z)`` (``z``: scaled, truncated logits ``[n, V]``): the distance to the nearest edge
-    of the slice, positive inside it (the rule draws that token), negative outside (it draws
-    another), in units of probability. Computed in float64."""
-    z = z.astype(np.float64)
-    z -= z.max(axis=1, keepdims=True)
-    c = np.cumsum(np.exp(z), axis=1)
-    c /= c[:, -1:]
-    rows = np.arange(len(tokens))
-    hi = c[rows, tokens]
-    lo = np.where(tokens > 0, c[rows, np.maximum(tokens - 1, 0)], 0.0)
-    inside = (u > lo) & (u <= hi)
-    return np.where(inside, np.minimum(u - lo, hi - u), -np.maximum(lo - u, u - hi))
 
 
 def _truncate_mx(z: mx.array, top_k: int, top_p: float) -> mx.array:

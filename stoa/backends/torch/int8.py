@@ -23,9 +23,10 @@ import numpy as np
 import torch
 
 from stoa.backends.packing import by_length, padded_tokens
+from stoa.backends.sampling import margin_plan
 from stoa.types import Episode
 
-__all__ = ["Int8ScorerError", "TorchInt8Scorer"]
+__all__ = ["Int8ScorerError", "TorchInt8Scorer", "make_scorer", "resolve_device"]
 
 GROUP_SIZE = 64
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,6 +60,21 @@ def dequantize_torch(codes: torch.Tensor, scales: torch.Tensor, biases: torch.Te
         w = w.to(dt).to(torch.float32)
     w.add_(biases.reshape(-1, 1).to(torch.float32))
     return w.to(dt).reshape(out_shape)
+
+
+def resolve_device(setting: str) -> str:
+    """The device a learner's ``device`` setting names, as the learners resolve it (``"auto"``:
+    ``"cuda"`` if torch sees a CUDA device, else ``"cpu"``)."""
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if setting.startswith("cuda") and not torch.cuda.is_available():
+        raise Int8ScorerError(f"device={setting!r} but torch sees no CUDA device")
+    return setting
+
+
+def make_scorer(hf_dir: str | Path, device: str = "auto", dtype: str = "float32") -> TorchInt8Scorer:
+    """A :class:`TorchInt8Scorer` on the device a learner's ``device`` setting names."""
+    return TorchInt8Scorer(hf_dir, resolve_device(device), dtype)
 
 
 class TorchInt8Scorer:
@@ -139,6 +155,33 @@ class TorchInt8Scorer:
             raise Int8ScorerError("no state loaded: call load_state first")
         return by_length([len(e) for e in episodes], max_tokens,
                          lambda b: self._score_batch([episodes[i] for i in b], temperature))
+
+    @torch.no_grad()
+    def sampling_margins(self, episodes: Sequence[Episode], seeds: Sequence[int], top_k: int = 0,
+                         max_tokens: int = 8192) -> list[np.ndarray]:
+        """One float64 array per episode, one entry per sampled token, exactly as the MLX engine's
+        ``sampling_margins`` (``RolloutEngine.sampling_margins``): where the token's re-derived
+        uniform lands relative to its slice of the truncated-softmax CDF, positive inside."""
+        if len(seeds) != len(episodes):
+            raise Int8ScorerError("one seed per episode")
+        if self.version < 0:
+            raise Int8ScorerError("no state loaded: call load_state first")
+        return by_length([len(e) for e in episodes], max_tokens, lambda b: self._margins_batch(
+            [episodes[i] for i in b], [int(seeds[i]) for i in b], top_k))
+
+    def _margins_batch(self, eps: Sequence[Episode], seeds: Sequence[int], top_k: int) -> list[np.ndarray]:
+        _, x = padded_tokens(eps, self.vocab_size, np.int64, Int8ScorerError)
+        plan = margin_plan(eps, seeds, x)
+        flat = np.empty(plan.at.size, np.float64)
+        if flat.size == 0:
+            return plan.split(flat)
+        hidden = self._body(input_ids=torch.from_numpy(plan.x).to(self.device)).last_hidden_state
+        rows, cols = torch.from_numpy(plan.src).to(self.device), torch.from_numpy(plan.at - 1).to(self.device)
+        step = max(1, (1 << 22) // self.vocab_size)  # bound the float32 logits held at once
+        for a in range(0, flat.size, step):
+            logits = self._head(hidden[rows[a:a + step], cols[a:a + step]]).to(torch.float32)
+            flat[a:a + step] = plan.margins(a, logits.cpu().numpy(), top_k)
+        return plan.split(flat)
 
     def _score_batch(self, eps: Sequence[Episode], temperature: float | None) -> list[np.ndarray]:
         toks, x = padded_tokens(eps, self.vocab_size, np.int64, Int8ScorerError)

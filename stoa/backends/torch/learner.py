@@ -10,7 +10,7 @@ import math
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +26,7 @@ from stoa.backends.learner import (
 from stoa.backends.packing import MicroBatch, build_micro_batches
 from stoa.backends.torch import attention
 from stoa.backends.torch.objective import ObjectiveBatch
+from stoa.backends.torch.weights import host_arrays
 from stoa.types import Episode
 
 CHECKPOINT_FORMAT = "stoa.torch_learner.v1"
@@ -317,14 +318,12 @@ class TorchLearner(Counters):
         return out
 
     def export_weights(self, dtype: Literal["float32", "bfloat16"] = "float32") -> dict[str, np.ndarray]:
-        if dtype == "float32":
-            return {k: v.detach().float().cpu().numpy().copy() for k, v in self._hf_state().items()}
-        if dtype == "bfloat16":
-            import ml_dtypes
+        return dict(self.iter_weights(dtype))
 
-            return {k: v.detach().to(torch.bfloat16).cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
-                    for k, v in self._hf_state().items()}
-        raise LearnerError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+    def iter_weights(self, dtype: Literal["float32", "bfloat16"] = "float32") -> Iterator[tuple[str, np.ndarray]]:
+        if dtype not in ("float32", "bfloat16"):
+            raise LearnerError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+        return host_arrays(self._hf_state(), dtype)
 
     def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
         path = Path(path)
