@@ -176,10 +176,11 @@ def test_local_train_end_to_end(tmp_path):
 def test_kill_worker_mid_run_trainer_carries_on(fleet):
     """kill -9 a worker while it generates and uploads: the trainer never sees a partial batch."""
     trainer = fleet.trainer()
-    steady = fleet.worker("steady")
     victim = fleet.worker("victim")
     hb = f"{fleet.cfg.name}/workers/victim.json"
+    # The victim first: a steady worker that joins a second earlier can finish this tiny run alone.
     fleet.wait_for(lambda: fleet.store.exists(hb) and b"generating" in fleet.store.get(hb), what="the victim to generate")
+    steady = fleet.worker("steady")
     rng = np.random.default_rng(0)
     for _ in range(3):  # kill it at random moments of its loop, restart it, and kill it again
         time.sleep(float(rng.uniform(0.0, 0.6)))
