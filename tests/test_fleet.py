@@ -173,8 +173,17 @@ def test_local_train_end_to_end(tmp_path):
     assert r.returncode == 0 and "finished, head version 4" in r.stdout and "worker-1" in r.stdout, r.stdout + r.stderr
 
 
-def test_kill_worker_mid_run_trainer_carries_on(fleet):
+def test_kill_worker_mid_run_trainer_carries_on(tmp_path):
     """kill -9 a worker while it generates and uploads: the trainer never sees a partial batch."""
+    # 30 steps: one worker finishes a 6-step run of this model in about a second, before any kill.
+    fleet = Fleet(tmp_path, write_config(tmp_path, steps=30))
+    try:
+        _kill_victim_mid_run(fleet)
+    finally:
+        fleet.close()
+
+
+def _kill_victim_mid_run(fleet: Fleet) -> None:
     trainer = fleet.trainer()
     victim = fleet.worker("victim")
     hb = f"{fleet.cfg.name}/workers/victim.json"
@@ -194,7 +203,7 @@ def test_kill_worker_mid_run_trainer_carries_on(fleet):
     assert st.list(f"{fleet.cfg.name}/quarantine/") == []  # nothing torn was ever visible
     assert not [k for k in st.list("") if ".stoa-tmp" in k]
     trained = trained_groups(fleet.ledger())
-    assert len(trained) == len(set(trained)) == 6 * 2
+    assert len(trained) == len(set(trained)) == 30 * 2
 
 
 def test_kill_trainer_mid_step_and_resume(fleet):
