@@ -198,10 +198,7 @@ class Intake:
                                    f"{version}: not produced by this run's weights")
                 self.counters.future_version_batches += 1
                 continue
-            if version - batch.version > cfg.trainer.max_lag:  # never trained: dropped before any check
-                stale = sorted({scoped(batch.key_id, e.group_id) for e in batch.episodes})
-                self.counters.dropped_stale_groups += len(stale)
-                self.ledger.write(dropped={"stale": stale})
+            if self._stale(batch, version):  # never trained: dropped before any check
                 continue
             try:
                 why = batch_problem(batch.episodes, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
@@ -236,18 +233,24 @@ class Intake:
         """``batches`` and the waiting ones, less the newcomers' batches past this poll's quota
         (:meth:`TrustGate.pace_newcomers`), which wait for a later poll: at most 64 per allowed
         batch, the newest versions kept (the others are refused, not struck)."""
-        lag = self.cfg.trainer.max_lag
-        for b in self.waiting:
-            if version - b.version > lag:
-                self.counters.dropped_stale_groups += len({e.group_id for e in b.episodes})
-        now, wait = self.gate.pace_newcomers([b for b in self.waiting if version - b.version <= lag] + batches)
+        now, wait = self.gate.pace_newcomers([b for b in self.waiting if not self._stale(b, version)] + batches)
         cap = 64 * self.cfg.trust.newcomers_per_poll
         wait.sort(key=lambda b: b.version)
         for b in wait[:-cap] if len(wait) > cap else []:
             self.reject(b, f"more than {cap} batches from keys without accepted work are waiting; this one is "
-                           "refused unread (trust.newcomers_per_poll)", "refused")
+                           "refused (trust.newcomers_per_poll)", "refused")
         self.waiting = wait[-cap:]
         return now
+
+    def _stale(self, batch: Batch, version: int) -> bool:
+        """Whether ``batch`` is more than ``trainer.max_lag`` versions behind ``version``; if so its
+        groups are counted and written to the ledger as dropped (stale)."""
+        if version - batch.version <= self.cfg.trainer.max_lag:
+            return False
+        stale = sorted({scoped(batch.key_id, e.group_id) for e in batch.episodes})
+        self.counters.dropped_stale_groups += len(stale)
+        self.ledger.write(dropped={"stale": stale})
+        return True
 
     def _choose(self, version: int) -> Taken | None:
         tc, G = self.cfg.trainer, self.cfg.rollout.group_size

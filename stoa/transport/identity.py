@@ -298,6 +298,10 @@ class Roster:
             raise ValueError(f"the roster is full ({_MAX_ROSTER} keys)")
         return replace(self, enrolled={**self.enrolled, kid: entry})
 
+    def without(self, kids: set[str]) -> Roster:
+        """The roster less the enrolled entries of ``kids`` (their bans, if any, stay)."""
+        return replace(self, enrolled={k: e for k, e in self.enrolled.items() if k not in kids})
+
     def with_ban(self, kid: str, ban: Ban) -> Roster:
         if kid not in self.banned and len(self.banned) >= _MAX_ROSTER:
             raise ValueError(f"the ban list is full ({_MAX_ROSTER} keys)")

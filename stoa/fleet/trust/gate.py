@@ -78,8 +78,8 @@ class TrustConfig:
     """Who may upload rollouts and how the trainer checks what they upload (``[trust]``; ``docs/trust.md``)."""
 
     mode: Literal["open", "enrolled"] = "open"
-    """``open``: any worker key, bound to its worker id on first use; ``enrolled``: only keys
-    enrolled in the run's signed roster (``stoa enroll``)."""
+    """``open``: any worker key, bound to its worker id by its first accepted batch; ``enrolled``:
+    only keys enrolled in the run's signed roster (``stoa enroll``)."""
     replay: bool = True
     """Replay every episode through the trainer's own environment before training on it (tasks
     that declare ``replayable``); a mismatch rejects the batch."""
@@ -270,8 +270,7 @@ class TrustGate:
         merged = stored
         gone = {k for k in self._expired if k in merged.enrolled and merged.enrolled[k].source == "first-use"}
         if gone:  # bindings this trainer let expire stay expired
-            merged = Roster(merged.run, {k: e for k, e in merged.enrolled.items() if k not in gone}, merged.banned,
-                            merged.revision, merged.time)
+            merged = merged.without(gone)
         for kid, ban in self.roster.banned.items():
             if kid not in merged.banned:
                 merged = merged.with_ban(kid, ban)
@@ -376,10 +375,8 @@ class TrustGate:
                 return None
             log.info("roster full: key %s (idle) loses its binding to worker id %r", idle,
                      self.roster.enrolled[idle].worker_id)
-            rest = {k: e for k, e in self.roster.enrolled.items() if k != idle}
             self._expired.add(idle)
-            self.roster = Roster(self.run, rest, self.roster.banned, self.roster.revision, self.roster.time)
-            self.roster = self.roster.with_entry(b.key_id, new)
+            self.roster = self.roster.without({idle}).with_entry(b.key_id, new)
         self._roster_dirty = True
         self._expired.discard(b.key_id)
         log.info("open run: worker %s bound to key %s by its first accepted batch", b.worker_id, b.key_id)
@@ -482,10 +479,11 @@ class TrustGate:
         """For each batch, ``(category, reason)`` to reject it, None to admit it, or ``("hold", why)``:
         review it again with the next poll (see the module docstring).
 
-        Batches of one call came in one poll: when two from different keys carry the same group,
-        the key with fewer strikes, then more accepted batches, keeps it; on a tie both are held
-        until their records differ (a copier keeps losing elsewhere), for at most ``_MAX_HOLDS``
-        polls, after which both are refused."""
+        An accepted batch binds its unbound key to its worker id (open runs, :meth:`_bind`). Only
+        a gate without assigned work compares groups across keys (:meth:`_fingerprint`): when two
+        batches of one poll from different keys carry the same group, the key with fewer strikes,
+        then more accepted batches, keeps it; on a tie both are held until their records differ,
+        for at most ``_MAX_HOLDS`` polls, after which both are refused."""
         self._round += 1
         self.version = trainer_version
         verdicts: list[tuple[str, str] | None] = [None] * len(batches)
