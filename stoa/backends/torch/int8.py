@@ -62,13 +62,14 @@ def dequantize_torch(codes: torch.Tensor, scales: torch.Tensor, biases: torch.Te
     return w.to(dt).reshape(out_shape)
 
 
-def resolve_device(setting: str) -> str:
-    """The device a learner's ``device`` setting names, as the learners resolve it (``"auto"``:
-    ``"cuda"`` if torch sees a CUDA device, else ``"cpu"``)."""
+def resolve_device(setting: str, error: type[Exception] = Int8ScorerError) -> str:
+    """The device a learner's ``device`` setting names (``"auto"``: ``"cuda"`` if torch sees a
+    CUDA device, else ``"cpu"``); the torch learner resolves its own setting here too. Raises
+    ``error`` for a CUDA device torch cannot see."""
     if setting == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if setting.startswith("cuda") and not torch.cuda.is_available():
-        raise Int8ScorerError(f"device={setting!r} but torch sees no CUDA device")
+        raise error(f"device={setting!r} but torch sees no CUDA device")
     return setting
 
 

@@ -25,6 +25,7 @@ from stoa.backends.learner import (
 )
 from stoa.backends.packing import MicroBatch, build_micro_batches
 from stoa.backends.torch import attention
+from stoa.backends.torch.int8 import resolve_device
 from stoa.backends.torch.objective import ObjectiveBatch
 from stoa.backends.torch.weights import host_arrays
 from stoa.types import Episode
@@ -44,11 +45,7 @@ def make(hf_dir: Path, config: LearnerConfig, **options: Any) -> TorchLearner:
 
 
 def _device(config: LearnerConfig) -> torch.device:
-    if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if config.device.startswith("cuda") and not torch.cuda.is_available():
-        raise LearnerError(f"device={config.device!r} but torch sees no CUDA device")
-    return torch.device(config.device)
+    return torch.device(resolve_device(config.device, LearnerError))
 
 
 class TorchLearner(Counters):
