@@ -158,6 +158,8 @@ def test_learner_logprobs_match_torch_learner(layout, untied_dir, megatron_cpu):
     for temperature in (1.0, None):
         for x, y in zip(m.logprobs(eps, temperature), t.logprobs(eps, temperature)):
             assert rel_err(x[1:], y[1:]) < 1e-5
+    for ep, x, y in zip(eps, m.logprobs(eps, None, model_only=True), t.logprobs(eps, None, model_only=True)):
+        assert rel_err(x[1:], y[1:]) < 1e-5 and not x[~ep.loss_mask()].any()
 
 
 def test_logprobs_match_the_rollout_engines_mlx_float32_recomputation(qwen2_dir, megatron_cpu):

@@ -91,6 +91,17 @@ def test_logprobs_at_temperature_match_direct(temperature, qwen2_dir):
         np.testing.assert_allclose(x, direct_logprobs(ln.model, ep, ep.temperature), rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("packing", [True, False])
+def test_model_only_logprobs_are_the_full_ones_at_model_tokens_and_zero_elsewhere(packing, qwen2_dir):
+    ln = learner(qwen2_dir, packing=packing)
+    eps = random_episodes(7, ln.vocab_size, seed=4)
+    for ep, full, only in zip(eps, ln.logprobs(eps, None), ln.logprobs(eps, None, model_only=True)):
+        mask = ep.loss_mask() & (np.arange(len(ep)) > 0)
+        assert only.shape == full.shape and only.dtype == np.float32
+        np.testing.assert_allclose(only[mask], full[mask], rtol=1e-6, atol=1e-6)
+        assert not only[~mask].any()
+
+
 def test_chunked_log_softmax_matches_unchunked(qwen2_dir):
     whole, chunked = learner(qwen2_dir), learner(qwen2_dir, logits_chunk_elements=3 * 400)
     eps = random_episodes(8, whole.vocab_size, seed=3)

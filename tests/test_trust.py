@@ -258,7 +258,7 @@ def test_which_episodes_are_audited_is_not_predictable_from_the_run_config():
         def __init__(self):
             self.asked: list[tuple[str, int]] = []
 
-        def logprobs(self, eps, temperature=1.0):
+        def logprobs(self, eps, temperature=1.0, model_only=False):
             out = []
             for e in eps:
                 self.asked.append((e.group_id, e.sample_index))
@@ -485,7 +485,7 @@ def test_after_a_restart_a_claimed_version_is_rebuilt_from_the_chain_or_the_batc
 class _Echo:
     """A float policy that agrees with every claim (so only the spot-check decides)."""
 
-    def logprobs(self, eps, temperature=1.0):
+    def logprobs(self, eps, temperature=1.0, model_only=False):
         out = []
         for e in eps:
             lp = np.zeros(len(e.tokens()), np.float32)

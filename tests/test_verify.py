@@ -118,6 +118,22 @@ def test_every_forged_claim_is_caught_with_a_reason(engine, replayer):
         assert why is not None and needle in why, (name, why)
 
 
+def test_repeated_episodes_replay_once_but_each_ones_claims_are_checked(engine, replayer):
+    env = make_env().unwrapped
+    good = scripted(engine, 5, env.oracle_turns(5))
+    forged = _tampered(good, lambda e: setattr(e, "reward", 0.5))  # same tokens, its own (false) claim
+    other_item = _tampered(good, lambda e: setattr(e, "item_index", 6))  # same tokens, another item
+    steps = []
+    real_step = replayer.env.step
+    replayer.env.step = lambda text: steps.append(text) or real_step(text)
+    try:
+        bad = replayer.check_all([good, _tampered(good, lambda e: None), forged, other_item])
+    finally:
+        replayer.env.step = real_step
+    assert [i for i, _ in bad] == [2, 3] and "reward: claimed 0.5" in bad[0][1] and "prompt tokens" in bad[1][1]
+    assert len(steps) == len(env.oracle_turns(5))  # the three copies of item 5 were played once
+
+
 def test_turn_boundaries_follow_the_engine(engine, replayer):
     env = make_env().unwrapped
     good = scripted(engine, 5, env.oracle_turns(5))

@@ -275,7 +275,8 @@ class Learner(Protocol):
     @property
     def version(self) -> int: ...
 
-    def logprobs(self, episodes: Sequence[Episode], temperature: float | None = 1.0) -> list[np.ndarray]:
+    def logprobs(self, episodes: Sequence[Episode], temperature: float | None = 1.0, *,
+                 model_only: bool = False) -> list[np.ndarray]:
         """Per-token log-probabilities of the episodes' own tokens under the current weights.
 
         No gradient, no state change. Memory-light: the log-softmax runs over chunks of at most
@@ -285,6 +286,9 @@ class Learner(Protocol):
             episodes: the episodes to score (any lengths; packed like a training batch).
             temperature: ``tau > 0`` to score every episode at; ``None`` scores each episode at
                 its own ``episode.temperature`` (what :meth:`train_step` does).
+            model_only: score the model's tokens only (``episode.loss_mask()``); every other
+                entry is ``0.0``. A backend that computes the head over selected positions
+                (torch) skips the rest; the trainer's log-prob audit asks for this.
 
         Returns:
             One float32 array ``[len(episode)]`` per episode, in order, aligned with

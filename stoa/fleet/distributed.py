@@ -218,10 +218,11 @@ class LeaderLearner:
             return getattr(self.learner, name)
         raise AttributeError(f"{name!r} is not mirrored to the other ranks; add it to stoa.fleet.distributed")
 
-    def logprobs(self, episodes: Sequence[Episode], temperature: float | None = 1.0) -> list[np.ndarray]:
+    def logprobs(self, episodes: Sequence[Episode], temperature: float | None = 1.0, *,
+                 model_only: bool = False) -> list[np.ndarray]:
         payload, fields = _episode_payload(episodes)
-        self.ranks.send("logprobs", payload, temperature=temperature, **fields)
-        return self.learner.logprobs(episodes, temperature)
+        self.ranks.send("logprobs", payload, temperature=temperature, model_only=bool(model_only), **fields)
+        return self.learner.logprobs(episodes, temperature, model_only=model_only)
 
     def train_step(self, episodes: Sequence[Episode], advantages: np.ndarray, objective: Any = None) -> dict[str, float]:
         from stoa.algos import Objective
@@ -269,7 +270,7 @@ def _apply(learner: Any, msg: Message, objectives: dict[str, Any]) -> None:
     """Run on this rank the learner call rank 0 announced (results stay on rank 0)."""
     f = msg.fields
     if msg.op == "logprobs":
-        learner.logprobs(_episodes(msg), f["temperature"])
+        learner.logprobs(_episodes(msg), f["temperature"], model_only=bool(f.get("model_only", False)))
     elif msg.op == "train_step":
         adv = np.frombuffer(msg.payload[f["episode_bytes"]:], dtype=np.dtype(f["advantages_dtype"]))
         objective = None

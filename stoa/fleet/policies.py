@@ -11,7 +11,8 @@ rebuilt from the weight chain in the store, verified like a worker's sync, when 
 
 Scoring (:meth:`HeldPolicies.score`, :meth:`HeldPolicies.sampling_margins`: spot-checks, sampling
 checks, the mismatch split) runs on the rollout engine or, with ``trainer.int8_scorer = "torch"``
-(the default on a CUDA learner), on :class:`stoa.backends.torch.int8.TorchInt8Scorer` on the
+(the default on a CUDA learner, and on a CPU learner for a model whose float32 copy fits in
+:data:`SMALL_CPU_SCORER_BYTES`), on :class:`stoa.backends.torch.int8.TorchInt8Scorer` on the
 learner's device: the same dequantized weights, and agreement with the engine measured in
 docs/scale.md. Evaluation generates, so it always runs on the engine.
 """
@@ -32,9 +33,24 @@ if TYPE_CHECKING:
     from stoa.transport.chain import WeightSubscriber
     from stoa.types import Episode
 
-__all__ = ["HeldPolicies"]
+__all__ = ["SMALL_CPU_SCORER_BYTES", "HeldPolicies"]
 
 log = logging.getLogger("stoa.trainer")
+
+SMALL_CPU_SCORER_BYTES = 1 << 30
+"""On a CPU learner, ``int8_scorer = "auto"`` scores on torch when the model's float32 weights fit in this."""
+
+
+def _num_params(model_dir: Path) -> float:
+    """The parameter count of the model folder's config (infinite when it cannot be told)."""
+    import json
+
+    from stoa.models.presets import num_params
+
+    try:
+        return num_params(json.loads((Path(model_dir) / "config.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return float("inf")
 
 
 class HeldPolicies:
@@ -44,7 +60,7 @@ class HeldPolicies:
         max_lag: versions behind the newest that a worker may still claim (``trainer.max_lag``).
         chain: the run's weight chain, to rebuild a claimable version that is not held (None: never).
         scorer: what scores (``trainer.int8_scorer``): ``"engine"``, ``"torch"``, or ``"auto"``
-            (torch when ``device`` resolves to CUDA, else the engine).
+            (torch when ``device`` resolves to CUDA or the model is small, else the engine).
         device: the learner's ``device`` setting; the torch scorer runs there.
         dtype: the torch scorer's compute dtype (the state's, ``pulse.dtype``).
     """
@@ -62,15 +78,20 @@ class HeldPolicies:
         self._torch: TorchInt8Scorer | None = None
         self._device, self._dtype = device, dtype
         if scorer == "auto":
-            scorer = "engine" if device == "cpu" else self._auto(device)  # the learner has imported torch
+            scorer = self._auto(device)
         self.scorer = scorer
         """What scores: ``"engine"`` or ``"torch"`` (``"auto"`` resolved)."""
 
-    @staticmethod
-    def _auto(device: str) -> str:
-        from stoa.backends.torch.int8 import resolve_device
+    def _auto(self, device: str) -> str:
+        """Torch on a CUDA learner; on a CPU learner, torch while its float32 copy of the model
+        stays under :data:`SMALL_CPU_SCORER_BYTES` (torch scores 1.5-2.3x faster than MLX's CPU
+        build here, and the trainer keeps the engine for evaluation), else the engine."""
+        if device != "cpu":
+            from stoa.backends.torch.int8 import resolve_device  # the learner has imported torch
 
-        return "torch" if resolve_device(device).startswith("cuda") else "engine"
+            if resolve_device(device).startswith("cuda"):
+                return "torch"
+        return "torch" if 4 * _num_params(self.model_dir) <= SMALL_CPU_SCORER_BYTES else "engine"
 
     def keep(self, version: int, state: dict[str, np.ndarray]) -> None:
         """Hold ``version``'s state; forget the ones more than ``max_lag`` behind it."""

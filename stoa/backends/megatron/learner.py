@@ -442,7 +442,8 @@ class MegatronLearner(Counters):
 
     # -- scoring -------------------------------------------------------------------------------
     @torch.no_grad()
-    def logprobs(self, episodes: Sequence[Episode], temperature: float | None = 1.0) -> list[np.ndarray]:
+    def logprobs(self, episodes: Sequence[Episode], temperature: float | None = 1.0, *,
+                 model_only: bool = False) -> list[np.ndarray]:
         if temperature is not None and not (math.isfinite(temperature) and temperature > 0):
             raise LearnerError(f"temperature {temperature!r} must be finite and > 0")
         tokens = self._check(episodes, train=False)
@@ -456,8 +457,11 @@ class MegatronLearner(Counters):
 
         self.model.eval()
         self._run(mbs, loss_of, train=False)
-        out = self._share(scored, [len(t) for t in tokens])
-        return [np.minimum(o, 0.0) for o in out]
+        out = [np.minimum(o, 0.0) for o in self._share(scored, [len(t) for t in tokens])]
+        if model_only:  # GPTModel's output layer runs at every position; the contract zeroes the rest
+            for o, ep in zip(out, episodes):
+                o[~ep.loss_mask()] = 0.0
+        return out
 
     # -- training ------------------------------------------------------------------------------
     def _optimizer_step(self, episodes: Sequence[Episode], tokens: list[np.ndarray], temps: Sequence[float],

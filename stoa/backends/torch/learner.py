@@ -190,21 +190,25 @@ class TorchLearner(Counters):
 
     # -- scoring -------------------------------------------------------------------------------
     @torch.no_grad()
-    def logprobs(self, episodes: Sequence[Episode], temperature: float | None = 1.0) -> list[np.ndarray]:
+    def logprobs(self, episodes: Sequence[Episode], temperature: float | None = 1.0, *,
+                 model_only: bool = False) -> list[np.ndarray]:
         if temperature is not None and not (math.isfinite(temperature) and temperature > 0):
             raise LearnerError(f"temperature {temperature!r} must be finite and > 0")
         tokens = self._check(episodes, train=False)
         temps = [temperature or ep.temperature for ep in episodes]
         select = [np.arange(len(t)) > 0 for t in tokens]
-        out: list[np.ndarray | None] = [None] * len(tokens)
+        if model_only:  # the head and the log-softmax run at model tokens only
+            select = [s & ep.loss_mask() for s, ep in zip(select, episodes)]
+        out = [np.zeros(len(t), np.float32) for t in tokens]
         self.model.eval()
         for mb in build_micro_batches(tokens, self.config.micro_batch_tokens, self.config.packing):
             lp = self._scored(mb, self._hidden(mb), select, temps).cpu().numpy()
             k = 0
-            for i, _r, _s, n in mb.placements:
-                out[i] = np.concatenate([np.zeros(1, np.float32), lp[k : k + n - 1]])
-                k += n - 1
-        return out  # type: ignore[return-value]
+            for i, _r, _s, _n in mb.placements:
+                where = np.flatnonzero(select[i])
+                out[i][where] = lp[k : k + where.size]
+                k += where.size
+        return out
 
     # -- training ------------------------------------------------------------------------------
     def _rl_loss(self, episodes: Sequence[Episode], advantages: np.ndarray,

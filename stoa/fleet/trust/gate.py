@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import numpy as np
 
 from stoa.fleet.trust.audit import AuditConfig, LogprobAudit, episode_stats, spot_check
+from stoa.fleet.trust.replay import layout_digest
 from stoa.transport.identity import Ban, BatchSeal, Roster, WorkerEntry, read_roster, write_roster
 from stoa.transport.signing import SignatureError, read_signed, sign_document
 from stoa.transport.store import LocalStore, ObjectStore, StoreError
@@ -116,8 +117,10 @@ class TrustConfig:
 class FloatScorer(Protocol):
     """The trainer's float policy (a :class:`stoa.backends.learner.Learner` is one)."""
 
-    def logprobs(self, episodes: Sequence[Episode], temperature: float | None = 1.0) -> list[np.ndarray]:
-        """Per-episode log-probs aligned with ``Episode.tokens()`` (``temperature=None``: each episode's own)."""
+    def logprobs(self, episodes: Sequence[Episode], temperature: float | None = 1.0, *,
+                 model_only: bool = False) -> list[np.ndarray]:
+        """Per-episode log-probs aligned with ``Episode.tokens()`` (``temperature=None``: each
+        episode's own; ``model_only``: model tokens only, 0 elsewhere)."""
         ...
 
 
@@ -173,14 +176,6 @@ class WorkerRecord:
         return max(0, self.max_seq + 1 - self.batches_seen)
 
 
-def _episode_digest(ep: Episode) -> bytes:
-    h = hashlib.sha256(ep.prompt_tokens.astype("<i4").tobytes())
-    for s in ep.segments:
-        h.update(s.kind.encode())
-        h.update(s.tokens.astype("<i4").tobytes())
-    return h.digest()
-
-
 def group_episodes(episodes: Sequence[Episode]) -> dict[str, list[Episode]]:
     """A batch's episodes by group id, in order of first appearance."""
     groups: dict[str, list[Episode]] = {}
@@ -192,7 +187,7 @@ def group_episodes(episodes: Sequence[Episode]) -> dict[str, list[Episode]]:
 def group_fingerprint(episodes: Sequence[Episode]) -> str | None:
     """The multiset of a group's token sequences, or None when they are all alike (an honest
     near-deterministic group may repeat; such a group carries no advantage anyway)."""
-    digests = sorted(_episode_digest(e) for e in episodes)
+    digests = sorted(layout_digest(e) for e in episodes)
     if len(set(digests)) < 2:
         return None
     return hashlib.sha256(b"".join(digests)).hexdigest()[:32]
@@ -606,7 +601,7 @@ class TrustGate:
         n = max(1, math.ceil(self.cfg.audit.fraction * len(eps)))
         pick = sorted(self.rng.choice(len(eps), size=min(n, len(eps)), replace=False).tolist())
         t0 = time.perf_counter()
-        lps = self.float_scorer.logprobs([eps[i] for i in pick], temperature=None)  # type: ignore[union-attr]
+        lps = self._float_logprobs([eps[i] for i in pick])
         self.seconds["audit"] += time.perf_counter() - t0
         self.counts["episodes_audited"] += len(pick)
         staleness = trainer_version - b.version
@@ -621,6 +616,22 @@ class TrustGate:
             for st in stats:
                 self.audit.observe(b.key_id, staleness, st)
         return verdict
+
+    def _float_logprobs(self, eps: list[Episode]) -> list[np.ndarray]:
+        """The learner's log pi of ``eps`` at their model tokens. Episodes with the same tokens and
+        temperature (a converged policy repeats itself) share one scored row; each keeps its own
+        claims, which the audit compares one episode at a time."""
+        row: dict[tuple[bytes, float], int] = {}
+        distinct: list[Episode] = []
+        of = []
+        for e in eps:
+            k = (layout_digest(e), float(e.temperature))
+            if k not in row:
+                row[k] = len(distinct)
+                distinct.append(e)
+            of.append(row[k])
+        lps = self.float_scorer.logprobs(distinct, temperature=None, model_only=True)  # type: ignore[union-attr]
+        return [lps[j] for j in of]
 
     def _spot_check(self, b: Batch, first: list[int], reason: str) -> tuple[str, str] | None:
         """Re-score some episodes with the int8 policy of the claimed version: their log-probs
@@ -657,7 +668,7 @@ class TrustGate:
         seen: dict[bytes, int] = {}
         dup = []
         for i, e in enumerate(b.episodes):
-            d = _episode_digest(e)
+            d = layout_digest(e)
             if d in seen:
                 dup += [seen[d], i]
             seen.setdefault(d, i)

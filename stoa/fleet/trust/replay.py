@@ -26,6 +26,7 @@ calls, so replay and rollout share one code path. Model tokens are never re-toke
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,7 +34,7 @@ from typing import Any
 from stoa.backends.engine import TextCodec
 from stoa.types import Episode
 
-__all__ = ["Replayer"]
+__all__ = ["Replayer", "layout_digest"]
 
 _MAX_SHOWN = 60
 
@@ -75,19 +76,32 @@ class Replayer:
 
     def check(self, ep: Episode) -> str | None:
         """Why ``ep`` is not what the engine and the environment would have produced, or None."""
+        got = self._outcome(ep)
+        return got if isinstance(got, str) else _claims(ep, *got)
+
+    def check_all(self, episodes: Sequence[Episode]) -> list[tuple[int, str]]:
+        """``(index, reason)`` of every episode that does not replay. Episodes with the same item
+        and tokens (a converged policy repeats itself) are played through the environment once;
+        each one's own reward and metrics are compared with that outcome."""
+        out = []
+        seen: dict[tuple[int | None, bytes], str | tuple[dict[str, Any], float]] = {}
+        for i, ep in enumerate(episodes):
+            key = (ep.item_index, layout_digest(ep))
+            got = seen.get(key)
+            if got is None:
+                got = seen[key] = self._outcome(ep)
+            why = got if isinstance(got, str) else _claims(ep, *got)
+            if why:
+                out.append((i, why))
+        return out
+
+    def _outcome(self, ep: Episode) -> str | tuple[dict[str, Any], float]:
+        """Why ``ep``'s tokens are not the engine's and the environment's, or the metrics and
+        reward its replay gives."""
         try:
             return self._check(ep)
         except Exception as e:  # an environment failing on a worker's turns is the episode's problem
             return f"replay failed: {type(e).__name__}: {str(e)[:200]}"
-
-    def check_all(self, episodes: Sequence[Episode]) -> list[tuple[int, str]]:
-        """``(index, reason)`` of every episode that does not replay."""
-        out = []
-        for i, ep in enumerate(episodes):
-            why = self.check(ep)
-            if why:
-                out.append((i, why))
-        return out
 
     def _prompt(self, item: int) -> list[int]:
         tokens = self._prompts.get(item)
@@ -99,7 +113,7 @@ class Replayer:
             self._prompts[item] = tokens
         return tokens
 
-    def _check(self, ep: Episode) -> str | None:
+    def _check(self, ep: Episode) -> str | tuple[dict[str, Any], float]:
         item = ep.item_index
         if item is None:
             return "the episode does not name its item (item_index), so it cannot be replayed"
@@ -155,11 +169,25 @@ class Replayer:
             return "the episode stops before the environment or a cap ended it"
         if j < len(segs):
             return f"{len(segs) - j} segment(s) after the episode ended ({finish})"
-        want = {**metrics, "turns": turns, "truncated": finish != "terminated", "finish_reason": finish}
-        for key in sorted(set(want) | set(ep.metrics)):
-            if key not in ep.metrics or key not in want or not _same(ep.metrics[key], want[key]):
-                return (f"metric {key!r}: claimed {_shown(ep.metrics.get(key, '<missing>'))}, "
-                        f"replay gives {_shown(want.get(key, '<missing>'))}")
-        if not math.isclose(float(ep.reward), reward, rel_tol=1e-9, abs_tol=1e-9):
-            return f"reward: claimed {ep.reward!r}, replay gives {reward!r}"
-        return None
+        return {**metrics, "turns": turns, "truncated": finish != "terminated", "finish_reason": finish}, reward
+
+
+def layout_digest(ep: Episode) -> bytes:
+    """A digest of an episode's tokens and segment layout: equal exactly when the prompt, every
+    segment's kind and every token are equal (what its replay depends on, with its item)."""
+    h = hashlib.sha256(ep.prompt_tokens.astype("<i4").tobytes())
+    for seg in ep.segments:
+        h.update(seg.kind.encode() + len(seg.tokens).to_bytes(4, "little"))
+        h.update(seg.tokens.astype("<i4").tobytes())
+    return h.digest()
+
+
+def _claims(ep: Episode, want: dict[str, Any], reward: float) -> str | None:
+    """Why ``ep``'s claimed metrics and reward are not the replay's ``want`` and ``reward``, or None."""
+    for key in sorted(set(want) | set(ep.metrics)):
+        if key not in ep.metrics or key not in want or not _same(ep.metrics[key], want[key]):
+            return (f"metric {key!r}: claimed {_shown(ep.metrics.get(key, '<missing>'))}, "
+                    f"replay gives {_shown(want.get(key, '<missing>'))}")
+    if not math.isclose(float(ep.reward), reward, rel_tol=1e-9, abs_tol=1e-9):
+        return f"reward: claimed {ep.reward!r}, replay gives {reward!r}"
+    return None

@@ -1,6 +1,7 @@
-"""The trust layer with the trainer's int8 policies scored by torch (``trainer.int8_scorer = "torch"``):
-a real fleet of two honest workers and two forgers. Spot-checks, sampling checks and the mismatch
-split run on the torch int8 scorer; honest workers lose nothing and both forgers are banned."""
+"""The trust layer with each of the trainer's int8 scorers (``trainer.int8_scorer``: ``"torch"``,
+the default for this tiny model on a CPU learner, and the MLX ``"engine"``): a real fleet of two
+honest workers and two forgers. Spot-checks, sampling checks and the mismatch split run on the
+chosen scorer; honest workers lose nothing and both forgers are banned."""
 
 from __future__ import annotations
 
@@ -28,11 +29,12 @@ def _env() -> dict[str, str]:
                 TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
 
 
-def test_torch_scored_spot_and_sampling_checks_pass_honest_workers_and_ban_forgers(tmp_path):
+@pytest.mark.parametrize("scorer", ["torch", "engine"])
+def test_spot_and_sampling_checks_on_either_scorer_pass_honest_workers_and_ban_forgers(scorer, tmp_path):
     config = tmp_path / "torch-trust.toml"
     config.write_text(tiny_fleet_config(
         "torch-trust", warmstart={"mix": {"oracle": 0.5, "guess": 0.5}, "practice_answer_only": 0},
-        trainer={"steps": 5, "skip_zero_variance_groups": False, "int8_scorer": "torch", "mismatch_every": 1},
+        trainer={"steps": 5, "skip_zero_variance_groups": False, "int8_scorer": scorer, "mismatch_every": 1},
         learner={"lr": 1e-5}, trust={"max_worker_share": 0.5, "audit": {"random_spot_check": 1.0}}))
     store_dir, run_dir, run = tmp_path / "store", tmp_path / "run", "torch-trust"
     key, pub = save_keypair(generate_private_key(), tmp_path / "keys", "run")
@@ -56,7 +58,7 @@ def test_torch_scored_spot_and_sampling_checks_pass_honest_workers_and_ban_forge
                 p.wait()
 
     log = (tmp_path / "trainer.log").read_text()
-    assert "int8 scoring on torch: cpu" in log, log[-3000:]
+    assert ("int8 scoring on torch: cpu" in log) == (scorer == "torch"), log[-3000:]
     store = LocalStore(store_dir)
     report = json.loads(json.loads(store.get(f"{run}/trust.json"))["body"])
     by_name = {rec["worker_id"]: rec for rec in report["workers"].values()}
