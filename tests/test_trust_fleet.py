@@ -148,6 +148,8 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
           f"{last['trust/episodes_audited']:.0f} episodes, {last['trust/spot_checks']:.0f} spot-checks; "
           f"{last['trust/sampled_tokens_checked']:.0f} sampled tokens re-derived, "
           f"{last['trust/sampled_tokens_ambiguous']:.0f} ambiguous")
+    print("banned at version: " + ", ".join(f"{kind} v{roster.banned[kid_of[w]].version}"
+                                             for w, kind in workers.items() if kid_of.get(w) in roster.banned))
     r = subprocess.run([sys.executable, "-m", "stoa", "status", "--store", str(store_dir), "--run", run,
                         "--public-key", str(run_pub)], env={**_env(), "COLUMNS": "250"}, capture_output=True,
                        text=True, timeout=120)
