@@ -258,7 +258,7 @@ def test_which_episodes_are_audited_is_not_predictable_from_the_run_config():
         def __init__(self):
             self.asked: list[tuple[str, int]] = []
 
-        def logprobs(self, eps, temperature=1.0, model_only=False):
+        def logprobs(self, eps, temperature=1.0):  # no model_only: the gate scores every token then
             out = []
             for e in eps:
                 self.asked.append((e.group_id, e.sample_index))

@@ -33,6 +33,7 @@ the per-worker report ``stoa status`` shows.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import math
 import time
@@ -176,6 +177,15 @@ class WorkerRecord:
         return max(0, self.max_seq + 1 - self.batches_seen)
 
 
+def _takes(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` accepts keyword ``name``."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
 def group_episodes(episodes: Sequence[Episode]) -> dict[str, list[Episode]]:
     """A batch's episodes by group id, in order of first appearance."""
     groups: dict[str, list[Episode]] = {}
@@ -247,6 +257,7 @@ class TrustGate:
             log.warning("the task is not replayable (TextEnv.replayable = False): episodes are audited only")
         self.replayer = replayer if cfg.replay and replayer is not None and replayer.replayable else None
         self.float_scorer = float_scorer if cfg.audit.enabled else None
+        self._model_only = self.float_scorer is not None and _takes(self.float_scorer.logprobs, "model_only")
         self.int8 = int8 if cfg.audit.enabled else None
         self.assign = assign
 
@@ -630,7 +641,8 @@ class TrustGate:
                 row[k] = len(distinct)
                 distinct.append(e)
             of.append(row[k])
-        lps = self.float_scorer.logprobs(distinct, temperature=None, model_only=True)  # type: ignore[union-attr]
+        kw = {"model_only": True} if self._model_only else {}  # a scorer without it scores every token
+        lps = self.float_scorer.logprobs(distinct, temperature=None, **kw)  # type: ignore[union-attr]
         return [lps[j] for j in of]
 
     def _spot_check(self, b: Batch, first: list[int], reason: str) -> tuple[str, str] | None:
