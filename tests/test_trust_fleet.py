@@ -2,8 +2,8 @@
 
 Real processes (`stoa trainer`, `stoa worker`, `stoa worker --adversary KIND`) meet in a real
 store with an enrolled roster. What must hold: no adversary's episode is trained on, each is
-banned (or, unenrolled, has every batch refused) within a bounded number of versions with the
-reason in the quarantine and in its record, and the honest workers lose nothing to the checks.
+banned (or, unenrolled, has every batch refused) within a bounded number of versions of its first
+rejected batch, with the reason in the quarantine and in its record, and the honest workers lose nothing to the checks.
 One shared run keeps this under ~2 minutes on 2 cores.
 """
 
@@ -33,7 +33,8 @@ CONFIG = tiny_fleet_config(
     trust={"mode": "enrolled", "max_worker_share": 0.5, "ban_after": 2})
 
 BAN_WITHIN_VERSIONS = 8
-"""Every adversary that is banned is banned by this version of the 12-version run."""
+"""Every adversary that is banned is banned within this many versions of its first rejected batch
+(a copier uploads only once it finds a fresh batch of another worker to copy, which can be late)."""
 
 NEEDLES = {
     "flip-rewards": "reward: claimed 1.0",
@@ -108,6 +109,10 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
         for g in entry.get("trained", []):
             trained_by_key[g.split("/")[0]] = trained_by_key.get(g.split("/")[0], 0) + 2  # group_size episodes
     assert len([e for e in ledger if "trained" in e]) == 12
+    first_rejected: dict[str, int] = {}
+    for entry in ledger:
+        if "rejected" in entry:
+            first_rejected.setdefault(entry["rejected"].split("/rollouts/")[1].split("/")[0], entry["version"])
 
     for w, kind in workers.items():
         if kind is None:
@@ -129,7 +134,8 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
             assert rec["accepted_batches"] == 0 and set(rec["rejected"]) == {"refused"}, rec
             continue
         assert rec["banned"] and kid in roster.banned, (w, rec)
-        assert roster.banned[kid].version <= BAN_WITHIN_VERSIONS, (w, roster.banned[kid])
+        assert roster.banned[kid].version - first_rejected[w] <= BAN_WITHIN_VERSIONS, (w, first_rejected[w],
+                                                                                        roster.banned[kid])
         assert NEEDLES[kind] in rec["banned"] or NEEDLES[kind] in rec["last_reason"], (w, rec)
         assert any(e.get("banned") == kid for e in ledger)
     for w in ("honest-0", "honest-1"):
@@ -148,8 +154,9 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
           f"{last['trust/episodes_audited']:.0f} episodes, {last['trust/spot_checks']:.0f} spot-checks; "
           f"{last['trust/sampled_tokens_checked']:.0f} sampled tokens re-derived, "
           f"{last['trust/sampled_tokens_ambiguous']:.0f} ambiguous")
-    print("banned at version: " + ", ".join(f"{kind} v{roster.banned[kid_of[w]].version}"
-                                             for w, kind in workers.items() if kid_of.get(w) in roster.banned))
+    print("banned at version (first rejected batch at): " + ", ".join(
+        f"{kind} v{roster.banned[kid_of[w]].version} ({first_rejected[w]})"
+        for w, kind in workers.items() if kid_of.get(w) in roster.banned))
     r = subprocess.run([sys.executable, "-m", "stoa", "status", "--store", str(store_dir), "--run", run,
                         "--public-key", str(run_pub)], env={**_env(), "COLUMNS": "250"}, capture_output=True,
                        text=True, timeout=120)
