@@ -57,8 +57,8 @@ if TYPE_CHECKING:
     from stoa.transport.exchange import Batch, Rejection
     from stoa.types import Episode
 
-__all__ = ["FloatScorer", "Int8Scorer", "TrustConfig", "TrustGate", "WorkerRecord", "group_episodes",
-           "group_fingerprint", "read_trust_report", "scoped"]
+__all__ = ["FloatScorer", "Int8Scorer", "TrustConfig", "TrustGate", "WorkerRecord", "distinct_rows", "group_episodes",
+           "group_fingerprint", "read_trust_report", "sampling_pick", "scoped"]
 
 log = logging.getLogger("stoa.trust")
 
@@ -184,6 +184,36 @@ def _takes(fn: Callable[..., Any], name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def distinct_rows(eps: Sequence[Episode]) -> tuple[list[Episode], list[int]]:
+    """``(distinct, of)``: one episode per distinct (tokens, temperature), and the index in
+    ``distinct`` of each episode of ``eps`` (what the audit scores once)."""
+    row: dict[tuple[bytes, float], int] = {}
+    distinct: list[Episode] = []
+    of = []
+    for e in eps:
+        k = (layout_digest(e), float(e.temperature))
+        if k not in row:
+            row[k] = len(distinct)
+            distinct.append(e)
+        of.append(row[k])
+    return distinct, of
+
+
+def sampling_pick(eps: Sequence[Episode], rng: np.random.Generator, n_random: int) -> list[int]:
+    """Which episodes of a batch the sampling check re-derives: ``n_random`` drawn with ``rng``,
+    and every episode whose tokens repeat another's (a variant copy, or an honest
+    near-deterministic sample)."""
+    seen: dict[bytes, int] = {}
+    dup = []
+    for i, e in enumerate(eps):
+        d = layout_digest(e)
+        if d in seen:
+            dup += [seen[d], i]
+        seen.setdefault(d, i)
+    drawn = rng.permutation(len(eps))[:n_random].tolist()
+    return sorted(set(dup) | set(drawn))
 
 
 def group_episodes(episodes: Sequence[Episode]) -> dict[str, list[Episode]]:
@@ -632,15 +662,7 @@ class TrustGate:
         """The learner's log pi of ``eps`` at their model tokens. Episodes with the same tokens and
         temperature (a converged policy repeats itself) share one scored row; each keeps its own
         claims, which the audit compares one episode at a time."""
-        row: dict[tuple[bytes, float], int] = {}
-        distinct: list[Episode] = []
-        of = []
-        for e in eps:
-            k = (layout_digest(e), float(e.temperature))
-            if k not in row:
-                row[k] = len(distinct)
-                distinct.append(e)
-            of.append(row[k])
+        distinct, of = distinct_rows(eps)
         kw = {"model_only": True} if self._model_only else {}  # a scorer without it scores every token
         lps = self.float_scorer.logprobs(distinct, temperature=None, **kw)  # type: ignore[union-attr]
         return [lps[j] for j in of]
@@ -677,15 +699,7 @@ class TrustGate:
         """Every batch: ``audit.sampling_episodes`` random episodes, and every episode whose tokens
         repeat another's in the batch (a variant copy, or an honest near-deterministic sample),
         re-derived from the assigned seed; a token the rule did not draw bans the key."""
-        seen: dict[bytes, int] = {}
-        dup = []
-        for i, e in enumerate(b.episodes):
-            d = layout_digest(e)
-            if d in seen:
-                dup += [seen[d], i]
-            seen.setdefault(d, i)
-        drawn = self.rng.permutation(len(b.episodes))[: self.cfg.audit.sampling_episodes].tolist()
-        pick = sorted(set(dup) | set(drawn))
+        pick = sampling_pick(b.episodes, self.rng, self.cfg.audit.sampling_episodes)
         t0 = time.perf_counter()
         eps, seed = [b.episodes[i] for i in pick], self.assign(b).seed  # type: ignore[misc]
         margins = self.int8.sampling_margins(b.version, eps, [seed] * len(eps))  # type: ignore[union-attr]
