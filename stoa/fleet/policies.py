@@ -89,9 +89,12 @@ class HeldPolicies:
         if device != "cpu":
             from stoa.backends.torch.int8 import resolve_device  # the learner has imported torch
 
-            if resolve_device(device).startswith("cuda"):
+            device = resolve_device(device)
+            if device.startswith("cuda"):
                 return "torch"
-        return "torch" if 4 * _num_params(self.model_dir) <= SMALL_CPU_SCORER_BYTES else "engine"
+        if device == "cpu" and 4 * _num_params(self.model_dir) <= SMALL_CPU_SCORER_BYTES:
+            return "torch"
+        return "engine"  # a large model on a CPU learner; any other device (Apple's mps: MLX runs on Metal)
 
     def keep(self, version: int, state: dict[str, np.ndarray]) -> None:
         """Hold ``version``'s state; forget the ones more than ``max_lag`` behind it."""

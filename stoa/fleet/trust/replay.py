@@ -76,8 +76,7 @@ class Replayer:
 
     def check(self, ep: Episode) -> str | None:
         """Why ``ep`` is not what the engine and the environment would have produced, or None."""
-        got = self._outcome(ep)
-        return got if isinstance(got, str) else _claims(ep, *got)
+        return _verdict(ep, self._outcome(ep))
 
     def check_all(self, episodes: Sequence[Episode]) -> list[tuple[int, str]]:
         """``(index, reason)`` of every episode that does not replay. Episodes with the same item
@@ -90,7 +89,7 @@ class Replayer:
             got = seen.get(key)
             if got is None:
                 got = seen[key] = self._outcome(ep)
-            why = got if isinstance(got, str) else _claims(ep, *got)
+            why = _verdict(ep, got)
             if why:
                 out.append((i, why))
         return out
@@ -180,6 +179,17 @@ def layout_digest(ep: Episode) -> bytes:
         h.update(seg.kind.encode() + len(seg.tokens).to_bytes(4, "little"))
         h.update(seg.tokens.astype("<i4").tobytes())
     return h.digest()
+
+
+def _verdict(ep: Episode, outcome: str | tuple[dict[str, Any], float]) -> str | None:
+    """Why ``ep`` fails replay given its tokens' ``outcome`` (a reason, or the replay's metrics
+    and reward to compare its claims with), or None. Never raises."""
+    if isinstance(outcome, str):
+        return outcome
+    try:
+        return _claims(ep, *outcome)
+    except Exception as e:  # a malformed claim is the episode's problem
+        return f"replay failed: {type(e).__name__}: {str(e)[:200]}"
 
 
 def _claims(ep: Episode, want: dict[str, Any], reward: float) -> str | None:
