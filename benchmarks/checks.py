@@ -11,9 +11,10 @@ episodes, for each int8 scorer available: torch on the learner's device, and the
 where MLX is installed. Replay (CPU work of the task, not of the model) and the rare spot-checks
 are not included; the demo's metrics give them (docs/trust.md).
 
-Episodes look like converged Search-R1 rollouts: a prompt, a think + search turn, the retrieved
-documents, an answer; in each group of 8 only ``--distinct`` of the samples differ (the rest
-repeat one of them), as a converged policy plays (the demo: ~30% distinct).
+Episodes look like converged Search-R1 rollouts (``benchmarks/learner.py``'s shapes: a prompt,
+0-3 rounds of think + search and retrieved documents, an answer); in each group of 8 only
+``--distinct`` of the samples differ (the rest repeat one of them), as a converged policy plays
+(the demo: ~30% distinct).
 
     python benchmarks/checks.py [--quick] [--json out.json] [--preset tiny|qwen2.5-0.5b|...]
                                 [--device auto|cpu|cuda] [--threads 1]
@@ -35,24 +36,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def make_episodes(n: int, vocab: int, distinct: float, seed: int, group: int = 8):
-    """Converged Search-R1-like episodes: per group, ``ceil(distinct * group)`` different samples."""
-    from stoa.types import Episode, Segment
+    """Converged groups of ``group`` samples: ``ceil(distinct * group)`` of them differ, the rest
+    repeat one of those. Each sample is shaped as ``benchmarks/learner.py``'s Search-R1 rollouts."""
+    from dataclasses import replace
 
+    from learner import make_episodes as search_r1_episodes
+
+    k, n_groups = max(1, math.ceil(distinct * group)), math.ceil(n / group)
+    unique = search_r1_episodes(n_groups * k, vocab, seed)
     rng = np.random.default_rng(seed)
     out = []
-    for g in range(math.ceil(n / group)):
-        prompt = rng.integers(0, vocab, int(rng.integers(50, 90)))
-        unique = []
-        for _ in range(max(1, math.ceil(distinct * group))):
-            k = int(rng.integers(10, 40))  # <think> ... </think><search> query </search>
-            a = int(rng.integers(4, 16))  # <answer> ... </answer><|im_end|>
-            unique.append([Segment("model", rng.integers(0, vocab, k), -rng.uniform(0.05, 4, k).astype(np.float32)),
-                           Segment("env", rng.integers(0, vocab, int(rng.integers(60, 180)))),  # documents
-                           Segment("model", rng.integers(0, vocab, a), -rng.uniform(0.05, 4, a).astype(np.float32))])
+    for g in range(n_groups):
+        mine = unique[g * k:(g + 1) * k]
         for i in range(group):
-            segs = unique[i] if i < len(unique) else unique[int(rng.integers(len(unique)))]
-            out.append(Episode(prompt, segs, reward=float(rng.random()), group_id=f"g{g}", sample_index=i,
-                               item_index=g))
+            sample = mine[i] if i < k else mine[int(rng.integers(k))]
+            out.append(replace(sample, group_id=f"g{g}", sample_index=i, item_index=g))
     return out[:n]
 
 
@@ -90,7 +88,7 @@ def main() -> None:
     import torch
 
     from stoa.backends.learner import LearnerConfig, make_learner
-    from stoa.backends.torch.int8 import resolve_device
+    from stoa.backends.torch.int8 import TorchInt8Scorer, resolve_device
     from stoa.fleet.trust.gate import distinct_rows, sampling_pick
     from stoa.transport.quant import quantize_state
 
@@ -117,10 +115,7 @@ def main() -> None:
                                                        replace=False))] for b in batches]
         sample_pick = [[b[i] for i in sampling_pick(b, rng, 1)] for b in batches]
         state = quantize_state(learner.iter_weights())
-        scorers = {}
-        from stoa.backends.torch.int8 import TorchInt8Scorer
-
-        scorers["torch"] = TorchInt8Scorer(model, device)
+        scorers = {"torch": TorchInt8Scorer(model, device)}
         scorers["torch"].load_state(0, state)
         try:
             from stoa.backends.engine import EngineConfig, make_engine
