@@ -433,3 +433,35 @@ def test_empty_cohort_and_scoring_in_small_batches(engines):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
     hot = eng.score(eps, temperature=2.0)
     assert all(np.abs(h - w).max() > 1e-3 for h, w in zip(hot, whole))
+
+
+_REPLAY_SCRIPT = """
+import hashlib, sys
+from stoa import _blas
+_blas.load_openblas()
+import numpy as np
+from stoa.backends.mlx import MLXEngine
+sys.path.insert(0, sys.argv[2])
+from test_mlx_engine import SAMPLING, make_env, requests
+eps = MLXEngine.from_pretrained(sys.argv[1]).rollout(make_env, requests(3, 2), SAMPLING)
+h = hashlib.sha256()
+for e in eps:
+    h.update(e.tokens().tobytes()); h.update(e.behavior_logprobs().tobytes())
+print(h.hexdigest())
+"""
+
+
+def test_replay_is_exact_across_processes(tiny):
+    """A restarted worker replays a seeded cohort bit for bit, given the same BLAS thread count
+    (a different count changes float summation order: ~1e-6 in log-probs, documented)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    run = lambda: subprocess.run([sys.executable, "-c", _REPLAY_SCRIPT, str(tiny), str(Path(__file__).parent)],  # noqa: E731
+                                 env=env, capture_output=True, text=True, timeout=300)
+    first, second = run(), run()
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert len(first.stdout.strip()) == 64 and first.stdout == second.stdout

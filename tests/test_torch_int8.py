@@ -92,6 +92,19 @@ def _rollout(engine, seed, **sampling):
                           SamplingConfig(max_turn_tokens=8, max_episode_tokens=160, seed=seed, **sampling))
 
 
+def _assert_margins_agree(got, ref, sampling):
+    """Torch and MLX margins of the same tokens agree to float32 rounding (1e-5), except, with
+    top-p, at near-ties: a ~1e-6 logit difference can move a near-tied token across the nucleus
+    threshold, which shifts the renormalized CDF by about one token's mass (< 5e-3). Near-ties are
+    rare: at most 5% of tokens (at least one is allowed, for a single short episode)."""
+    diff = np.abs(got - ref)
+    if sampling.get("top_p", 1.0) < 1.0:
+        near_ties = int((diff >= 1e-5).sum())
+        assert (near_ties <= 1 or near_ties < 0.05 * diff.size) and diff.max() < 5e-3, np.sort(diff)[-5:]
+    else:
+        assert diff.max() < 1e-5, f"max |margin difference| {diff.max():.2e}"
+
+
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7, "top_p": 0.9}, {"top_k": 40}])
 def test_sampling_margins_agree_with_the_mlx_int8_engine(tiny, engine, sampling):
     """Episodes the MLX int8 engine really sampled: the torch scorer re-derives every token as the
@@ -105,13 +118,7 @@ def test_sampling_margins_agree_with_the_mlx_int8_engine(tiny, engine, sampling)
     ref = engine.sampling_margins(eps, [11] * len(eps), top_k=top_k)
     got = scorer.sampling_margins(eps, [11] * len(eps), top_k=top_k, max_tokens=200)
     assert [a.shape for a in got] == [a.shape for a in ref] and sum(a.size for a in got) > 50
-    diff = np.concatenate([np.abs(a - b) for a, b in zip(got, ref)])
-    if sampling.get("top_p", 1.0) < 1.0:
-        # A ~1e-6 logit difference can move a near-tied token across the nucleus threshold, which
-        # shifts the renormalized CDF by about one token's mass; only near-ties do that.
-        assert (diff < 1e-5).mean() > 0.95 and diff.max() < 5e-3, np.sort(diff)[-5:]
-    else:
-        assert diff.max() < 1e-5, f"max |margin difference| {diff.max():.2e}"
+    _assert_margins_agree(np.concatenate(got), np.concatenate(ref), sampling)
     assert min(a.min() for a in got if a.size) > -1e-4  # every honest token is the rule's draw
     # One token changed: the rule draws another one there, under both.
     forged = copy.deepcopy(eps)
@@ -121,7 +128,10 @@ def test_sampling_margins_agree_with_the_mlx_int8_engine(tiny, engine, sampling)
     seg.tokens[1] = (seg.tokens[1] + 1) % scorer.vocab_size
     bad = scorer.sampling_margins([ep], [11], top_k=top_k)[0]
     assert bad.min() < -1e-3 and (bad < -1e-4).sum() >= 1, bad
-    assert np.abs(bad - engine.sampling_margins([ep], [11], top_k=top_k)[0]).max() < 1e-5
+    ref_bad = engine.sampling_margins([ep], [11], top_k=top_k)[0]
+    _assert_margins_agree(bad, ref_bad, sampling)
+    # Both place the first violation at the forged token (everything before it is honest).
+    assert np.flatnonzero(bad < -1e-3)[0] == np.flatnonzero(ref_bad < -1e-3)[0]
     # The wrong seed re-derives other uniforms: many honest tokens become violations.
     wrong = np.concatenate(scorer.sampling_margins(eps, [12] * len(eps), top_k=top_k))
     assert (wrong < -1e-4).mean() > 0.1

@@ -65,8 +65,10 @@ Determinism
 Sampling uses one uniform number per token, a hash of (``seed``, ``group_id``, ``index``,
 ``sample_index``, token position), and inverse-CDF sampling; no global random state is touched.
 The same weights, requests, :class:`SamplingConfig` (with a fixed ``seed``) and engine
-configuration replay the same episodes bit for bit. With ``seed=None`` each call draws a fresh
-seed.
+configuration replay the same episodes bit for bit, in this process or a restarted one, on the
+same hardware with the same number of BLAS threads (on a CPU, ``OPENBLAS_NUM_THREADS``: another
+count changes float summation order, ~2e-6 in log-probs, and so, rarely, a token whose uniform
+falls that close to its slice edge). With ``seed=None`` each call draws a fresh seed.
 
 KV cache and batching
 ---------------------
