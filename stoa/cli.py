@@ -331,6 +331,9 @@ def trainer(
 ) -> None:
     """Train: consume episodes from the store, take optimizer steps, publish int8 weights through PULSE.
 
+    SIGINT / SIGTERM stop it after the current step with a checkpoint, without marking the run
+    finished (`--resume` continues it); a second Ctrl-C stops at once.
+
     Several GPUs: `torchrun --nproc-per-node N -m stoa trainer ...` with learner.kind = "megatron"."""
     from stoa.fleet.config import ConfigError, check_runnable, load_config
     from stoa.fleet.trainer import Trainer
@@ -355,7 +358,12 @@ def trainer(
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(1) from None
         return
-    Trainer(cfg, open_store(store), run_dir, private_key, resume=resume).run()
+    trainer = Trainer(cfg, open_store(store), run_dir, private_key, resume=resume)
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # stop after the current step, with a checkpoint
+        signal.signal(sig, trainer.request_stop)
+    trainer.run()
 
 
 def _worker_fail(code: int, message: str) -> None:

@@ -3,16 +3,19 @@
 Real processes (`stoa trainer`, `stoa worker`, `stoa worker --adversary KIND`) meet in a real
 store with an enrolled roster. What must hold: no adversary's episode is trained on, each is
 banned (or, unenrolled, has every batch refused) within a bounded number of versions of its first
-rejected batch, with the reason in the quarantine and in its record, and the honest workers lose nothing to the checks.
-One shared run keeps this under ~2 minutes on 2 cores.
+rejected batch, with the reason in the quarantine and in its record, and the honest workers lose
+nothing to the checks. The test stops the run (SIGTERM) once every adversary has met its fate and
+12 steps are trained. One shared run keeps this under ~2 minutes on 2 cores.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -28,9 +31,14 @@ pytestmark = pytest.mark.slow
 
 CONFIG = tiny_fleet_config(
     "trust", warmstart={"mix": {"oracle": 0.5, "guess": 0.5}, "practice_answer_only": 0},
-    trainer={"steps": 12, "checkpoint_every": 4, "skip_zero_variance_groups": False},
+    trainer={"steps": 40, "checkpoint_every": 4, "skip_zero_variance_groups": False},
     learner={"lr": 1e-5}, pulse={"anchor_every": 50},
     trust={"mode": "enrolled", "max_worker_share": 0.5, "ban_after": 2})
+
+MIN_STEPS = 12
+"""The run is stopped (SIGTERM: checkpoint, report) once it has trained this many steps and every
+adversary has met its fate; its 40 steps are only a cap. A copier uploads only once it finds a fresh
+batch to copy, so a fixed run length could end between its first strike and its ban."""
 
 BAN_WITHIN_VERSIONS = 8
 """Every adversary that is banned is banned within this many versions of its first rejected batch
@@ -57,6 +65,12 @@ def _env() -> dict[str, str]:
                 TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
 
 
+def _trained(run_dir) -> tuple[int, float]:
+    """Optimizer steps so far, and the banned-worker count of the newest step's metrics."""
+    train = [row for row in read_metrics(run_dir / "metrics.jsonl") if row["kind"] == "train"]
+    return len(train), (train[-1]["trust/banned_workers"] if train else 0)
+
+
 def test_two_honest_workers_and_every_adversary(tmp_path):
     assert set(NEEDLES) == set(KINDS)
     config = tmp_path / "trust.toml"
@@ -77,6 +91,7 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
         if w != "honest-0" and kind != "unenrolled":
             enroll_worker(store, run, run_key, load_or_create_worker_key(keys[w]), w)
 
+    kid_of = {w: key_id(load_or_create_worker_key(keys[w]).public_key()) for w in workers}
     procs: dict[str, subprocess.Popen] = {}
 
     def spawn(name: str, args: list[str]) -> None:
@@ -90,8 +105,18 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
             spawn(w, ["worker", "--store", str(store_dir), "--run", run, "--public-key", str(run_pub), "--id", w,
                       "--cache", str(tmp_path / "cache" / w), "--key", str(keys[w]),
                       *(["--adversary", kind] if kind else [])])
-        assert procs["trainer"].wait(timeout=480) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+        must_ban = {kid_of[w] for w, kind in workers.items() if kind not in (None, "selective", "unenrolled")}
+        deadline = time.monotonic() + 480
+        while procs["trainer"].poll() is None and time.monotonic() < deadline:
+            steps, banned = _trained(run_dir)
+            if steps >= MIN_STEPS and banned >= len(must_ban) and store.list(f"{run}/quarantine/adv-unenrolled/") \
+                    and must_ban <= set(read_roster(store, run, run_pub).banned):
+                procs["trainer"].send_signal(signal.SIGTERM)
+                break
+            time.sleep(1.0)
+        assert procs["trainer"].wait(timeout=120) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
         for w in ("honest-0", "honest-1"):
+            procs[w].send_signal(signal.SIGTERM)  # a stopped run has no finished marker
             assert procs[w].wait(timeout=60) == 0
     finally:
         for p in procs.values():
@@ -99,16 +124,17 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
                 p.kill()
                 p.wait()
 
+    stopped = [row for row in read_metrics(run_dir / "metrics.jsonl") if row.get("event") == "stopped"]
+    assert stopped and stopped[-1]["rl_step"] >= MIN_STEPS, "the trainer was not stopped by the test"
     roster = read_roster(store, run, run_pub)
     report = json.loads(json.loads(store.get(f"{run}/trust.json"))["body"])
     by_name = {rec["worker_id"]: (kid, rec) for kid, rec in report["workers"].items()}
-    kid_of = {w: key_id(load_or_create_worker_key(keys[w]).public_key()) for w in workers}
     ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
     trained_by_key: dict[str, int] = {}
     for entry in ledger:
         for g in entry.get("trained", []):
             trained_by_key[g.split("/")[0]] = trained_by_key.get(g.split("/")[0], 0) + 2  # group_size episodes
-    assert len([e for e in ledger if "trained" in e]) == 12
+    assert len([e for e in ledger if "trained" in e]) == stopped[-1]["rl_step"]
     first_rejected: dict[str, int] = {}
     for entry in ledger:
         if "rejected" in entry:

@@ -13,6 +13,10 @@ Loop (``stoa trainer CONFIG --store URL``)::
         evaluate every eval.every versions; checkpoint every trainer.checkpoint_every steps
     evaluate and checkpoint the final version; mark the run finished
 
+SIGINT or SIGTERM (:meth:`Trainer.request_stop`) stops it after the current step: it writes the
+trust report and a checkpoint and returns without marking the run finished, so ``--resume``
+continues it (a second SIGINT stops at once).
+
 Versions are publication counters: version v is the policy after v weight updates *as
 published*. After a crash the trainer resumes from its newest checkpoint and publishes the next
 version after the store's head (so versions never repeat), and re-delivers exactly the batches
@@ -31,6 +35,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import signal
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -151,6 +156,18 @@ class Trainer:
         self.state: dict[str, np.ndarray] | None = None
         self.quantize_s = 0.0  # export + quantize seconds of the last publish
         self._t0 = time.time()
+        self._stop = False
+        self._signals = 0
+
+    def request_stop(self, signum: Any = None, *_: Any) -> None:
+        """Stop after the current step (a signal handler; a second SIGINT stops at once)."""
+        self._signals += 1
+        if self._signals > 1 and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if not self._stop and signum is not None:
+            log.warning("stopping after the current step: a checkpoint, no finished marker "
+                        "(Ctrl-C again to stop at once)")
+        self._stop = True
 
     # -- helpers ------------------------------------------------------------------------------
     def _log(self, kind: str, **metrics: Any) -> dict:
@@ -201,11 +218,13 @@ class Trainer:
             self.intake.restore(extra["intake"])
         else:
             self.evaluate()
-        while self.rl_step < cfg.trainer.steps:
+        while self.rl_step < cfg.trainer.steps and not self._stop:
             if not self.step():
                 if self.ranks:
                     self.ranks.idle()  # a heartbeat keeps the other ranks' wait under the collective timeout
                 time.sleep(cfg.trainer.poll_seconds)
+        if self._stop:
+            return self._stopped()
         if not self._evaluated(self.version):
             self.evaluate()
         self.intake.write_report(self.version, force=True)  # the report's last word is the final version
@@ -213,6 +232,15 @@ class Trainer:
         mark_finished(self.store, self.run_name, self.key, self.version)
         summary = self._log("event", event="finished", seconds=time.time() - self._t0, **asdict(self.counters),
                             **asdict(self.intake.counters))
+        self.sink.close()
+        return summary
+
+    def _stopped(self) -> dict[str, Any]:
+        """End of a stopped run: what ``--resume`` needs, and no finished marker (workers wait)."""
+        self.intake.write_report(self.version, force=True)
+        self.checkpoint()
+        summary = self._log("event", event="stopped", rl_step=self.rl_step, seconds=time.time() - self._t0,
+                            **asdict(self.counters), **asdict(self.intake.counters))
         self.sink.close()
         return summary
 
