@@ -23,5 +23,5 @@ if [ -x "$VENV/bin/weed" ] && [ -z "${STOA_TEST_S3_ENDPOINT:-}" ]; then
   echo "[test] S3 server (SeaweedFS) at $STOA_TEST_S3_ENDPOINT"
 fi
 t0=$(date +%s)
-"$VENV/bin/python" -m pytest "$@"
+"$VENV/bin/python" -m pytest --durations=15 "$@"
 echo "[test] suite took $(( $(date +%s) - t0 )) s"
