@@ -193,9 +193,9 @@ class Intake:
         admitted: list[Batch] = []
         for batch in batches:
             self.gate.saw(batch.key_id, batch.worker_id, batch.seq)  # every number that came counts, whatever its fate
-            if batch.version > version:
+            if batch.version > version:  # not a strike: a tampered store can show a label the trainer never reached
                 self.reject(batch, f"policy version {batch.version} is newer than the trainer's "
-                                   f"{version}: not produced by this run's weights")
+                                   f"{version}: not produced by this run's weights", "future")
                 self.counters.future_version_batches += 1
                 continue
             if self._stale(batch, version):  # never trained: dropped before any check
