@@ -40,6 +40,7 @@ import numpy as np
 from stoa.fleet.trust import FloatScorer, Ledger, TrustGate, batch_problem, group_episodes, scoped
 from stoa.fleet.trust.assign import Assignment, assignment, assignment_problem
 from stoa.transport.exchange import Batch, RolloutReader, write_progress
+from stoa.transport.sequence import write_floors
 from stoa.transport.store import StoreError
 
 if TYPE_CHECKING:
@@ -187,6 +188,7 @@ class Intake:
         if batches or time.time() - self._progress_written > _PROGRESS_EVERY_S:
             try:
                 write_progress(self.store, cfg.name, self.reader.progress(), self.key)
+                write_floors(self.store, cfg.name, self.reader.next_numbers(), self.key)  # no number reused
                 self._progress_written = time.time()
             except StoreError as e:
                 log.warning("could not write the progress document (%s); will retry", e)
