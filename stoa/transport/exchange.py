@@ -257,8 +257,7 @@ class RolloutWriter:
         self.next_seq = self._own_newest(found) + 1
 
     def skip_taken(self) -> int:
-        """Step :attr:`next_seq` past numbers objects hold now (before making a number's work, so a
-        number planted ahead wastes no cohort); returns it."""
+        """Step :attr:`next_seq` past numbers objects hold now (call it before making a number's work)."""
         self.next_seq = self._next_free(self.next_seq - 1)
         return self.next_seq
 
@@ -465,10 +464,11 @@ class RolloutReader:
         return parse_rollout_key(self.run, key)
 
     def poll(self, max_batches: int | None = None, max_bytes: int | None = None) -> list[Batch]:
-        """Return new valid batches, workers taking turns (:func:`stoa.transport.turns.in_turns`).
+        """Return new valid batches, oldest policy version first (then worker, then sequence); what a
+        capped poll reads is chosen with the workers taking turns (:func:`stoa.transport.turns.in_turns`).
 
-        Each returned batch counts as consumed at once (see :meth:`state`). At most
-        ``max_batches`` objects and ``max_bytes`` stored bytes are handled (defaults from
+        Each returned batch counts as consumed at once (see :meth:`state`). At most ``max_batches``
+        batches (and apart, as many quarantined objects) and ``max_bytes`` stored bytes (defaults from
         :attr:`poll_limits`); the rest waits for a later poll. Invalid objects are quarantined,
         keys that are not valid store keys are skipped; both are reported in
         :attr:`last_report`. This method does not raise on bad data, and a store error on one
@@ -535,7 +535,7 @@ class RolloutReader:
             if batch is not None:
                 handled += 1
                 loaded.append((batch, blob))
-        out = self._dedupe_groups(loaded, rep)
+        out = self._dedupe_groups(sorted(loaded, key=lambda bb: (bb[0].version, bb[0].worker_id, bb[0].seq)), rep)
         for b in out:
             self._settle(b.worker_id, b.seq)
             self.consumed += 1
