@@ -316,3 +316,30 @@ def test_a_kill_at_every_write_of_publish_and_of_resume_refuses_and_loses_no_hon
         t, worker, _ = scenario(tmp_path / f"k{at}", key, monkeypatch, at)
         assert refused(t, worker) == [], f"killed at write {at}"
         assert worker.seen and max(v for v, _ in worker.seen) == t.version, f"killed at write {at}"
+
+
+def test_a_batch_from_a_version_the_trainer_has_not_reached_is_refused_without_a_strike(tmp_path, key):
+    from helpers import tiny_fleet_config
+
+    from stoa.fleet.intake import Intake
+    from stoa.fleet.trust import Ledger
+    from stoa.transport.exchange import RolloutWriter
+    from stoa.types import Episode, Segment
+
+    path = tmp_path / "run.toml"
+    path.write_text(tiny_fleet_config("future", trust={"replay": False, "audit": {"enabled": False}}))
+    cfg = load_config(path)
+    store = LocalStore(tmp_path / "store")
+    import stoa.envs
+
+    make_env = lambda: stoa.envs.make(cfg.env.id, split=cfg.env.train_split, **cfg.env.kwargs)  # noqa: E731
+    intake = Intake(cfg, store, key, vocab_size=700, metric_types={}, ledger=Ledger(tmp_path / "ledger.jsonl", dict),
+                    float_scorer=None, int8=None, make_env=make_env)
+    worker = RolloutWriter(store, cfg.name, "w", private_key=generate_private_key())
+    for n in range(cfg.trust.ban_after + 1):  # more than enough to ban it, were they strikes
+        eps = [Episode(np.array([1, 2, n]), [Segment("model", np.array([4, 5]), np.array([-0.5, -1.0]))], reward=0.0,
+                       policy_version=9, worker_id="w", group_id="g", sample_index=i, temperature=1.0) for i in range(2)]
+        worker.upload(eps, 9)
+        assert intake.take(version=4) is None
+    rec = intake.gate.records[worker.key_id]
+    assert rec.rejected == {"future": cfg.trust.ban_after + 1} and rec.strikes == 0 and not rec.banned
