@@ -99,5 +99,9 @@ def test_a_held_state_recorded_with_another_hash_is_replaced_when_that_version_i
     policies.keep(3, state(2), "hash-of-2")  # the store serves label 3 with other weights
     reopened = HeldStates(tmp_path / "held", keep=3)
     assert same(reopened.get(3), state(2)) and reopened.state_hash(3) == "hash-of-2"
-    policies.keep(3, state(1))  # no hash: what is held stays
-    assert same(HeldStates(tmp_path / "held", keep=3).get(3), state(2))
+    data = tmp_path / "held" / "v000000000003.safetensors"
+    inode = data.stat().st_ino
+    policies.keep(3, state(2), "hash-of-2")  # the same: nothing rewritten
+    assert data.stat().st_ino == inode and same(HeldStates(tmp_path / "held", keep=3).get(3), state(2))
+    policies.keep(3, state(1))  # no hash to compare: the state given replaces what is held
+    assert same(HeldStates(tmp_path / "held", keep=3).get(3), state(1))

@@ -99,8 +99,8 @@ class HeldPolicies:
     def keep(self, version: int, state: dict[str, np.ndarray], state_hash: str | None = None) -> None:
         """Hold ``version``'s state (call it once the version is published; ``state_hash`` is the
         published one); forget the ones more than ``max_lag`` behind it. A held state of that
-        version recorded with another hash (or none) is replaced: a spot-check must run the
-        weights the store serves under that label."""
+        version is replaced unless both carry the same hash: a spot-check must run the weights
+        the store serves under that label."""
         if version in self._states and (state_hash is None or self._states.state_hash(version) != state_hash):
             self._states.drop(version)
             for scorer in (self._engine, self._torch):
