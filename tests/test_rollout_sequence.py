@@ -38,6 +38,7 @@ def test_a_deleted_newest_batch_never_makes_a_restarted_worker_reuse_a_settled_n
     assert restarted.next_seq == 3
     restarted.upload(episodes("w", 2, 9), 2)
     assert [b.seq for b in reader.poll()] == [3]  # read, not skipped as settled
+    assert RememberingWriter(store, "runs/other", "w", me, cache).next_seq == 0  # another run's number is not ours
 
 
 def test_a_worker_that_lost_its_cache_too_is_told_by_the_trainers_signed_floor(tmp_path):
@@ -56,7 +57,7 @@ def test_a_worker_that_lost_its_cache_too_is_told_by_the_trainers_signed_floor(t
     assert fresh.next_seq == 0
     told = catch_up(fresh, store, RUN, run_key.public_key())
     assert told is not None and "settled" in told and "continuing at 3" in told
-    assert fresh.next_seq == 3 and SequenceFile(tmp_path / "b" / "sequence.json").read() == 3
+    assert fresh.next_seq == 3 and SequenceFile(tmp_path / "b" / "sequence.json").read(RUN) == 3
     fresh.upload(episodes("w", 2, 9), 2)
     assert [b.seq for b in reader.poll()] == [3]
     # A floor document signed by another key is ignored, never followed, never a stall.

@@ -41,15 +41,17 @@ _WORKER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 class SequenceFile:
-    """``path`` holds a worker's next sequence number (``{"next": n}``), replaced atomically."""
+    """``path`` holds a worker's next sequence number in one run (``{"run", "next"}``), replaced atomically."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
 
-    def read(self) -> int:
-        """The remembered next number (0 when there is none; a damaged file is reported and read as 0)."""
+    def read(self, run: str) -> int:
+        """The remembered next number in ``run`` (0 when there is none, or it is another run's; a
+        damaged file is reported and read as 0)."""
         try:
-            n = json.loads(self.path.read_text()).get("next")
+            body = json.loads(self.path.read_text())
+            n = body.get("next") if body.get("run") == run else 0
         except FileNotFoundError:
             return 0
         except (OSError, ValueError, AttributeError) as e:
@@ -57,11 +59,11 @@ class SequenceFile:
             return 0
         return n if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= _MAX_NUM else 0
 
-    def write(self, n: int) -> None:
+    def write(self, run: str, n: int) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "w") as f:
-            f.write(json.dumps({"next": int(n)}) + "\n")
+            f.write(json.dumps({"run": run, "next": int(n)}) + "\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
@@ -74,17 +76,17 @@ class RememberingWriter(RolloutWriter):
     def __init__(self, store: ObjectStore, run: str, worker_id: str, private_key: Any, remember: SequenceFile):
         super().__init__(store, run, worker_id, private_key)
         self.remember = remember
-        self.next_seq = max(self.next_seq, remember.read())
+        self.next_seq = max(self.next_seq, remember.read(self.run))
 
     def upload(self, *args: Any, **kwargs: Any) -> str:
         key = super().upload(*args, **kwargs)
-        self.remember.write(self.next_seq)
+        self.remember.write(self.run, self.next_seq)
         return key
 
     def skip_to(self, seq: int) -> None:
         """Continue at ``seq`` or above (remembered at once)."""
         self.next_seq = max(self.next_seq, seq)
-        self.remember.write(self.next_seq)
+        self.remember.write(self.run, self.next_seq)
 
 
 def write_floors(store: ObjectStore, run: str, floors: dict[str, int], private_key: Any) -> None:
