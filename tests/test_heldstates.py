@@ -88,3 +88,20 @@ def test_rejects_bad_input(tmp_path):
     with pytest.raises(ValueError, match="version"):
         h.put(-1, state(0))
     assert h.versions() == []
+
+
+def test_a_held_state_recorded_with_another_hash_is_replaced_when_that_version_is_published(tmp_path):
+    from stoa.fleet.config import RolloutConfig
+    from stoa.fleet.policies import HeldPolicies
+
+    policies = HeldPolicies(tmp_path / "model", RolloutConfig(), max_lag=2, directory=tmp_path / "held")
+    policies.keep(3, state(1), "hash-of-1")
+    policies.keep(3, state(2), "hash-of-2")  # the store serves label 3 with other weights
+    reopened = HeldStates(tmp_path / "held", keep=3)
+    assert same(reopened.get(3), state(2)) and reopened.state_hash(3) == "hash-of-2"
+    data = tmp_path / "held" / "v000000000003.safetensors"
+    inode = data.stat().st_ino
+    policies.keep(3, state(2), "hash-of-2")  # the same: nothing rewritten
+    assert data.stat().st_ino == inode and same(HeldStates(tmp_path / "held", keep=3).get(3), state(2))
+    policies.keep(3, state(1))  # no hash to compare: the state given replaces what is held
+    assert same(HeldStates(tmp_path / "held", keep=3).get(3), state(1))

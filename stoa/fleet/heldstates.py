@@ -6,8 +6,8 @@ full states (79 GB for an 8B model at ``max_lag`` 8); held here it is disk, and 
 the pages of the state being read.
 
 Layout of ``directory``: one ``v<version>.safetensors`` file per held state and its commit marker
-``v<version>.json`` (``{"version", "sha256", "bytes"}``, the SHA-256 of the whole data file
-computed while writing it). Both are written to a temporary name, fsynced and renamed, data
+``v<version>.json`` (``{"version", "sha256", "bytes", "state_hash"}``: the SHA-256 of the whole data
+file computed while writing it, and the publisher's state hash when the caller gave one). Both are written to a temporary name, fsynced and renamed, data
 first, so a crash leaves either a complete pair or debris that :class:`HeldStates` removes when it
 reopens the directory. Files are plain safetensors (a JSON header and raw little-endian arrays);
 nothing is ever unpickled. A file is hashed again the first time a process reads it; a mismatch
@@ -74,7 +74,8 @@ class HeldStates:
     """Weight states by version, on disk under ``directory``, the newest ``keep`` of them.
 
     ``put`` writes one (atomically; replaces nothing: a version is written once), ``get`` maps one
-    read-only, ``prune(min_version)`` drops older ones, ``versions()`` lists what is held. A new
+    read-only, ``prune(min_version)`` drops older ones, ``drop(version)`` one, ``versions()`` lists
+    what is held, ``state_hash(version)`` the state hash recorded with one. A new
     instance on an existing directory finds the states a previous process held.
     """
 
@@ -150,9 +151,15 @@ class HeldStates:
         """Bytes on disk of every held state."""
         return sum(int(r["bytes"]) for r in self._held.values())
 
-    def put(self, version: int, state: Mapping[str, np.ndarray]) -> None:
+    def state_hash(self, version: int) -> str | None:
+        """The state hash recorded with ``version`` by :meth:`put` (None: not held, or none given)."""
+        h = self._held.get(int(version), {}).get("state_hash")
+        return h if isinstance(h, str) else None
+
+    def put(self, version: int, state: Mapping[str, np.ndarray], state_hash: str | None = None) -> None:
         """Write ``state`` as ``version`` (streamed from the arrays: no copy in RAM), then drop
-        all but the newest ``keep`` versions. A version already held is refused."""
+        all but the newest ``keep`` versions. A version already held is refused (:meth:`drop` it
+        first to replace it). ``state_hash`` (the publisher's name for the state) is recorded."""
         version = int(version)
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
@@ -186,7 +193,8 @@ class HeldStates:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self._data(version))
-        rec = {"version": version, "sha256": digest.hexdigest(), "bytes": 8 + len(raw) + offset}
+        rec = {"version": version, "sha256": digest.hexdigest(), "bytes": 8 + len(raw) + offset,
+               "state_hash": state_hash}
         mtmp = self._marker(version).with_name(self._marker(version).name + ".tmp")
         with open(mtmp, "w") as f:
             f.write(json.dumps(rec) + "\n")
@@ -255,6 +263,13 @@ class HeldStates:
         if base + end != size:
             raise ValueError("trailing bytes after the last tensor")
         return out
+
+    def drop(self, version: int) -> None:
+        """Forget ``version`` (marker first: a crash in between leaves data without a marker, which reopening removes)."""
+        self._marker(version).unlink(missing_ok=True)
+        self._data(version).unlink(missing_ok=True)
+        self._held.pop(version, None)
+        self._verified.discard(version)
 
     def prune(self, min_version: int) -> list[int]:
         """Drop every held version below ``min_version``; returns the versions dropped."""

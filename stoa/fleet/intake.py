@@ -40,6 +40,7 @@ import numpy as np
 from stoa.fleet.trust import FloatScorer, Ledger, TrustGate, batch_problem, group_episodes, scoped
 from stoa.fleet.trust.assign import Assignment, assignment, assignment_problem
 from stoa.transport.exchange import Batch, RolloutReader, write_progress
+from stoa.transport.sequence import write_floors
 from stoa.transport.store import StoreError
 
 if TYPE_CHECKING:
@@ -187,15 +188,16 @@ class Intake:
         if batches or time.time() - self._progress_written > _PROGRESS_EVERY_S:
             try:
                 write_progress(self.store, cfg.name, self.reader.progress(), self.key)
+                write_floors(self.store, cfg.name, self.reader.next_numbers(), self.key)  # no number reused
                 self._progress_written = time.time()
             except StoreError as e:
                 log.warning("could not write the progress document (%s); will retry", e)
         admitted: list[Batch] = []
         for batch in batches:
             self.gate.saw(batch.key_id, batch.worker_id, batch.seq)  # every number that came counts, whatever its fate
-            if batch.version > version:
+            if batch.version > version:  # not a strike: a tampered store can show a label the trainer never reached
                 self.reject(batch, f"policy version {batch.version} is newer than the trainer's "
-                                   f"{version}: not produced by this run's weights")
+                                   f"{version}: not produced by this run's weights", "future")
                 self.counters.future_version_batches += 1
                 continue
             if self._stale(batch, version):  # never trained: dropped before any check

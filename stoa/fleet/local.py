@@ -3,7 +3,9 @@
 Everything lives under ``runs/<name>/``: the object store (a LocalStore in ``store/``), the run's
 signing key (``keys/``), the trainer's checkpoints, ``metrics.jsonl``, TensorBoard events, logs of
 every process, and at the end the plots and ``summary.md``. The trainer and each worker are
-separate processes that talk only through the store, exactly as on a real fleet.
+separate processes that talk only through the store, exactly as on a real fleet. When every
+worker has exited before the run finished (banned, refused at start, failed), the launcher stops
+the trainer and says why (:class:`FleetGone`) instead of waiting for rollouts that cannot come.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from stoa.fleet.config import RunConfig, load_config
 from stoa.fleet.metrics import read_metrics, write_plots
@@ -23,7 +25,29 @@ from stoa.fleet.run import read_heartbeats
 from stoa.fleet.status import clean
 from stoa.transport.store import LocalStore
 
-__all__ = ["summarize", "train_local", "write_report"]
+__all__ = ["FleetGone", "summarize", "train_local", "write_report"]
+
+_WORKER_EXITS = {0: "stopped", 2: "configuration error", 3: "banned", 4: "no such run", 5: "store unreachable"}
+"""What a worker's exit status means (``stoa.fleet.worker``'s ``EXIT_*``)."""
+
+
+class FleetGone(RuntimeError):
+    """Every worker of the local fleet exited while the run was not finished."""
+
+
+def no_worker_left(procs: dict[str, subprocess.Popen], finished: Callable[[], bool]) -> str | None:
+    """Why the run cannot go on, when every worker process in ``procs`` (all but ``"trainer"``)
+    has exited while the trainer runs and the run is not ``finished()``; else None (also when
+    there are no workers)."""
+    workers = {n: p for n, p in procs.items() if n != "trainer"}
+    if not workers or any(p.poll() is None for p in workers.values()) or procs["trainer"].poll() is not None \
+            or finished():
+        return None
+    how = ", ".join(f"{n} exited {p.returncode}" + (f" ({_WORKER_EXITS[p.returncode]})"
+                                                   if p.returncode in _WORKER_EXITS else "")
+                    for n, p in sorted(workers.items()))
+    return (f"no worker is left ({how}), so no rollouts can come: stopping the trainer; see the workers' "
+            "logs in the run folder, and continue with --resume")
 
 
 def _spawn(args: list[str], log_path: Path, threads: int | None) -> subprocess.Popen:
@@ -101,11 +125,17 @@ def train_local(config_path: str | Path, overrides: dict[str, Any] | None = None
         procs[wid] = _spawn(args + (["--adversary", kind] if kind else []), run_dir / f"{wid}.log",
                             cfg.fleet.worker_threads)
     t0 = time.time()
+    from stoa.transport.exchange import is_finished
+
+    run_public = load_private_key(key_file).public_key()
+    gone = None
     try:
-        _watch(cfg, run_dir, the_store, procs, console, t0)
+        _watch(cfg, run_dir, the_store, procs, console, t0, lambda: is_finished(the_store, cfg.name, run_public))
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping the fleet (resume with --resume)[/yellow]")
         raise
+    except FleetGone as e:
+        gone = str(e)
     finally:
         for name, p in procs.items():
             if p.poll() is None:
@@ -116,6 +146,8 @@ def train_local(config_path: str | Path, overrides: dict[str, Any] | None = None
                 p.wait(timeout=max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
                 p.kill()
+    if gone:
+        raise SystemExit(gone)
     code = procs["trainer"].returncode
     if code != 0:
         tail = (run_dir / "trainer.log").read_text(errors="replace").splitlines()[-25:]
@@ -271,14 +303,18 @@ def _summary_md(cfg: RunConfig, s: dict[str, Any]) -> str:
 
 
 def _watch(cfg: RunConfig, run_dir: Path, store: LocalStore, procs: dict[str, subprocess.Popen], console: Any,
-           t0: float) -> None:
-    """Render the live view until the trainer exits (workers that die are reported, not fatal)."""
+           t0: float, finished: Callable[[], bool] = lambda: False) -> None:
+    """Render the live view until the trainer exits (a worker that dies is reported; raises
+    :class:`FleetGone` once none is left and the run is not ``finished()``)."""
     from rich.live import Live
 
     state: dict[str, Any] = {"rows": [], "offset": 0}
     metrics_path = run_dir / "metrics.jsonl"
 
     def refresh() -> None:
+        gone = no_worker_left(procs, finished)
+        if gone:
+            raise FleetGone(gone)
         if metrics_path.exists():
             with open(metrics_path) as f:
                 f.seek(state["offset"])

@@ -96,10 +96,18 @@ class HeldPolicies:
             return "torch"
         return "engine"  # a large model on a CPU learner; any other device (Apple's mps: MLX runs on Metal)
 
-    def keep(self, version: int, state: dict[str, np.ndarray]) -> None:
-        """Hold ``version``'s state; forget the ones more than ``max_lag`` behind it."""
+    def keep(self, version: int, state: dict[str, np.ndarray], state_hash: str | None = None) -> None:
+        """Hold ``version``'s state (call it once the version is published; ``state_hash`` is the
+        published one); forget the ones more than ``max_lag`` behind it. A held state of that
+        version is replaced unless both carry the same hash: a spot-check must run the weights
+        the store serves under that label."""
+        if version in self._states and (state_hash is None or self._states.state_hash(version) != state_hash):
+            self._states.drop(version)
+            for scorer in (self._engine, self._torch):
+                if scorer is not None and scorer.version == version:
+                    scorer.load_state(version, dict(state))
         if version not in self._states:
-            self._states.put(version, state)
+            self._states.put(version, state, state_hash)
         self._states.prune(version - self.max_lag)
 
     def held(self, version: int) -> bool:

@@ -19,7 +19,9 @@ continues it (a second SIGINT stops at once).
 
 Versions are publication counters: version v is the policy after v weight updates *as
 published*. After a crash the trainer resumes from its newest checkpoint and publishes the next
-version after the store's head (so versions never repeat), and re-delivers exactly the batches
+version above the checkpoint's, the store's head and the newest version its run folder recorded
+as published (:mod:`stoa.fleet.publishing`: the store is not trusted, so a deleted or rolled-back
+pointer never makes a label repeat), and re-delivers exactly the batches
 its checkpoint had not trained on (``RolloutReader.state(pending=...)``): no episode is lost or
 counted twice. ``<run_dir>/ledger.jsonl`` records the fate of every group (trained at which step,
 or dropped and why) and a marker per checkpoint; on resume it is cut back to the checkpoint's
@@ -48,6 +50,7 @@ from stoa.fleet.config import RunConfig, import_env_module
 from stoa.fleet.intake import Intake, Taken
 from stoa.fleet.metrics import MetricsSink
 from stoa.fleet.policies import HeldPolicies
+from stoa.fleet.publishing import PublishedRecord, next_version, publish_once
 from stoa.fleet.run import publish_run, read_heartbeats
 from stoa.fleet.trust import Ledger, episode_metric_means
 from stoa.transport.chain import PublishResult, WeightPublisher
@@ -149,6 +152,7 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(cfg.to_json() + "\n")
         self.sink = MetricsSink(self.run_dir)
+        self.published = PublishedRecord(self.run_dir)  # trusted: what this trainer has published
         self.ledger = Ledger(self.run_dir / "ledger.jsonl", lambda: {"rl_step": self.rl_step, "version": self.version})
         self.counters = _Counters()
         self.version = 0
@@ -254,20 +258,27 @@ class Trainer:
                        lambda **over: self.learner.reset_optimizer(self._learner_config(**over)),
                        lambda **row: self._log("warmstart", **row))
         self.learner.reset_optimizer(self._learner_config())
-        head = self.publisher.head()  # --resume without a checkpoint: start over, but never reuse a version
-        self.version = 0 if head is None else head + 1
+        # --resume without a checkpoint: start over, but never reuse a version
+        self.version, lost = next_version(self.published, None, self.publisher.head())
+        self._store_lost(lost)
         self._publish()
 
     def _publish(self, **metadata: Any) -> PublishResult:
-        """Quantize the learner's weights to int8, hold them for spot-checks, publish them as ``self.version``."""
+        """Quantize the learner's weights to int8, publish them as ``self.version``, hold them for
+        spot-checks (:func:`stoa.fleet.publishing.publish_once`: a label is used once)."""
         from stoa.transport.quant import quantize_state
 
         t0 = time.perf_counter()
         # One float tensor on the host at a time (a whole float copy is 4 bytes a parameter).
         self.state = quantize_state(self.learner.iter_weights(self.cfg.pulse.dtype), previous=self.state)
         self.quantize_s = time.perf_counter() - t0
-        self.policies.keep(self.version, self.state)
-        return self.publisher.publish(self.version, self.state, {"rl_step": self.rl_step, **metadata})
+        return publish_once(self.published, self.publisher, self.policies, self.version, self.state,
+                            {"rl_step": self.rl_step, **metadata})
+
+    def _store_lost(self, lost: str | None) -> None:
+        if lost:
+            log.warning("%s", lost)
+            self._log("event", event="store_lost_versions", detail=lost)
 
     def _evaluated(self, version: int) -> bool:
         """Whether ``version``'s evaluation is in the store *and* verifies under the run's key."""
@@ -433,17 +444,21 @@ class Trainer:
         if not self.resume and head is not None:
             raise StartRefused(f"run {self.run_name!r} already has published weights in this store; "
                                "pass --resume to continue it, or choose another run name")
+        mine = self.published.read()
+        if not self.resume and mine is not None:
+            raise StartRefused(f"the run folder {self.run_dir} already published version {mine.version} of "
+                               f"{self.run_name!r}; pass --resume to continue it, or use another run folder")
         return None
 
     def _resume(self, checkpoint: Path) -> dict[str, Any]:
-        """Load ``checkpoint`` and publish its weights as the version after the store's head."""
+        """Load ``checkpoint`` and publish its weights as a version never published before."""
         extra = self.learner.load_checkpoint(checkpoint)
         self.ledger.cut(checkpoint.name)
         self.rl_step = extra["rl_step"]
         self.counters = _Counters(**extra["counters"])
-        head = self.publisher.head()
         # Versions published after the checkpoint came from steps now lost; never reuse their numbers.
-        self.version = max(extra["version"], head if head is not None else 0) + 1
+        self.version, lost = next_version(self.published, extra["version"], self.publisher.head())
+        self._store_lost(lost)
         self._publish(resumed_from=extra["version"])
         self._log("event", event="resumed", checkpoint=checkpoint.name, rl_step=self.rl_step)
         log.info("resumed from %s at RL step %d; publishing as version %d", checkpoint.name, self.rl_step, self.version)

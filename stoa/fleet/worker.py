@@ -57,6 +57,7 @@ from stoa.fleet.trust.assign import Assignment, assignment
 from stoa.transport.chain import SYNC_ERRORS, PointerError, StateCheck, WeightSubscriber
 from stoa.transport.exchange import RolloutWriter, SequenceTaken, is_finished, read_progress
 from stoa.transport.identity import load_or_create_worker_key, read_roster
+from stoa.transport.sequence import RememberingWriter, SequenceFile, catch_up
 from stoa.transport.signing import SignatureError, key_id, load_public_key, read_signed
 from stoa.transport.store import KeyNotFound, ObjectStore, StoreError
 
@@ -507,8 +508,8 @@ class Worker:
                 break
             try:
                 if writer is None:
-                    writer = self.writer = RolloutWriter(self.store, self.run_name, self.worker_id,
-                                                         private_key=self.private_key)
+                    writer = self.writer = RememberingWriter(self.store, self.run_name, self.worker_id, self.private_key,
+                                                             SequenceFile(self.cache_dir / "sequence.json"))
                 if pending is not None:
                     try:
                         self._upload(writer, *pending, cohorts_at)
@@ -523,6 +524,9 @@ class Worker:
                     stop = self._roster_says()
                     if stop is not None:
                         raise stop
+                    moved = catch_up(writer, self.store, self.run_name, self.public_key)
+                    if moved:
+                        log.warning("%s", moved)
                     roster_read = time.time()
                 head = self.sub.head()
                 self._head = head
@@ -537,6 +541,7 @@ class Worker:
                     self._beat("waiting")
                     self._sleep(rc.poll_seconds)
                     continue
+                writer.skip_taken()  # a number someone planted ahead of us costs no cohort
             except WorkerExit:
                 raise
             except (*SYNC_ERRORS, SignatureError, OSError) as e:

@@ -56,6 +56,7 @@ import zstandard
 from stoa.transport.identity import BatchSeal, SealError, is_sealed, open_sealed, seal_batch
 from stoa.transport.signing import SignatureError, key_id, load_private_key, read_signed, sign_document
 from stoa.transport.store import KeyNotFound, ObjectStore, ObjectTooLarge, StoreError, validate_key
+from stoa.transport.turns import in_turns
 from stoa.types import DEFAULT_LIMITS, Episode, EpisodeError, Limits, decode_episodes, encode_episodes
 
 __all__ = [
@@ -183,7 +184,7 @@ class PollLimits:
     """What one :meth:`RolloutReader.poll` may take; whatever is left waits for the next poll."""
 
     max_batches: int = 64
-    """Most objects handled (returned or quarantined) per poll."""
+    """Most batches returned per poll, and apart from them, most objects quarantined per poll."""
     max_bytes: int = 256 << 20
     """Most stored bytes read per poll. The first object of a poll may be larger (up to
     ``Limits.max_bytes``), so one big valid batch never blocks the queue."""
@@ -238,13 +239,10 @@ class RolloutWriter:
         private_key: the worker's ed25519 key; given, every batch is sealed with it
             (:func:`stoa.transport.identity.seal_batch`).
 
-    The next sequence number continues after the worker's newest object in the store (in
-    ``rollouts/`` or ``quarantine/``; :meth:`RolloutReader.prune` always leaves a worker's newest
-    batch), so a restarted worker never reuses one. A sealing writer counts only
-    objects sealed with its own key (it reads at most 64 of the newest names to find one), so
-    objects planted under its name cannot push its numbering out of range; an unsealing writer
-    trusts every name. Sequence numbers taken by someone else's object, in ``rollouts/`` or
-    ``quarantine/``, are skipped, all at once (one listing), so planted objects cannot exhaust them.
+    Numbering continues after the worker's newest object in ``rollouts/`` or ``quarantine/`` (a
+    worker also keeps it in its cache: :class:`stoa.transport.sequence.RememberingWriter`), counting
+    only objects sealed with its own key (among the 64 newest names) when it seals. Numbers others'
+    objects hold are skipped, all at once (one listing), so planted objects cannot exhaust them.
     """
 
     def __init__(self, store: ObjectStore, run: str, worker_id: str, private_key: Any = None):
@@ -257,6 +255,11 @@ class RolloutWriter:
         found = sorted(((int(m.group(1)), k) for where in (self._prefix, self._qprefix) for k in store.list(where)
                         if (m := _NAME_RE.fullmatch(k.rpartition("/")[2].removesuffix(".reason.json")))), reverse=True)
         self.next_seq = self._own_newest(found) + 1
+
+    def skip_taken(self) -> int:
+        """Step :attr:`next_seq` past numbers objects hold now (call it before making a number's work)."""
+        self.next_seq = self._next_free(self.next_seq - 1)
+        return self.next_seq
 
     def _own_newest(self, found: list[tuple[int, str]]) -> int:
         """The newest sequence number of our own objects among ``found`` (newest first), or -1."""
@@ -271,20 +274,17 @@ class RolloutWriter:
                 continue
             if seal.key_id == self.key_id and seal.worker_id == self.worker_id:
                 return seq
-        # None of ours among the newest names: start at the oldest of them (its number is taken,
-        # so the upload loop steps past it), never below an object of ours further down.
+        # None of ours among the newest names: start at the oldest of them (the upload steps past it).
         return found[min(len(found), _MAX_PROBES) - 1][0] - 1 if len(found) > _MAX_PROBES else -1
 
     def upload(self, episodes: list[Episode], policy_version: int, seq: int | None = None) -> str:
         """Encode and upload one batch; return its key.
 
         Every episode must carry ``policy_version`` and this writer's ``worker_id`` (raises
-        ``ValueError`` otherwise; the reader would quarantine such a batch). If another process
-        already took a sequence number, the next free one is used; with ``seq`` (work assigned to
-        that number, ``stoa.fleet.trust.assign``) the batch goes under exactly that number or
-        :class:`SequenceTaken` is raised (and :attr:`next_seq` moves past the taken ones). If a
-        store error leaves it unknown whether the object landed, call ``upload`` again with the
-        same batch: it finds its own object and returns its key instead of uploading a duplicate.
+        ``ValueError`` otherwise). A number another object took is skipped; with ``seq`` (the work
+        assigned to that number, ``stoa.fleet.trust.assign``) the batch goes under exactly that
+        number or :class:`SequenceTaken` is raised (:attr:`next_seq` moves past the taken ones).
+        After a store error, call ``upload`` again with the same batch: it finds its own object.
         """
         if not episodes:
             raise ValueError("refusing to upload an empty batch")
@@ -318,8 +318,7 @@ class RolloutWriter:
                          f"{_MAX_UPLOAD_TRIES} times in a row (another process with this worker id?)")
 
     def _next_free(self, seq: int) -> int:
-        """The smallest sequence number above ``seq`` that no object holds, from one listing of
-        each prefix: however many numbers others' objects occupy, one step passes them all."""
+        """The smallest number above ``seq`` no object holds, from one listing of each prefix."""
         taken = {int(m.group(1)) for where in (self._prefix, self._qprefix)
                  for k in self.store.list(where, start_after=f"{where}s{seq:012d}")
                  if (m := _NAME_RE.fullmatch(k.rpartition("/")[2].removesuffix(".reason.json")))}
@@ -332,20 +331,14 @@ class RolloutWriter:
 
     def _is_ours(self, key: str, payload: bytes, size: int) -> bool:
         """Whether ``key`` holds this very batch (an earlier attempt of this upload)."""
-        blob = self._get_quiet(key, size)
-        if blob is None or self._key is None:
-            return blob == payload
         try:
+            blob = self.store.get(key, max_bytes=size)
+            if self._key is None:
+                return blob == payload
             seal, got = open_sealed(blob, key)
-        except SealError:
+        except (KeyNotFound, ObjectTooLarge, SealError):  # a bigger object is not ours; never download it
             return False
         return seal.key_id == self.key_id and got == payload
-
-    def _get_quiet(self, key: str, size: int) -> bytes | None:
-        try:
-            return self.store.get(key, max_bytes=size)
-        except (KeyNotFound, ObjectTooLarge):  # a bigger object is not ours; never download it
-            return None
 
 
 class RolloutReader:
@@ -461,15 +454,21 @@ class RolloutReader:
         return Progress({w: self._done.get(w, 0) + len(self._extra.get(w, ()))
                          for w in sorted(set(self._done) | set(self._extra))}, time.time())
 
+    def next_numbers(self) -> dict[str, int]:
+        """Per worker, the number above every settled one (:func:`stoa.transport.sequence.write_floors`)."""
+        return {w: max([self._done.get(w, 0)] + [s + 1 for s in self._extra.get(w, ())])
+                for w in sorted(set(self._done) | set(self._extra))}
+
     # -- polling --------------------------------------------------------------------------------
     def _parse(self, key: str) -> tuple[str, int, int] | None:
         return parse_rollout_key(self.run, key)
 
     def poll(self, max_batches: int | None = None, max_bytes: int | None = None) -> list[Batch]:
-        """Return new valid batches, oldest policy version first (then worker, then sequence).
+        """Return new valid batches, oldest policy version first (then worker, then sequence); what a
+        capped poll reads is chosen with the workers taking turns (:func:`stoa.transport.turns.in_turns`).
 
-        Each returned batch counts as consumed at once (see :meth:`state`). At most
-        ``max_batches`` objects and ``max_bytes`` stored bytes are handled (defaults from
+        Each returned batch counts as consumed at once (see :meth:`state`). At most ``max_batches``
+        batches (and apart, as many quarantined objects) and ``max_bytes`` stored bytes (defaults from
         :attr:`poll_limits`); the rest waits for a later poll. Invalid objects are quarantined,
         keys that are not valid store keys are skipped; both are reported in
         :attr:`last_report`. This method does not raise on bad data, and a store error on one
@@ -495,16 +494,17 @@ class RolloutReader:
         if rep.skipped:
             log.warning("rollouts/: skipped %d key(s) that are not valid store keys, e.g. %s",
                         rep.skipped, ", ".join(rep.skipped_examples[:3]))
-        work = [(key, (worker, seq, version)) for version, worker, seq, key in sorted(pending)]
+        work = [(key, (worker, seq, version)) for version, worker, seq, key in in_turns(pending)]
         work += [(key, None) for key in strays]  # honest batches first, then clean-up
         loaded: list[tuple[Batch, bytes]] = []
-        handled = 0
+        handled = junk = 0  # objects read that may be returned; quarantined ones have a budget of their own
         d_cap = self.poll_limits.max_decoded_bytes
         for i, (key, parsed) in enumerate(work):
-            if handled >= n_cap or (handled and (rep.bytes_read >= b_cap or rep.decoded_bytes >= d_cap)):
+            if max(handled, junk) >= n_cap or (
+                    handled + junk and (rep.bytes_read >= b_cap or rep.decoded_bytes >= d_cap)):
                 rep.deferred = len(work) - i
                 break
-            cap = self.limits.max_bytes if not handled else min(self.limits.max_bytes, b_cap - rep.bytes_read)
+            cap = self.limits.max_bytes if not handled + junk else min(self.limits.max_bytes, b_cap - rep.bytes_read)
             try:
                 blob = self.store.get(key, max_bytes=cap)
             except KeyNotFound:
@@ -513,17 +513,17 @@ class RolloutReader:
                 if e.size <= self.limits.max_bytes:  # valid size, over this poll's budget
                     rep.deferred = len(work) - i
                     break
-                handled += 1
+                junk += 1
                 self._quarantine_safely(key, parsed, f"{e.size} bytes, over the {self.limits.max_bytes}-byte "
                                                      "limit (deleted unread)", None, rep, "size")
                 continue
             except StoreError as e:
-                handled += 1
+                junk += 1
                 rep.problems.append(f"{_shown(key)}: store error, left for the next poll: {e}")
                 continue
             rep.bytes_read += len(blob)
             if parsed is None:
-                handled += 1
+                junk += 1
                 self._quarantine_safely(key, None, "object name is not <worker>/s<seq>-v<version>.episodes", blob, rep,
                                         "misnamed")
                 continue
@@ -531,10 +531,11 @@ class RolloutReader:
             if batch is _DEFER:
                 rep.deferred = len(work) - i
                 break
-            handled += 1
+            junk += batch is None
             if batch is not None:
+                handled += 1
                 loaded.append((batch, blob))
-        out = self._dedupe_groups(loaded, rep)
+        out = self._dedupe_groups(sorted(loaded, key=lambda bb: (bb[0].version, bb[0].worker_id, bb[0].seq)), rep)
         for b in out:
             self._settle(b.worker_id, b.seq)
             self.consumed += 1

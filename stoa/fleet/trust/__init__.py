@@ -6,7 +6,8 @@
   spot-checks, per-key accounting and bans (:class:`TrustGate`, configured by :class:`TrustConfig`);
 * :mod:`~stoa.fleet.trust.replay`: episodes re-played through the trainer's own environment;
 * :mod:`~stoa.fleet.trust.audit`: behaviour log-probs against the learner's and the int8 policy's;
-* :mod:`~stoa.fleet.trust.ledger`: the record of every group's fate.
+* :mod:`~stoa.fleet.trust.ledger`: the record of every group's fate;
+* :mod:`~stoa.fleet.trust.planted`: numbers planted under a worker's id are not its gaps.
 
 :class:`stoa.fleet.intake.Intake` strings them together between the store and the training pool;
 ``docs/trust.md`` says what each defends against.

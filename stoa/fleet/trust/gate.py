@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import numpy as np
 
 from stoa.fleet.trust.audit import AuditConfig, LogprobAudit, episode_stats, spot_check
+from stoa.fleet.trust.planted import count_planted
 from stoa.fleet.trust.replay import layout_digest
 from stoa.transport.identity import Ban, BatchSeal, Roster, WorkerEntry, read_roster, write_roster
 from stoa.transport.signing import SignatureError, read_signed, sign_document
@@ -170,11 +171,13 @@ class WorkerRecord:
     """Batches of this key the intake read (any outcome)."""
     max_seq: int = -1
     """Its highest sequence number read."""
+    taken_by_others: int = 0
+    """Its worker id's numbers held by objects it did not seal (planted by others; not its gaps)."""
 
     @property
     def withheld(self) -> int:
         """Sequence numbers up to :attr:`max_seq` of which no batch came (withheld, or lost in a crash)."""
-        return max(0, self.max_seq + 1 - self.batches_seen)
+        return max(0, self.max_seq + 1 - self.batches_seen - self.taken_by_others)
 
 
 def _takes(fn: Callable[..., Any], name: str) -> bool:
@@ -455,6 +458,7 @@ class TrustGate:
         """Fold a poll's quarantined objects (``PollReport.rejected``) into the records."""
         for r in rejected:
             self.reject(r.key_id or "", r.worker_id or "", r.category, r.reason)
+        count_planted(self.records, rejected)  # numbers planted under a worker id are not its key's gaps
 
     def ban(self, kid: str, reason: str, version: int = -1) -> None:
         """Ban a key: the records refuse it at once; the signed roster tells the worker. Never raises."""

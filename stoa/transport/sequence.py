@@ -1,0 +1,135 @@
+"""A worker's rollout sequence numbers, kept where the store cannot take them back.
+
+The store is not trusted: after one DELETE of a worker's newest batch, a writer that numbered from
+the store alone would start again below numbers the trainer has already settled, and the reader
+skips a settled number, so that work would be lost without a word. Two records prevent it:
+
+* :class:`SequenceFile`: the worker keeps its next number in its cache folder, and its
+  :class:`RememberingWriter` never starts below it;
+* the trainer's signed ``<run>/sequence.json`` (:func:`write_floors`): per worker, the number
+  above every one it has settled. A worker whose next number is below its floor (its cache was
+  lost too) is told, says so, and continues at the floor (:func:`catch_up`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from stoa.transport.exchange import RolloutWriter
+from stoa.transport.signing import SignatureError, read_signed, sign_document
+
+if TYPE_CHECKING:
+    from stoa.transport.store import ObjectStore
+
+__all__ = ["RememberingWriter", "SequenceFile", "catch_up", "read_floor", "write_floors"]
+
+log = logging.getLogger(__name__)
+
+_KIND = "sequence-floors"
+_FORMAT = "stoa.sequence_floors/1"
+_MAX_WORKERS = 4096
+_MAX_BYTES = 1 << 20
+_MAX_NUM = 10**12 - 1
+_WORKER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+class SequenceFile:
+    """``path`` holds a worker's next sequence number in one run (``{"run", "next"}``), replaced atomically."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def read(self, run: str) -> int:
+        """The remembered next number in ``run`` (0 when there is none, or it is another run's; a
+        damaged file is reported and read as 0)."""
+        try:
+            body = json.loads(self.path.read_text())
+            n = body.get("next") if body.get("run") == run else 0
+        except FileNotFoundError:
+            return 0
+        except (OSError, ValueError, AttributeError) as e:
+            log.warning("ignoring %s (%s); numbering from the store", self.path, e)
+            return 0
+        return n if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= _MAX_NUM else 0
+
+    def write(self, run: str, n: int) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(json.dumps({"run": run, "next": int(n)}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+
+class RememberingWriter(RolloutWriter):
+    """A :class:`~stoa.transport.exchange.RolloutWriter` that keeps its next number in ``remember``
+    (after every upload) and never numbers below it, whatever the store lost."""
+
+    def __init__(self, store: ObjectStore, run: str, worker_id: str, private_key: Any, remember: SequenceFile):
+        super().__init__(store, run, worker_id, private_key)
+        self.remember = remember
+        self.next_seq = max(self.next_seq, remember.read(self.run))
+
+    def upload(self, *args: Any, **kwargs: Any) -> str:
+        key = super().upload(*args, **kwargs)
+        self.remember.write(self.run, self.next_seq)
+        return key
+
+    def skip_to(self, seq: int) -> None:
+        """Continue at ``seq`` or above (remembered at once)."""
+        self.next_seq = max(self.next_seq, seq)
+        self.remember.write(self.run, self.next_seq)
+
+
+def write_floors(store: ObjectStore, run: str, floors: dict[str, int], private_key: Any) -> None:
+    """Sign, per worker, the number above every one the trainer settled (``RolloutReader.next_numbers``);
+    at most 4096 workers, those with the highest floors."""
+    top = dict(sorted(sorted(floors.items(), key=lambda kv: (-kv[1], kv[0]))[:_MAX_WORKERS]))
+    store.put(f"{run}/sequence.json", sign_document(_KIND, {"format": _FORMAT, "run": run, "next": top,
+                                                           "time": time.time()}, private_key))
+
+
+def read_floor(store: ObjectStore, run: str, public_key: Any, worker_id: str) -> int:
+    """``worker_id``'s floor in the verified ``<run>/sequence.json`` (0 when absent).
+
+    Raises:
+        SignatureError: the document does not verify or is malformed.
+        stoa.transport.store.StoreError: the store failed.
+    """
+    key = f"{run}/sequence.json"
+    body = read_signed(store, key, _KIND, public_key, expect={"run": run}, max_bytes=_MAX_BYTES)
+    if body is None:
+        return 0
+    floors, t = body.get("next"), body.get("time")
+    if body.get("format") != _FORMAT or not isinstance(floors, dict) or len(floors) > _MAX_WORKERS \
+            or isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+        raise SignatureError(f"{key}: not a {_FORMAT} document")
+    for w, n in floors.items():
+        if not _WORKER_RE.fullmatch(w) or isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= _MAX_NUM:
+            raise SignatureError(f"{key}: bad entry {w[:64]!r}")
+    return floors.get(worker_id, 0)
+
+
+def catch_up(writer: RememberingWriter, store: ObjectStore, run: str, public_key: Any) -> str | None:
+    """Move ``writer`` up to the trainer's floor for its worker; returns what happened when it moved
+    (some of its numbers were already settled: batches uploaded under them were skipped), else None."""
+    try:
+        floor = read_floor(store, run, public_key, writer.worker_id)
+    except SignatureError as e:  # a planted document must not stall the worker: its own numbers stand
+        log.warning("ignoring %s/sequence.json: %s", run, e)
+        return None
+    if floor <= writer.next_seq:
+        return None
+    was = writer.next_seq
+    writer.skip_to(floor)
+    return (f"the trainer has settled this worker's sequence numbers below {floor}, but it was to upload as "
+            f"{was} (its cache or its newest batch in the store was lost): batches under numbers {was}..{floor - 1} "
+            f"are skipped by the trainer; continuing at {floor}")
