@@ -31,7 +31,7 @@ import numpy as np
 
 from stoa.types import Episode, Segment
 
-__all__ = ["INT8_BOUND", "SAME_WEIGHTS_BOUND", "Parity", "ParityError", "check", "check_floor", "check_trainer",
+__all__ = ["INT8_BOUND", "SAME_WEIGHTS_BOUND", "Parity", "ParityError", "check", "check_floor", "check_trainer", "gap",
            "join_check", "probe_episodes"]
 
 log = logging.getLogger("stoa.trainer")
@@ -95,7 +95,7 @@ def probe_episodes(codec: Any, vocab_size: int) -> list[Episode]:
     return out
 
 
-def _gap(a: Sequence[np.ndarray], b: Sequence[np.ndarray], episodes: Sequence[Episode]) -> tuple[float, float]:
+def gap(a: Sequence[np.ndarray], b: Sequence[np.ndarray], episodes: Sequence[Episode]) -> tuple[float, float]:
     """(largest per-episode mean |a - b| over model tokens, largest single-token |a - b|)."""
     means, worst = [], 0.0
     for x, y, ep in zip(a, b, episodes):
@@ -129,12 +129,12 @@ def check(model_dir: str | Path, learner: Any, engine: Any, scorer: Any = None,
     eps = list(episodes) if episodes is not None else probe_episodes(engine.codec, engine.vocab_size)
     fl = learner.logprobs(eps, temperature=None)
     en = engine.score(eps)
-    e_f, worst = _gap(en, fl, eps)
+    e_f, worst = gap(en, fl, eps)
     s_f = e_s = None
     if scorer is not None:
         sc = scorer.score(eps)
-        s_f, w2 = _gap(sc, fl, eps)
-        e_s, w3 = _gap(en, sc, eps)
+        s_f, w2 = gap(sc, fl, eps)
+        e_s, w3 = gap(en, sc, eps)
         worst = max(worst, w2, w3)
     got = Parity(e_f, s_f, e_s, worst)
     if e_s is not None and e_s > SAME_WEIGHTS_BOUND:
