@@ -2,6 +2,7 @@
 
 Loop (``stoa trainer CONFIG --store URL``)::
 
+    check that the learner, the int8 scorer and the engine run one model (stoa.fleet.parity)
     publish the run (signed config + model files); warm start (optional); publish version 0
     evaluate version 0 with the int8 policy
     until trainer.steps RL steps:

@@ -82,7 +82,11 @@ def build(force: bool = False) -> Path:
         if hasattr(cfg, "quantization_config"):
             del cfg.quantization_config
         fresh = type(model)(cfg)
-        fresh.load_state_dict(model.state_dict(), strict=False)
+        missing, unexpected = fresh.load_state_dict(model.state_dict(), strict=False)
+        tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+        if set(missing) - tied or unexpected:
+            raise RuntimeError(f"the GGUF model's tensors do not fit {type(model).__name__}: missing {missing[:5]}, "
+                               f"unexpected {unexpected[:5]}")
         fresh.tie_weights()
         stage = Path(tmp) / "model"
         fresh.to(torch.bfloat16).save_pretrained(stage)
