@@ -208,3 +208,24 @@ def test_bfloat16_model_on_the_int8_kernels_samples_on_the_host(tmp_path):
     assert len(eps) == 2 and all(e.num_model_tokens > 0 for e in eps)
     lp = np.concatenate([e.behavior_logprobs()[e.loss_mask()] for e in eps])
     assert np.isfinite(lp).all() and (lp <= 0).all()
+
+
+def test_stoa_trainer_refuses_a_sliding_window_model_before_publishing(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from stoa.transport.signing import generate_private_key, save_keypair
+
+    model = tmp_path / "gemma-like"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**TF5, "use_sliding_window": True, "sliding_window": 4096}))
+    key, _ = save_keypair(generate_private_key(), tmp_path / "keys", "run")
+    config = Path(__file__).resolve().parents[1] / "examples" / "arithmetic_tiny.toml"
+    r = subprocess.run([sys.executable, "-m", "stoa", "trainer", str(config), "--store", str(tmp_path / "store"),
+                        "--key", str(key), "--run-dir", str(tmp_path / "run"), "--set", f"model.path={model}"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert "sliding-window attention (sliding_window 4096) is not supported" in r.stderr, r.stderr
+    store = tmp_path / "store"
+    assert not store.exists() or not any(p.is_file() for p in store.rglob("*"))
