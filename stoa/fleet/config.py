@@ -493,7 +493,8 @@ def import_env_module(env: EnvConfig) -> None:
 
 def check_runnable(cfg: RunConfig) -> None:
     """What ``stoa train --check`` verifies beyond the config's own types and bounds: ``env.module``
-    imports, ``env.id`` is registered, and ``model.path`` (if set) is a Hugging Face folder.
+    imports, ``env.id`` is registered, and ``model.path`` (if set) is a Hugging Face folder whose
+    config every stack reads alike (:func:`stoa.models.hfconfig.read`).
 
     Raises:
         ConfigError: naming the key and what to set.
@@ -516,6 +517,13 @@ def check_runnable(cfg: RunConfig) -> None:
         raise ConfigError(f"model.path {cfg.model.path!r} is not a Hugging Face folder (no config.json): "
                           "give a local folder with config.json, safetensors and tokenizer, or leave it "
                           "empty for a tiny model")
+    if cfg.model.path:
+        from stoa.models.hfconfig import ModelConfigError, load
+
+        try:
+            load(Path(cfg.model.path).expanduser())
+        except ModelConfigError as e:
+            raise ConfigError(f"model.path {cfg.model.path!r} cannot be run: {e}") from None
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:

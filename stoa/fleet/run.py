@@ -41,12 +41,17 @@ MAX_HEARTBEATS = 4096
 
 
 def publish_run(store: ObjectStore, run: str, config: RunConfig, model_dir: Path, private_key: Any) -> None:
-    """Upload the model's non-weight files and the signed run config (files first, config last)."""
+    """Upload the model's non-weight files and the signed run config (files first, config last).
+    ``config.json`` goes up normalized (:func:`stoa.models.hfconfig.normalized`)."""
+    from stoa.models.hfconfig import load
+
     files = {}
     for name in MODEL_FILES:
         p = Path(model_dir) / name
         if p.exists():
-            data = p.read_bytes()
+            # Workers get the normalized config: every field explicit, RoPE in both layouts.
+            data = (json.dumps(load(model_dir), indent=2, sort_keys=True) + "\n").encode() if name == "config.json" \
+                else p.read_bytes()
             store.put(f"{run}/model/{name}", data)
             files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     body = {"config": json.loads(config.to_json()), "model_files": files, "created": time.time()}

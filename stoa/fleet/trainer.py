@@ -2,6 +2,7 @@
 
 Loop (``stoa trainer CONFIG --store URL``)::
 
+    check that the learner, the int8 scorer and the engine run one model (stoa.fleet.parity)
     publish the run (signed config + model files); warm start (optional); publish version 0
     evaluate version 0 with the int8 policy
     until trainer.steps RL steps:
@@ -49,6 +50,7 @@ import numpy as np
 from stoa.fleet.config import RunConfig, import_env_module
 from stoa.fleet.intake import Intake, Taken
 from stoa.fleet.metrics import MetricsSink
+from stoa.fleet.parity import check_floor, check_trainer
 from stoa.fleet.policies import HeldPolicies
 from stoa.fleet.publishing import PublishedRecord, next_version, publish_once
 from stoa.fleet.run import publish_run, read_heartbeats
@@ -73,9 +75,12 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
     """The run's starting HF folder: ``model.path``, or a tiny model built (deterministically) for
     the task, its tokenizer trained on the environment's ``tokenizer_texts()``."""
     if cfg.model.path:
+        from stoa.models.hfconfig import load
+
         path = Path(cfg.model.path).expanduser()
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"model.path {path} is not a Hugging Face folder (no config.json)")
+        load(path)  # refuses a model some stack would not run as written (ModelConfigError)
         return path
     out = run_dir / "model"
     if (out / "model.safetensors").exists():
@@ -206,13 +211,16 @@ class Trainer:
         checkpoint = self._checkpoint_to_resume()  # refuses a second start of a live run before writing anything
         self._log("event", event="started", headline=list(task.headline_metrics), success_metric=self.success_metric)
         self.model_dir = prepare_model(cfg, self.run_dir)
-        publish_run(self.store, self.run_name, cfg, self.model_dir, self.key)
         options = dataclasses.asdict(cfg.learner.megatron) if cfg.learner.kind == "megatron" else {}
         build = self.ranks.make_learner if self.ranks else make_learner  # all ranks build theirs with rank 0
         self.learner = build(cfg.learner.kind, self.model_dir, self._learner_config(), **options)
         self.policies = HeldPolicies(self.model_dir, cfg.rollout, cfg.trainer.max_lag, self.run_dir / "held",
                                      chain=self.publisher.subscriber, scorer=cfg.trainer.int8_scorer,
                                      device=self.learner.config.device, dtype=cfg.pulse.dtype)
+        got = check_trainer(self.model_dir, self.learner, cfg.rollout, self.policies.scorer,
+                            self.learner.config.device, cfg.pulse.dtype)  # refuses before anything is published
+        self._log("event", event="parity", **got.metrics())
+        publish_run(self.store, self.run_name, cfg, self.model_dir, self.key)
         extra = self._resume(checkpoint) if checkpoint else self._start()
         self.intake = Intake(cfg, self.store, self.key, vocab_size=self.learner.vocab_size,
                              metric_types=self.metric_types, ledger=self.ledger, float_scorer=self.learner,
@@ -310,6 +318,7 @@ class Trainer:
         if cfg.trust.audit.enabled and self.intake.audit_floor is None:
             # The audit's floor: these int8 episodes scored by the float weights they were quantized from.
             m["trust/audit_floor"] = self.intake.calibrate(episodes, self.learner.logprobs(episodes, temperature=None))
+            check_floor(m["trust/audit_floor"])
         self.store.put(f"{self.run_name}/eval/v{self.version:012d}.json", sign_document("eval", {
             "run": self.run_name, "version": self.version, "metrics": m}, self.key))
         self._log("eval", **m)

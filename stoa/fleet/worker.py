@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from stoa.fleet.config import import_env_module
+from stoa.fleet.parity import join_check
 from stoa.fleet.run import Heartbeat, fetch_run, write_heartbeat
 from stoa.fleet.trust.assign import Assignment, assignment
 from stoa.transport.chain import SYNC_ERRORS, PointerError, StateCheck, WeightSubscriber
@@ -492,6 +493,9 @@ class Worker:
         if res is None:
             return EXIT_OK
         self.engine = self.make_engine(model_dir, res.state, res.version, rc)
+        refused = join_check(self.engine, model_dir)  # this machine's framework may read the config otherwise
+        if refused:
+            raise WorkerExit(EXIT_CONFIG, refused)
         log.info("worker %s (key %s) joined run %s at version %d (%s mode, %d bytes); a progress line every %.0fs",
                  self.worker_id, self.key_id, self.run_name, res.version, self.engine.mode, res.bytes_read,
                  self.progress_every)

@@ -55,6 +55,7 @@ class MLXEngine:
                               "engine's batched full-attention cache does not implement")
         self.hf_dir, self.config, self.version, self._worker_id = hf_dir, config, int(version), str(worker_id)
         self._model, self._mode = model, mode
+        self._built = W.built_fields(model)
         self._stems = W.quantized_stems(model)
         self._state = W.state_views(model)
         if mode == "dequantized":
@@ -119,6 +120,10 @@ class MLXEngine:
     def mlx_model(self) -> Any:
         """The ``mlx_lm`` model the engine runs (its int8 layers, with the engine's fast ops installed)."""
         return self._model
+
+    @property
+    def built_config(self) -> dict[str, Any]:
+        return dict(self._built)
 
     @property
     def tokenizer(self) -> Any:
@@ -215,6 +220,8 @@ class MLXEngine:
         where = self.config.sampler
         if where == "device" or (where == "auto" and mx.metal.is_available()):
             return device_sample(logits, u, s.temperature, s.top_k, s.top_p)
+        if logits.dtype != mx.float32:  # a bfloat16 model's logits have no numpy buffer format
+            logits = logits.astype(mx.float32)
         mx.eval(logits)
         return self._host_sampler(np.array(logits, copy=False), u, s.temperature, s.top_k, s.top_p)
 

@@ -34,8 +34,12 @@ _HEAD_TYPES = {"qwen2", "qwen3", "llama", "mistral"}
 
 
 def load_model(hf_dir: str | Path, with_weights: bool = True) -> tuple[nn.Module, dict[str, Any]]:
-    """The ``mlx_lm`` model of a local HF folder (its own weights, or an unevaluated skeleton)."""
+    """The ``mlx_lm`` model of a local HF folder (its own weights, or an unevaluated skeleton),
+    built from the folder's normalized config (:mod:`stoa.models.hfconfig`) and checked against
+    it: a field ``mlx_lm`` would read otherwise raises :class:`EngineError` naming it."""
     from mlx_lm.utils import load_model as _load
+
+    from stoa.models import hfconfig
 
     path = Path(hf_dir)
     if not (path / "config.json").is_file():
@@ -43,8 +47,31 @@ def load_model(hf_dir: str | Path, with_weights: bool = True) -> tuple[nn.Module
     has_weights = any(path.glob("model*.safetensors"))
     if with_weights and not has_weights:
         raise EngineError(f"{path} holds no model*.safetensors weights")
+    try:
+        norm = hfconfig.load(path)
+    except hfconfig.ModelConfigError as e:
+        raise EngineError(str(e)) from None
     # lazy: a skeleton's random init (or its files) is never computed before the state replaces it
-    return _load(path, lazy=True, strict=with_weights)
+    model, cfg = _load(path, lazy=True, strict=with_weights, model_config=norm)
+    wrong = hfconfig.disagreements(hfconfig.read(norm), built_fields(model))
+    if wrong:
+        raise EngineError(f"{path}: mlx_lm built the model differently from its config ({'; '.join(wrong)})")
+    return model, cfg
+
+
+def built_fields(model: nn.Module) -> dict[str, Any]:
+    """What ``mlx_lm`` built, in :class:`stoa.models.hfconfig.ModelSpec`'s terms."""
+    args = model.args
+    attn = model.model.layers[0].self_attn
+    heads = int(args.num_attention_heads)
+    rope = getattr(attn, "rope", None)
+    return {"model_type": args.model_type, "vocab_size": int(args.vocab_size), "hidden_size": int(args.hidden_size),
+            "num_hidden_layers": len(model.model.layers), "num_attention_heads": heads,
+            "num_key_value_heads": int(getattr(args, "num_key_value_heads", None) or heads),
+            "head_dim": int(attn.q_proj.weight.shape[0] // heads),
+            "rope_theta": float(getattr(rope, "base", None) or args.rope_theta),
+            "rope_scaling": getattr(args, "rope_scaling", None), "rms_norm_eps": float(args.rms_norm_eps),
+            "tie_word_embeddings": bool(getattr(args, "tie_word_embeddings", False))}
 
 
 def quantize(model: nn.Module, config: dict[str, Any]) -> None:
