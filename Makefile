@@ -7,7 +7,9 @@ export STOA_VENV := $(VENV)
 setup:
 	@scripts/setup.sh
 
-demo: setup
+# The demo needs no real-model fixture (only the tests use it): setup skips building it here.
+demo:
+	@STOA_SKIP_REAL_MODEL=1 scripts/setup.sh
 	@. scripts/env.sh && $(VENV)/bin/stoa train examples/papersearch_tiny.toml
 
 test: setup
