@@ -208,7 +208,7 @@ class Trainer:
                 time.sleep(cfg.trainer.poll_seconds)
         if not self._evaluated(self.version):
             self.evaluate()
-        self.intake.write_report(self.version, force=True)  # the report's last word is the final version
+        self.intake.report(self.version, force=True)  # the report's last word is the final version
         self.checkpoint()
         mark_finished(self.store, self.run_name, self.key, self.version)
         summary = self._log("event", event="finished", seconds=time.time() - self._t0, **asdict(self.counters),
@@ -268,9 +268,8 @@ class Trainer:
         episodes = engine.rollout(make_env, requests, sampling)
         m = eval_metrics(episodes, ev.samples, self.success_metric, self.metric_types)
         m["eval/seconds"] = time.time() - t0
-        if cfg.trust.audit.enabled and self.intake.audit_floor is None:
-            # The audit's floor: these int8 episodes scored by the float weights they were quantized from.
-            m["trust/audit_floor"] = self.intake.calibrate(episodes, self.learner.logprobs(episodes, temperature=None))
+        if (floor := self.intake.calibrate(episodes)) is not None:  # the audit's int8-versus-float floor
+            m["trust/audit_floor"] = floor
         self.store.put(f"{self.run_name}/eval/v{self.version:012d}.json", sign_document("eval", {
             "run": self.run_name, "version": self.version, "metrics": m}, self.key))
         self._log("eval", **m)
@@ -292,10 +291,10 @@ class Trainer:
             rollout, learn = self._learn(taken)
         except Exception as e:
             log.warning("learner step failed (%s: %s); finding the batch to blame", type(e).__name__, e)
-            self.intake.blame(taken, e)
+            self.intake.settle(taken, e)
             self.counters.failed_steps += 1
             return False
-        self.intake.trained(taken)
+        self.intake.settle(taken)
         self._count(taken, rollout)
         self.rl_step += 1
         self.version += 1
@@ -312,7 +311,7 @@ class Trainer:
                      "throughput/episodes_per_s": self.counters.episodes_trained / (now - self._t0),
                      "fleet/workers_alive": sum(now - b.time < 30 and b.status != "stopped" for b in beats)},
                   **self.intake.metrics())
-        self.intake.write_report(self.version)
+        self.intake.report(self.version)
         if self.version % self.cfg.eval.every == 0 and self.rl_step < self.cfg.trainer.steps:
             self.evaluate()
         if self.rl_step % self.cfg.trainer.checkpoint_every == 0 and self.rl_step < self.cfg.trainer.steps:
