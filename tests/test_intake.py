@@ -184,7 +184,7 @@ def test_every_refusal_kind_is_quarantined_ledgered_and_an_event_row(tmp_path):
     assert recs[z.key_id].rejected == {"size": 1} and recs[z.key_id].strikes == 0
     y = key_id(y_key.public_key())
     assert recs[y].rejected == {"invalid": 1} and recs[y].strikes == 1
-    assert intake.gate.anonymous["u"] == {"unsigned": 1} and intake.gate.anonymous["x"] == {"signature": 1}
+    assert intake.gate.records.anonymous["u"] == {"unsigned": 1} and intake.gate.records.anonymous["x"] == {"signature": 1}
 
 
 def test_a_replayed_batch_is_refused_by_its_content_across_restarts(tmp_path):
@@ -265,3 +265,25 @@ def test_a_checkpoint_of_the_intake_restores_what_it_saved(tmp_path, field):
     again = run.make()
     again.restore(saved)
     assert again.copies.hashes == run.intake.copies.hashes
+
+
+def test_a_copy_of_another_keys_batch_is_not_the_copiers_assigned_work(tmp_path):
+    """Copies across keys are caught without comparing keys: relabelled or not, another key's
+    episodes are not the copier's assignment (a copy dressed as the copier's own items is the
+    replay's and the sampling check's: test_trust)."""
+    run = _Run(tmp_path, groups_per_step=64)
+    honest, c1, c2 = (RolloutWriter(run.store, RUN, w, private_key=generate_private_key()) for w in ("h", "c1", "c2"))
+    work = _work(run, honest, 0)
+    honest.upload(work, 0)
+    as_is = copy.deepcopy(work)
+    for e in as_is:
+        e.worker_id = "c1"
+    relabelled = copy.deepcopy(work)  # under group ids of the copier's own (as the `copy` adversary does)
+    for e in relabelled:
+        e.worker_id, e.group_id = "c2", f"c2-copy-{e.group_id}"
+    keys = [c1.upload(as_is, 0), c2.upload(relabelled, 0)]
+    run.intake.take(0)
+    assert [b.worker_id for b, _ in run.intake.pool.entries] == ["h"]
+    lines = {e["rejected"]: e for e in run.lines() if "rejected" in e}
+    assert lines[keys[0]]["category"] == "assignment" and "not the assigned work" in lines[keys[0]]["reason"]
+    assert lines[keys[1]]["category"] == "assignment" and "not one this batch was assigned" in lines[keys[1]]["reason"]

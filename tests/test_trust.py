@@ -14,7 +14,8 @@ import pytest
 
 from stoa.fleet.trust.audit import AuditConfig, LogprobAudit, TokenStats, episode_stats, spot_check
 from stoa.fleet.trust import TrustConfig
-from stoa.fleet.trust import TrustGate, group_fingerprint, read_trust_report, scoped
+from stoa.fleet.intake.copies import group_prints
+from stoa.fleet.trust import TrustGate, Verdict, read_trust_report, scoped
 from stoa.transport.exchange import Batch, RolloutReader, RolloutWriter, rollout_key
 from stoa.transport.identity import (
     SealError,
@@ -160,7 +161,8 @@ def test_an_id_is_bound_only_by_accepted_work_so_junk_squats_nothing(tmp_path):
     copied = _sealed_batch(squatter, "alice", honest, 1)
     mine = _sealed_batch(owner, "alice", copy.deepcopy(honest), 1)
     gate.review([mine], 0)  # the owner's work is accepted and binds the id ...
-    assert gate.review([copied], 0)[0][0] == "duplicate"
+    (verdict,) = gate.review([copied], 0)  # (the trainer's intake refuses it earlier: not the squatter's assigned work)
+    assert verdict.category == "refused" and "by its accepted work first" in verdict.reason
     gate.refresh(force=True)
     roster = read_roster(store, RUN, run_key.public_key())
     assert roster.key_for("alice") == key_id(owner.public_key()) and key_id(squatter.public_key()) not in roster.enrolled
@@ -182,51 +184,36 @@ class _ListLedger:
         self.entries.append(entry)
 
 
-def test_copied_groups_are_refused_and_a_copier_is_banned(tmp_path):
+def test_strikes_ban_a_key_and_the_ban_survives_a_checkpoint(tmp_path):
     from stoa.transport.store import LocalStore
 
     ledger: list[dict] = []
     gate = TrustGate(TrustConfig(ban_after=2), LocalStore(tmp_path), RUN, generate_private_key(),
                      ledger=_ListLedger(ledger))
-    honest = [episodes("h", group=f"h{i}", seed=i) for i in range(5)]
-
-    def copied(eps, group):
-        out = copy.deepcopy(eps)
-        for e in out:
-            e.worker_id, e.group_id = "c", group
-        return out
-
-    # Two strangers with the same group in one poll: neither record says who copied, so both wait ...
-    tie = [_batch("ck", "c", copied(honest[4], "y"), 9), _batch("hk", "h", honest[4], 9)]
-    assert [v[0] for v in gate.review(tie, 0)] == ["hold", "hold"]
-    assert gate.review([_batch("hk", "h", honest[0])], 0) == [None]
-    # ... until the records differ: h now has an accepted batch, c none.
-    verdicts = gate.review(tie, 0)
-    assert verdicts[0][0] == "duplicate" and verdicts[1] is None
-
-    verdict = gate.review([_batch("ck", "c", copied(honest[0], "mine"))], 0)[0]
-    assert verdict[0] == "duplicate" and "worker 'h'" in verdict[1]
-    gate.reject("ck", "c", *verdict, episodes=2)
-    # In one poll, a tie goes to the key with fewer strikes, whatever the order.
-    both = gate.review([_batch("ck", "c", copied(honest[1], "x"), 1), _batch("hk", "h", honest[1], 1)], 0)
-    assert both[0][0] == "duplicate" and both[1] is None
-    gate.reject("ck", "c", *both[0], episodes=2)
-    assert gate.is_banned("ck") and gate.take_new_bans() == ["ck"] and ledger[-1]["banned"] == "ck"
-    assert gate.review([_batch("ck", "c", honest[2], 2)], 0)[0][0] == "refused"
-    assert gate.records["hk"].accepted_batches == 3 and gate.records["hk"].rejected_batches == 0
+    honest = [episodes("h", group=f"h{i}", seed=i) for i in range(3)]
+    assert gate.review([_batch("hk", "h", honest[0]), _batch("hk", "h", honest[1], 1)], 0) == [None, None]
+    copy_reason = "duplicate: repeats a group this key uploaded in an earlier batch"
+    gate.reject("ck", "c", "duplicate", copy_reason, episodes=2)  # what the intake does with a copy
+    assert not gate.is_banned("ck") and gate.records["ck"].strikes == 1
+    gate.reject("ck", "c", "duplicate", copy_reason, episodes=2)
+    assert gate.is_banned("ck") and gate.take_new_bans() == [("ck", "c", gate.records["ck"].banned)]
+    assert ledger[-1]["banned"] == "ck" and gate.take_new_bans() == []
+    assert gate.review([_batch("ck", "c", honest[2], 2)], 0) == [Verdict("refused", "key ck is banned")]
+    assert gate.records["hk"].accepted_batches == 2 and gate.records["hk"].rejected_batches == 0
     gate.write_report(3, force=True)
     report = read_trust_report(gate.store, RUN, gate.key.public_key())
-    assert report["workers"]["ck"]["banned"] and report["workers"]["ck"]["rejected"] == {"duplicate": 2}
+    assert report.workers["ck"].banned and report.workers["ck"].rejected == {"duplicate": 2}
+    assert report.workers["ck"].rejected_episodes == 4 and report.version == 3
     state = json.loads(json.dumps(gate.state()))
     fresh = TrustGate(TrustConfig(), gate.store, RUN, gate.key)
     fresh.restore(state)
-    assert fresh.is_banned("ck") and fresh.fingerprints == gate.fingerprints
+    assert fresh.is_banned("ck") and fresh.records["hk"].accepted_batches == 2
 
 
 def test_identical_samples_are_no_copy_and_groups_live_in_their_senders_namespace():
     same = episodes("a", n=1) * 3
-    assert group_fingerprint(same) is None  # a near-deterministic group may repeat itself
-    assert group_fingerprint(episodes("a")) == group_fingerprint(episodes("b", group="other"))
+    assert group_prints(same) == []  # a near-deterministic group may repeat itself
+    assert group_prints(episodes("a")) == group_prints(episodes("b", group="other"))
     assert scoped("k1", "g") != scoped("k2", "g") and scoped("", "g") == "g"
     gate = TrustGate(TrustConfig(max_worker_share=0.5), None, RUN, generate_private_key())
     assert gate.max_groups(8) == 4 and gate.max_groups(1) == 1
@@ -375,7 +362,7 @@ def test_the_gate_bans_forged_log_probs_before_any_is_trained(engine_and_episode
     assert 0 < floor < 0.05  # int8 rounding only: the same weights, float and int8
     for kid, how, part in (("zk", "zero", eps[:8]), ("sk", "shuffle", eps[8:])):
         (verdict,) = gate.review([_batch(kid, kid, _forged(part, how), 2)], 0)
-        assert verdict[0] == "audit" and "spot-check" in verdict[1] and gate.is_banned(kid), (how, verdict)
+        assert verdict.category == "audit" and "spot-check" in verdict.reason and gate.is_banned(kid), (how, verdict)
     honest = [_batch("hk", "w", eps[:8]), _batch("hk2", "v", eps[8:], 1)]
     assert gate.review(honest, 0) == [None, None]
     stats = episode_stats(learner.logprobs([eps[0]], temperature=None)[0], eps[0])
@@ -459,8 +446,8 @@ def test_after_a_restart_a_claimed_version_is_rebuilt_from_the_chain_or_the_batc
     gate = TrustGate(TrustConfig(audit=AuditConfig(random_spot_check=1.0)), LocalStore(tmp_path / "s2"), RUN,
                      generate_private_key(), float_scorer=_Echo(), int8=restarted)
     (verdict,) = gate.review([_batch("fk", "f", forged, 1)], 3)
-    assert verdict is not None and verdict[0] == "unverifiable", verdict
-    gate.reject("fk", "f", *verdict, episodes=len(forged))  # what the intake does with a verdict
+    assert verdict is not None and verdict.category == "unverifiable" and not verdict.ban, verdict
+    gate.reject("fk", "f", verdict.category, verdict.reason, episodes=len(forged))  # what the intake does with a verdict
     assert not gate.is_banned("fk") and gate.records["fk"].strikes == 0  # refused, not struck: maybe not its fault
 
 
@@ -546,7 +533,7 @@ def test_every_batch_has_its_draws_rederived_and_a_cold_sampler_is_banned(engine
                      generate_private_key(), float_scorer=_Echo(), int8=_AtVersion(engine), assign=_assigned(1))
     assert gate.review([_batch("hk", "h", honest)], 0) == [None]
     (verdict,) = gate.review([_batch("ck", "c", cold, 1)], 0)
-    assert verdict[0] == "sampling" and "sampling rule does not draw" in verdict[1] and gate.is_banned("ck"), verdict
+    assert verdict.category == "sampling" and "sampling rule does not draw" in verdict.reason and gate.is_banned("ck"), verdict
     assert gate.counts["sampled_tokens_checked"] > 0 and gate.metrics()["trust/sampling_s"] >= 0
 
 
@@ -564,7 +551,7 @@ def test_a_variant_copy_is_caught_by_its_repeated_tokens(engine_and_episodes, tm
                      RUN, generate_private_key(), float_scorer=_Echo(), int8=_AtVersion(engine), assign=_assigned(1))
     assert gate.review([_batch("hk", "h", honest[4:8])], 0) == [None]  # nothing repeated: nothing re-derived
     (verdict,) = gate.review([_batch("vk", "v", variant, 1)], 0)
-    assert verdict[0] == "sampling" and gate.is_banned("vk"), verdict
+    assert verdict.category == "sampling" and gate.is_banned("vk"), verdict
 
 
 def test_gaps_in_a_keys_sequence_numbers_are_counted_and_a_withholder_flagged():
@@ -610,11 +597,11 @@ def test_a_flood_of_throwaway_keys_neither_fills_the_roster_nor_locks_a_newcomer
     volunteer. Now a key binds only by accepted work, fresh keys are reviewed a few per poll (at
     random), records of keys that never did accepted work are forgotten, and a full roster makes
     room from idle bindings or takes the newcomer's work unbound."""
-    import stoa.fleet.trust.gate as gate_mod
+    import stoa.fleet.trust.records as records_mod
     from stoa.transport.identity import _MAX_ROSTER, WorkerEntry
     from stoa.transport.store import LocalStore
 
-    monkeypatch.setattr(gate_mod, "_MAX_RECORDS", 300)
+    monkeypatch.setattr(records_mod, "MAX_RECORDS", 300)
     store, run_key = LocalStore(tmp_path), generate_private_key()
     gate = TrustGate(TrustConfig(newcomers_per_poll=4), store, RUN, run_key)
     gate.refresh(force=True)
@@ -655,7 +642,7 @@ def test_a_flood_of_throwaway_keys_neither_fills_the_roster_nor_locks_a_newcomer
     gate.refresh(force=True)
     assert len(read_roster(store, RUN, run_key.public_key()).enrolled) == _MAX_ROSTER
     for k in old:
-        gate._record(k, "old").last_accepted = time.time()
+        gate.records.touch(k, "old").last_accepted = time.time()
     later = generate_private_key()
     assert gate.review([_sealed_batch(later, "later", episodes("later", group="m", seed=6))], 99) == [None]
     assert key_id(later.public_key()) not in gate.roster.enrolled and gate.established(key_id(later.public_key()))

@@ -81,13 +81,12 @@ def fleet_status(store: ObjectStore, run: str, public_key: Any = None) -> dict[s
     from stoa.transport.signing import SignatureError
 
     try:
-        trust = read_trust_report(store, run, public_key)
+        report = read_trust_report(store, run, public_key)
     except SignatureError:
-        trust = None
-    by_worker: dict[str, dict[str, Any]] = {}
-    for kid, w in ((trust or {}).get("workers") or {}).items():
-        if isinstance(w, dict):
-            by_worker[str(w.get("worker_id"))] = {"key": kid, **w}
+        report = None
+    trust = report.to_body() if report is not None else None
+    by_worker = {w.worker_id: {"key": kid, **trust["workers"][kid]} for kid, w in (report.workers.items() if report
+                                                                                    else ())}
     beats, bad = read_heartbeats(store, run)
     now = time.time()
     workers = [{**b.__dict__, "age_s": round(now - b.time, 1), "lag": None if head is None else head - b.version,
@@ -126,14 +125,14 @@ def trust_lines(store: ObjectStore, run: str) -> list[tuple[str, str]]:
     from stoa.fleet.trust import read_trust_report
 
     tr = read_trust_report(store, run)
-    if not tr:
+    if tr is None:
         return []
     out = []
-    for _, w in sorted(tr.get("workers", {}).items(), key=lambda kv: str(kv[1].get("worker_id"))):
-        rej = _rejected(w)
-        state = f"banned: {clean(w['banned'])}" if w.get("banned") else "ok"
-        out.append((f"trust {clean(w.get('worker_id'), 40)}", f"{state}; accepted {w.get('accepted_batches')}, "
-                    f"trained {w.get('trained_episodes')} ep." + (f"; rejected {rej}" if rej else "")))
+    for w in sorted(tr.workers.values(), key=lambda w: w.worker_id):
+        rej = _rejected({"rejected": w.rejected})
+        state = f"banned: {clean(w.banned)}" if w.banned else "ok"
+        out.append((f"trust {clean(w.worker_id, 40)}", f"{state}; accepted {w.accepted_batches}, "
+                    f"trained {w.trained_episodes} ep." + (f"; rejected {rej}" if rej else "")))
     return out
 
 

@@ -189,9 +189,9 @@ class Copy(_Adversary):
         assert self.engine is not None
         from stoa.fleet.trust import read_trust_report
 
-        report = read_trust_report(self.store, self.run_name) or {}
-        trusted = {w["worker_id"] for w in report.get("workers", {}).values()
-                   if w.get("accepted_batches") and not w.get("banned")} - {self.worker_id}
+        report = read_trust_report(self.store, self.run_name)
+        trusted = {w.worker_id for w in (report.workers.values() if report else ())
+                   if w.accepted_batches and not w.banned} - {self.worker_id}
         stolen = self._steal(lambda worker: worker in trusted)
         for e in stolen:
             e.group_id = f"{self.worker_id}-copy-{len(self._copied)}-{e.group_id}"[:200]

@@ -188,12 +188,11 @@ class Intake:
         admitted = self._newcomers(admitted, version)
         for batch, verdict in zip(admitted, self.gate.review(admitted, version)):
             if verdict is not None:
-                self.reject(batch, verdict[1], verdict[0])  # type: ignore[arg-type]
+                self.reject(batch, verdict.reason, verdict.category)
             else:
                 self.pool.add(batch)
-        for kid in self.gate.take_new_bans():  # a banned key's queued batches are never trained on
-            reason = self.gate.records[kid].banned
-            self.event(event="banned", key_id=kid, worker=self.gate.records[kid].worker_id, reason=reason[:500])
+        for kid, worker, reason in self.gate.take_new_bans():  # a banned key's queued batches are never trained on
+            self.event(event="banned", key_id=kid, worker=worker, reason=reason[:500])
             for batch in self.pool.of_key(kid):
                 self.pool.remove(batch.key)
                 self.reject(batch, f"worker key {kid} was banned: {reason[:300]}", "banned")
