@@ -12,7 +12,8 @@
 * :mod:`~stoa.fleet.trust.audit`: behaviour log-probs against the learner's and the int8 policy's;
 * :mod:`~stoa.fleet.trust.ledger`: the record of every group's fate.
 
-:class:`stoa.fleet.intake.Intake` strings them together between the store and the training pool;
+:class:`stoa.fleet.intake.Intake` strings them together between the store and the training pool (the
+route is described once, in ``docs/architecture.md``);
 ``docs/trust.md`` says what each defends against.
 """
 

@@ -22,7 +22,7 @@ from stoa.transport.exchange import (
 from stoa.transport.signing import SignatureError, generate_private_key, read_signed, sign_document
 from stoa.transport.store import LocalStore, StoreError, validate_key
 from stoa.types import Limits
-from test_chain_hardening import CountingStore, plant
+from test_chain_hostile_store import CountingStore, plant
 from test_exchange import RUN, episodes
 
 
