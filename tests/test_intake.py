@@ -164,6 +164,7 @@ def test_every_refusal_kind_is_quarantined_ledgered_and_an_event_row(tmp_path):
     expect[b.upload(_work(run, b, 1)[1:], 0)] = "assignment"
     expect[b.upload(_work(run, b, 2)[1:], 0)] = "assignment"  # a second strike: banned
     intake.take(0)
+    assert all(r.stored is None for r in intake.reader.last_report.rejected)  # no bytes kept once quarantined
 
     quarantined = run.quarantined()
     lines = {e["rejected"]: e for e in run.lines() if "rejected" in e}

@@ -579,8 +579,10 @@ class RolloutReader:
                            blob: bytes | None, rep: PollReport, category: str = "invalid",
                            kid: str | None = None) -> None:
         refused = Rejection(key, parsed[0] if parsed else None, kid, category, reason[:4096], parsed, blob)
-        if self.hand_back or self.quarantine(refused, reason):
+        if self.hand_back:
             rep.rejected.append(refused)
+        elif self.quarantine(refused, reason):
+            rep.rejected.append(dataclasses.replace(refused, stored=None))
 
     def quarantine(self, item: Batch | Rejection, reason: str) -> bool:
         """Move an object to the quarantine prefix with ``reason``: a batch that :meth:`poll`
@@ -593,6 +595,10 @@ class RolloutReader:
             except StoreError as e:  # the object stays where it is; the next poll tries again
                 self.last_report.problems.append(f"{_shown(item.key)}: could not quarantine ({reason}): {e}")
                 return False
+            listed = self.last_report.rejected
+            for i, r in enumerate(listed):  # the report keeps no stored bytes once they are in the quarantine
+                if r is item:
+                    listed[i] = dataclasses.replace(item, stored=None)
             return True
         batch = item
         try:
