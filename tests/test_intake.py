@@ -29,9 +29,9 @@ ENV = TINY_FLEET["env"]
 def _config(groups_per_step: int = 2, **trust) -> RunConfig:
     return RunConfig.from_dict({"name": RUN, "seed": 3, "env": ENV,
                                 "rollout": {"group_size": 2, "groups_per_cohort": 2},
-                                "trainer": {"groups_per_step": groups_per_step, "max_lag": 3,
-                                            "reward_range": [0.0, 1.0]},
-                                "trust": {"replay": False, "audit": {"enabled": False}, **trust}})
+                                "trainer": {"groups_per_step": groups_per_step, "max_lag": 3},
+                                "trust": {"replay": False, "audit": {"enabled": False}, "reward_range": [0.0, 1.0],
+                                          **trust}})
 
 
 class _Scorer:

@@ -222,7 +222,7 @@ class Intake:
         category: Category = "invalid"
         try:
             why = batch_problem(batch.episodes, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                group_size=cfg.rollout.group_size, reward_range=cfg.trainer.reward_range,
+                                group_size=cfg.rollout.group_size, reward_range=cfg.trust.reward_range,
                                 env_id=cfg.env.id, metric_types=self.metric_types)
             if why is None and batch.key_id:
                 why = assignment_problem(batch.episodes, self.assigned(batch), cfg.rollout.group_size)

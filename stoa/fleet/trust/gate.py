@@ -81,6 +81,8 @@ class TrustConfig:
     idle_expiry_hours: float = 24.0
     """In an open run, a key bound by its work but with no accepted batch for this long loses its
     binding when the roster is full and a newcomer's accepted work needs the room."""
+    reward_range: tuple[float, float] = (-1000.0, 1000.0)
+    """Rewards a worker may report; a batch with one outside is quarantined (workers are strangers)."""
 
     def __post_init__(self) -> None:
         if self.ban_after < 0:
@@ -93,6 +95,9 @@ class TrustConfig:
             raise ValueError("trust.newcomers_per_poll must be >= 1")
         if not self.idle_expiry_hours > 0:
             raise ValueError("trust.idle_expiry_hours must be > 0")
+        lo, hi = self.reward_range
+        if not (math.isfinite(lo) and math.isfinite(hi) and lo <= hi and max(abs(lo), abs(hi)) < 1e30):
+            raise ValueError("trust.reward_range must be two finite numbers lo <= hi (|x| < 1e30)")
 
 
 def scoped(key_id: str, group_id: str) -> str:
