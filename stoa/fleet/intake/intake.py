@@ -134,16 +134,16 @@ class Intake:
             self.reject(batch, reason[:2000])
         self.pool.put_back(taken, [b.key for b, _ in guilty])
 
-    def reject(self, item: Batch | Rejection, reason: str | None = None, category: Category = "invalid") -> None:
+    def reject(self, item: Batch | Rejection, reason: str = "", category: Category = "invalid") -> None:
         """Refuse a batch, or an object the reader refused, everywhere at once: quarantine (a
         restart never retries it), the sender's record (strikes, bans), the ledger and an event
-        row. A reader's refusal carries its own reason and category."""
+        row. A reader's refusal carries its own reason and category (``reason`` and ``category``
+        are for a batch)."""
         if isinstance(item, Rejection):
             reason, category = item.reason, item.category  # type: ignore[assignment]
             kid, worker, episodes = item.key_id or "", item.worker_id or "", 0
         else:
             kid, worker, episodes = item.key_id, item.worker_id, len(item.episodes)
-        assert reason is not None
         if not self.reader.quarantine(item, reason):
             return  # it stays in the store; the next poll meets it again
         if isinstance(item, Batch):
