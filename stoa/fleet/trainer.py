@@ -45,6 +45,7 @@ from stoa.fleet.metrics import MetricsSink
 from stoa.fleet.policies import HeldPolicies
 from stoa.fleet.run import publish_run, read_heartbeats
 from stoa.fleet.trust import Ledger, episode_metric_means
+from stoa.transport import layout
 from stoa.transport.chain import PublishResult, WeightPublisher
 from stoa.transport.exchange import mark_finished
 from stoa.transport.signing import SignatureError, read_signed, sign_document
@@ -243,7 +244,7 @@ class Trainer:
 
     def _evaluated(self, version: int) -> bool:
         """Whether ``version``'s evaluation is in the store *and* verifies under the run's key."""
-        key = f"{self.run_name}/eval/v{version:012d}.json"
+        key = layout.evaluation(self.run_name, version)
         try:
             body = read_signed(self.store, key, "eval", self.key.public_key(),
                                expect={"run": self.run_name, "version": version})
@@ -270,7 +271,7 @@ class Trainer:
         m["eval/seconds"] = time.time() - t0
         if (floor := self.intake.calibrate(episodes)) is not None:  # the audit's int8-versus-float floor
             m["trust/audit_floor"] = floor
-        self.store.put(f"{self.run_name}/eval/v{self.version:012d}.json", sign_document("eval", {
+        self.store.put(layout.evaluation(self.run_name, self.version), sign_document("eval", {
             "run": self.run_name, "version": self.version, "metrics": m}, self.key))
         self._log("eval", **m)
         log.info("eval v%d: pass@1 %.3f (%d items x %d, %.1fs)", self.version, m["eval/pass@1"], n, ev.samples,

@@ -1,14 +1,10 @@
 """Rollout exchange: workers upload episode batches, the trainer consumes each exactly once;
 and the two control files the trainer writes for workers (progress, run finished).
 
-Layout under a run (``<run>`` is any valid key prefix)::
-
-    <run>/rollouts/<worker_id>/s<seq:012d>-v<version:012d>.episodes   write-once batches
-    <run>/quarantine/<worker_id>/<name>                                 invalid batches, moved
-    <run>/quarantine/<worker_id>/<name>.reason.json                     why, as JSON
-    <run>/quarantine/_misnamed/<sha256 of the key, 32 hex>[.reason.json]  stray names under rollouts/
-    <run>/progress.json                                                 signed: batches taken per worker
-    <run>/finished.json                                                 signed: the run is over
+Its keys under a run (:mod:`stoa.transport.layout` names every key of a run): write-once batches
+under ``rollouts/<worker_id>/``, refused ones (with a ``.reason.json`` saying why) under
+``quarantine/<worker_id>/`` or ``quarantine/_misnamed/``, and the signed ``progress.json`` and
+``finished.json``.
 
 A worker's :class:`RolloutWriter` numbers its uploads with a per-worker sequence number and
 creates each object with ``put_if_absent`` (never overwriting, so two processes sharing a
@@ -53,6 +49,7 @@ from typing import Any
 
 import zstandard
 
+from stoa.transport import layout
 from stoa.transport.identity import BatchSeal, SealError, is_sealed, open_sealed, seal_batch
 from stoa.transport.signing import SignatureError, key_id, load_private_key, read_signed, sign_document
 from stoa.transport.store import KeyNotFound, ObjectStore, ObjectTooLarge, StoreError, validate_key
@@ -110,13 +107,13 @@ def rollout_key(run: str, worker_id: str, seq: int, version: int) -> str:
     """The object key of a worker's ``seq``-th batch, sampled with weights ``version``."""
     if not (0 <= seq <= _MAX_NUM and 0 <= version <= _MAX_NUM):
         raise ValueError(f"seq {seq} and version {version} must lie in [0, 10^12)")
-    return f"{_check_run(run)}/rollouts/{_check_worker(worker_id)}/s{seq:012d}-v{version:012d}.episodes"
+    return f"{layout.rollouts(_check_run(run), _check_worker(worker_id))}s{seq:012d}-v{version:012d}.episodes"
 
 
 def parse_rollout_key(run: str, key: str) -> tuple[str, int, int] | None:
     """``(worker, seq, version)`` of a well-named batch key of ``run`` (see :func:`rollout_key`), else None."""
-    worker, _, name = key.removeprefix(f"{run}/rollouts/").partition("/")
-    m = _NAME_RE.fullmatch(name) if key.startswith(f"{run}/rollouts/") else None
+    worker, _, name = key.removeprefix(layout.rollouts(run)).partition("/")
+    m = _NAME_RE.fullmatch(name) if key.startswith(layout.rollouts(run)) else None
     return (worker, int(m.group(1)), int(m.group(2))) if m and _WORKER_RE.fullmatch(worker) else None
 
 
@@ -238,8 +235,8 @@ class RolloutWriter:
         self.store, self.run, self.worker_id = store, _check_run(run), _check_worker(worker_id)
         self._key = None if private_key is None else load_private_key(private_key)
         self.key_id = "" if self._key is None else key_id(self._key.public_key())
-        self._prefix = f"{self.run}/rollouts/{self.worker_id}/"
-        self._qprefix = f"{self.run}/quarantine/{self.worker_id}/"
+        self._prefix = layout.rollouts(self.run, self.worker_id)
+        self._qprefix = layout.quarantine(self.run, self.worker_id)
         # A reason file counts too: an oversized batch is quarantined as its reason alone.
         found = sorted(((int(m.group(1)), k) for where in (self._prefix, self._qprefix) for k in store.list(where)
                         if (m := _NAME_RE.fullmatch(k.rpartition("/")[2].removesuffix(".reason.json")))), reverse=True)
@@ -364,7 +361,7 @@ class RolloutReader:
         self.store, self.run = store, _check_run(run)
         self.vocab_size, self.limits, self.poll_limits = vocab_size, limits, poll_limits
         self.screen, self.hand_back = screen, hand_back
-        self._prefix = f"{self.run}/rollouts/"
+        self._prefix = layout.rollouts(self.run)
         self._done: dict[str, int] = {}  # worker -> every seq < done is settled
         self._extra: dict[str, set[int]] = {}  # worker -> settled seqs >= done
         self.consumed = 0
@@ -614,10 +611,10 @@ class RolloutReader:
                     blob: bytes | None, rep: PollReport) -> None:
         """Copy (when ``blob`` is given), explain, then delete: a crash in between re-quarantines it."""
         if parsed is not None:  # a validated worker id and fixed-length name
-            dest = f"{self.run}/quarantine/{parsed[0]}/{key.rpartition('/')[2]}"
+            dest = layout.quarantined(self.run, parsed[0], key.rpartition("/")[2])
         else:  # never build a key from an untrusted name; the reason file keeps the name
             digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
-            dest = f"{self.run}/quarantine/_misnamed/{digest[:32]}"
+            dest = layout.misnamed(self.run, digest[:32])
         if blob is not None:
             self.store.put(dest, blob)
         self.store.put(dest + ".reason.json", json.dumps(
@@ -705,7 +702,7 @@ class Progress:
 def write_progress(store: ObjectStore, run: str, progress: Progress, private_key: Any) -> None:
     """Sign ``progress`` with the run's key and put it at ``<run>/progress.json``."""
     run = _check_run(run)
-    store.put(f"{run}/progress.json", sign_document("progress", progress.to_body(run), private_key))
+    store.put(layout.progress(run), sign_document("progress", progress.to_body(run), private_key))
 
 
 def read_progress(store: ObjectStore, run: str, public_key: Any) -> Progress | None:
@@ -716,7 +713,7 @@ def read_progress(store: ObjectStore, run: str, public_key: Any) -> Progress | N
         stoa.transport.store.StoreError: the store failed.
     """
     run = _check_run(run)
-    key = f"{run}/progress.json"
+    key = layout.progress(run)
     body = read_signed(store, key, "progress", public_key, expect={"run": run}, max_bytes=_MAX_CONTROL_BYTES)
     return None if body is None else Progress.parse(body, run=run, where=key)
 
@@ -724,7 +721,7 @@ def read_progress(store: ObjectStore, run: str, public_key: Any) -> Progress | N
 def mark_finished(store: ObjectStore, run: str, private_key: Any, version: int) -> None:
     """Put the signed "run finished" marker ``<run>/finished.json`` (after the final version)."""
     run = _check_run(run)
-    store.put(f"{run}/finished.json", sign_document(
+    store.put(layout.finished(run), sign_document(
         "run-finished", {"run": run, "version": int(version), "time": time.time()}, private_key))
 
 
@@ -736,7 +733,7 @@ def is_finished(store: ObjectStore, run: str, public_key: Any) -> bool:
     """
     run = _check_run(run)
     try:
-        return read_signed(store, f"{run}/finished.json", "run-finished", public_key, expect={"run": run},
+        return read_signed(store, layout.finished(run), "run-finished", public_key, expect={"run": run},
                            max_bytes=_MAX_CONTROL_BYTES) is not None
     except SignatureError as e:
         log.warning("ignoring the finished marker: %s", e)

@@ -36,6 +36,7 @@ from stoa.fleet.trust.audit import AuditConfig
 from stoa.fleet.trust.records import REPORT_KIND, Records, TrustReport, build_report
 from stoa.fleet.trust.review import FloatScorer, Int8Scorer, Review, Verdict
 from stoa.fleet.trust.roster import Membership
+from stoa.transport import layout
 from stoa.transport.identity import Ban, BatchSeal, Roster
 from stoa.transport.signing import sign_document
 from stoa.transport.store import ObjectStore, StoreError
@@ -279,7 +280,7 @@ class TrustGate:
         self._report_written = now
         self.version = version if version >= 0 else self.version
         try:
-            self.store.put(f"{self.run}/trust.json",
+            self.store.put(layout.trust_report(self.run),
                            sign_document(REPORT_KIND, self.report(self.version).to_body(), self.key))
         except StoreError as e:
             log.warning("could not write the trust report: %s", e)

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from stoa.transport import layout
 from stoa.transport.signing import read_signed
 from stoa.transport.store import ObjectStore
 from stoa.types import Category
@@ -286,7 +287,7 @@ def read_trust_report(store: ObjectStore, run: str, public_key: Any = None, *,
                       max_bytes: int = 4 << 20) -> TrustReport | None:
     """The trainer's per-worker report (verified when ``public_key`` is given), or None (missing,
     or unverified and malformed). Raises ``SignatureError`` when a verified read fails."""
-    key = f"{run}/trust.json"
+    key = layout.trust_report(run)
     if public_key is not None:
         body = read_signed(store, key, REPORT_KIND, public_key, expect={"run": run}, max_bytes=max_bytes)
     else:
