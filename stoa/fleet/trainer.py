@@ -296,7 +296,7 @@ class Trainer:
             self.counters.failed_steps += 1
             return False
         self.intake.settle(taken)
-        self._count(taken, rollout)
+        self._count(taken, rollout.pop("groups/zero_variance"))
         self.rl_step += 1
         self.version += 1
         pub = self._publish()
@@ -352,12 +352,10 @@ class Trainer:
             learn = self.learner.train_step(sel, adv[keep], objective=self.cfg.objective)
         return rollout, learn
 
-    def _count(self, taken: Taken, rollout: dict[str, Any]) -> None:
-        for k, n in rollout.items():
-            if k.startswith("staleness/lag"):
-                lag = k[len("staleness/lag"):]
-                self.counters.staleness[lag] = self.counters.staleness.get(lag, 0) + n
-        self.counters.zero_variance_groups += rollout.pop("groups/zero_variance")
+    def _count(self, taken: Taken, zero_variance_groups: int) -> None:
+        for lag, n in Counter(self.version - e.policy_version for e in taken.episodes).items():
+            self.counters.staleness[str(lag)] = self.counters.staleness.get(str(lag), 0) + n
+        self.counters.zero_variance_groups += zero_variance_groups
         self.counters.episodes_trained += len(taken.episodes)
         self.counters.groups_trained += len(taken.groups)
 
