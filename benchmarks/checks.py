@@ -89,7 +89,7 @@ def main() -> None:
 
     from stoa.backends.learner import LearnerConfig, make_learner
     from stoa.backends.torch.int8 import TorchInt8Scorer, resolve_device
-    from stoa.fleet.trust.gate import distinct_rows, sampling_pick
+    from stoa.fleet.trust.review import distinct_rows, sampling_pick
     from stoa.transport.quant import quantize_state
 
     torch.set_num_threads(args.threads)

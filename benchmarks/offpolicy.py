@@ -101,7 +101,6 @@ steps = {steps}
 groups_per_step = 8
 max_lag = 3
 advantage = "drgrpo"
-reward_range = [0.0, 1.0]
 threads = 1
 checkpoint_every = 25
 mismatch_every = 4
@@ -123,6 +122,9 @@ dtype = "float32"
 every = {eval_every}
 num_questions = {eval_questions}
 samples = {eval_samples}
+
+[trust]
+reward_range = [0.0, 1.0]
 
 [fleet]
 workers = 2

@@ -205,7 +205,7 @@ def main() -> None:
             res["fast_ops"] = eng.fast_ops
             eps, res["multi_turn_kv_reuse"] = multi_turn(eng, make_env, prompts, g, turn, True)
             _, res["multi_turn_no_reuse"] = multi_turn(eng, make_env, prompts, g, turn, False)
-            stock = MLXEngine.from_pretrained(path, mode=eng.mode, fast_ops=False)._model
+            stock = MLXEngine.from_pretrained(path, mode=eng.mode, fast_ops=False).mlx_model
             res["single_turn"] = single_turn(eng, make_env, st_prompts, st_tokens, batch, repeats, stock)
             del stock
             if om_prompts:

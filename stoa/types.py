@@ -41,6 +41,7 @@ import numpy as np
 import zstandard
 
 __all__ = [
+    "Category",
     "Episode",
     "EpisodeError",
     "Limits",
@@ -56,6 +57,16 @@ _CODEC_VERSION = 1
 _RAW, _ZSTD = 0, 1
 
 MetricValue = bool | int | float | str | None
+
+Category = Literal["replay", "duplicate", "invalid", "audit", "sampling", "assignment", "refused", "unverifiable",
+                   "future", "banned", "unsigned", "signature", "size", "misnamed"]
+"""Why a trainer refused a batch (its quarantine, ledger line, event row and the sender's record):
+``signature``, ``size``, ``misnamed`` and ``invalid`` come from reading and decoding the object;
+``unsigned`` and ``refused`` (a key the roster refuses, a newcomer past its quota) from who sent it;
+``replay``, ``duplicate``, ``audit``, ``sampling``, ``assignment`` and ``unverifiable`` from
+checking its content (``docs/trust.md``); ``future``: a version the trainer has not reached (no
+strike: a tampered store can show an honest worker such a label); ``banned``: queued when its key
+was banned."""
 
 
 class EpisodeError(ValueError):

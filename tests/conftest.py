@@ -9,10 +9,10 @@ import uuid
 
 import pytest
 
-from stoa import _blas
+from stoa import blas
 from stoa.transport.store import LocalStore, S3Config, S3Store
 
-_blas.load_openblas()  # before any test imports mlx, so MLX tests run on OpenBLAS (see stoa._blas)
+blas.load_openblas()  # before any test imports mlx, so MLX tests run on OpenBLAS (see stoa.blas)
 
 S3_ENDPOINT = os.environ.get("STOA_TEST_S3_ENDPOINT")
 NO_S3_REASON = "no S3 server: STOA_TEST_S3_ENDPOINT is unset (scripts/test.sh starts SeaweedFS and sets it)"

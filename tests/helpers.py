@@ -39,7 +39,8 @@ TINY_FLEET: dict = {
     "rollout": {"group_size": 2, "groups_per_cohort": 2, "max_turn_tokens": 8, "max_episode_tokens": 160,
                 "max_batch": 8, "poll_seconds": 0.1},
     "trainer": {"steps": 6, "groups_per_step": 2, "max_lag": 3, "checkpoint_every": 2, "threads": 1,
-                "poll_seconds": 0.05, "reward_range": [0.0, 1.0]},
+                "poll_seconds": 0.05},
+    "trust": {"reward_range": [0.0, 1.0]},
     "learner": {"lr": 1e-3},
     "pulse": {"anchor_every": 4},
     "eval": {"every": 100, "num_questions": 4, "samples": 1},
@@ -115,13 +116,15 @@ max_batch = 8
 steps = 3
 groups_per_step = 2
 threads = 1
-reward_range = [0.0, 1.0]
 skip_zero_variance_groups = false
 
 [eval]
 every = 100
 num_questions = 4
 samples = 1
+
+[trust]
+reward_range = [0.0, 1.0]
 
 [fleet]
 workers = 1

@@ -85,12 +85,12 @@ def test_init_tiny_cli(tmp_path):
 
 
 def test_openblas_is_loaded_for_mlx_before_mlx_itself():
-    code = ("import sys; import stoa.backends.mlx; from stoa import _blas; "
-            "print(_blas.openblas_path() is None or _blas._loaded == _blas.openblas_path())")
+    code = ("import sys; import stoa.backends.mlx; from stoa import blas; "
+            "print(blas.openblas_path() is None or blas._loaded == blas.openblas_path())")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr
-    r = subprocess.run([sys.executable, "-c", "import mlx.core; from stoa import _blas; import warnings; "
-                        "warnings.simplefilter('error'); _blas.load_openblas()"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", "import mlx.core; from stoa import blas; import warnings; "
+                        "warnings.simplefilter('error'); blas.load_openblas()"], capture_output=True, text=True,
                        timeout=120)
-    if __import__("stoa._blas", fromlist=["x"]).openblas_path():
+    if __import__("stoa.blas", fromlist=["x"]).openblas_path():
         assert r.returncode != 0 and "reference BLAS" in r.stderr  # too late: said clearly, not silently

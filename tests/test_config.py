@@ -28,7 +28,7 @@ DEMO = ROOT / "examples" / "papersearch_tiny.toml"
     ({"model.tiny.hidden_size": 100}, "hidden_size"),
     ({"trainer.stepz": 1}, "trainer.stepz"),
     ({"trainer.steps": "5"}, "trainer.steps"),
-    ({"trainer.reward_range": [1.0]}, "trainer.reward_range"),
+    ({"trust.reward_range": [1.0]}, "trust.reward_range"),
     ({"rollout.temprature": 1.0}, "rollout.temprature"),
     ({"rollout.engine": "vllm"}, "rollout.engine"),
     ({"warmstart.reading_steps": 10}, "warmstart.reading_steps"),

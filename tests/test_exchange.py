@@ -270,7 +270,8 @@ def test_planted_objects_cannot_stop_or_steal_a_sealing_writers_numbers(store):
     assert restarted.next_seq == 1  # its own newest sealed object, not the planted number
     keys = [restarted.upload(episodes("w", 2, tag=t), 2) for t in (1, 2)]
     assert [k.rsplit("/", 1)[1][:13] for k in keys] == ["s000000000001", "s000000000003"]  # 2 was taken
-    reader = RolloutReader(store, RUN, admit=lambda seal: None if seal.key_id == restarted.key_id else "not w's key")
+    reader = RolloutReader(store, RUN, screen=lambda seal: None if seal.key_id == restarted.key_id
+                           else ("refused", "not w's key"))
     got = reader.poll()
     assert [b.seq for b in got] == [0, 1, 3] and {b.key_id for b in got} == {restarted.key_id}
     (rej,) = reader.last_report.rejected

@@ -437,8 +437,8 @@ def test_empty_cohort_and_scoring_in_small_batches(engines):
 
 _REPLAY_SCRIPT = """
 import hashlib, sys
-from stoa import _blas
-_blas.load_openblas()
+from stoa import blas
+blas.load_openblas()
 import numpy as np
 from stoa.backends.mlx import MLXEngine
 sys.path.insert(0, sys.argv[2])

@@ -37,7 +37,7 @@ def test_run_config_and_task(tmp_path):
     env.reset(options={"index": 0})
     _, r_empty, *_ = env.step("")
     assert r_text == r_empty + 0.5
-    assert cfg.trainer.reward_range[1] >= 1.0 + 0.5 * 8  # an answer plus a bonus on every turn
+    assert cfg.trust.reward_range[1] >= 1.0 + 0.5 * 8  # an answer plus a bonus on every turn
 
 
 def test_cost_model_scales_measured_coefficients():

@@ -170,6 +170,13 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
         assert rec["withheld"] == 0 and not rec["withholding_flagged"], rec
         assert trained_by_key.get(kid_of[w], 0) > 0
 
+    # Every refusal took the one path: quarantined, a ledger line and an event row, with one category.
+    quarantined = {json.loads(store.get(k))["key"] for k in store.list(f"{run}/quarantine/") if k.endswith(".reason.json")}
+    events = {r["batch"]: r["category"] for r in read_metrics(run_dir / "metrics.jsonl")
+              if r["kind"] == "event" and r.get("event") == "rejected"}
+    ledgered = {e["rejected"]: e["category"] for e in ledger if "rejected" in e}
+    assert quarantined and quarantined == set(events) == set(ledgered), (quarantined ^ set(events), quarantined ^ set(ledgered))
+    assert events == ledgered
     train = [row for row in read_metrics(run_dir / "metrics.jsonl") if row["kind"] == "train"]
     last = train[-1]
     assert last["trust/banned_workers"] == len(KINDS) - 2 and last["trust/rejected/refused"] >= 1

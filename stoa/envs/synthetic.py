@@ -60,7 +60,7 @@ RELATIONS = (
      "Which transcription factor regulates {P}?", "{P} is regulated by which transcription factor?"),
     ("chaperone", "{P} is folded by the chaperone {X}.", "Which chaperone folds {P}?", "{P} is folded by which chaperone?"),
 )
-_CELLS = ("hepatocytes", "neurons", "cardiomyocytes", "macrophages", "fibroblasts", "keratinocytes", "adipocytes",
+CELLS = ("hepatocytes", "neurons", "cardiomyocytes", "macrophages", "fibroblasts", "keratinocytes", "adipocytes",
           "astrocytes", "myoblasts", "podocytes")
 # Names are onset + coda (1,600 two-part names), then onset + middle + coda when more are needed.
 _ONSETS = ("Ka", "Me", "Do", "Ze", "Vi", "Lo", "Ru", "Pa", "Ti", "No", "Be", "Sa", "Fe", "Go", "Hu", "Ja", "Ki",
@@ -73,7 +73,7 @@ _MIDDLES = ("la", "ri", "no", "ve", "tu", "mi", "sa", "ko")
 # Real words the scheme can spell; a name must not be mistaken for ordinary text.
 _AVOID = frozenset({"tomel", "pepen", "ratar", "sator", "dotar", "rotor", "tenor", "gator", "salon", "melon",
                     "pesos", "kokel", "linen", "bogon", "tarot"})
-_MAX_NAMES = len(_ONSETS) * len(_CODAS) * (1 + len(_MIDDLES))
+MAX_NAMES = len(_ONSETS) * len(_CODAS) * (1 + len(_MIDDLES))
 
 
 @dataclass(frozen=True)
@@ -96,8 +96,8 @@ class SyntheticConfig:
             raise ValueError(f"seed={self.seed} must be >= 0")
         if not 1 <= self.facts_per_entity <= len(RELATIONS):
             raise ValueError(f"facts_per_entity={self.facts_per_entity} must lie in [1, {len(RELATIONS)}]")
-        if not 1 <= self.num_entities or self.num_entities * (1 + self.facts_per_entity) > _MAX_NAMES:
-            raise ValueError(f"num_entities={self.num_entities} needs more than the {_MAX_NAMES} available names")
+        if not 1 <= self.num_entities or self.num_entities * (1 + self.facts_per_entity) > MAX_NAMES:
+            raise ValueError(f"num_entities={self.num_entities} needs more than the {MAX_NAMES} available names")
         if not 1 <= self.num_test_facts < self.num_entities * self.facts_per_entity:
             raise ValueError(f"num_test_facts={self.num_test_facts} must lie in [1, number of facts)")
 
@@ -124,7 +124,7 @@ class SyntheticData:
         return [d for d in self.docs if d.title == protein]
 
 
-def _names(rng: np.random.Generator, n: int) -> list[str]:
+def entity_names(rng: np.random.Generator, n: int) -> list[str]:
     two = [o + c for o, c in itertools.product(_ONSETS, _CODAS)]
     three = [o + m + c for o, m, c in itertools.product(_ONSETS, _MIDDLES, _CODAS)]
     words = {w for r in RELATIONS for s in r[1:] for w in s.replace(".", " ").replace("?", " ").lower().split()}
@@ -141,14 +141,14 @@ def generate(config: SyntheticConfig = SyntheticConfig()) -> SyntheticData:
     """Generate the corpus and questions for ``config`` (same config, same output)."""
     rng = np.random.default_rng([config.seed, 0x5EA4C4])
     n, f = config.num_entities, config.facts_per_entity
-    names = _names(rng, n * (1 + f))
+    names = entity_names(rng, n * (1 + f))
     proteins, objects = names[:n], names[n:]
     docs, facts = [], []
     for p_i, protein in enumerate(proteins):
         for j, r_i in enumerate(rng.choice(len(RELATIONS), size=f, replace=False)):
             obj = objects[p_i * f + j]
             rel = RELATIONS[int(r_i)]
-            cell = _CELLS[int(rng.integers(len(_CELLS)))]
+            cell = CELLS[int(rng.integers(len(CELLS)))]
             doc_id = f"syn{config.seed}-{p_i}-{j}"
             docs.append(Document(doc_id, protein, rel[1].format(P=protein, X=obj, C=cell)))
             facts.append((protein, obj, rel, doc_id))

@@ -56,13 +56,13 @@ from stoa.envs.papersearch import (
 )
 from stoa.envs.retrieval import Document
 from stoa.envs.synthetic import (
-    _CELLS,
-    _MAX_NAMES,
+    CELLS,
+    MAX_NAMES,
     RELATIONS,
     SHORT_INVALID,
     SHORT_TEMPLATE,
-    _names,
     corpus_env_parts,
+    entity_names,
 )
 
 __all__ = ["ISOFORMS", "PARAPHRASES", "HardConfig", "HardData", "SyntheticSearchHardEnv", "generate_hard"]
@@ -119,7 +119,7 @@ class HardConfig:
         if not 0 <= self.two_hop_frac <= 1 or not 0 <= self.paraphrase_frac <= 1:
             raise ValueError("two_hop_frac and paraphrase_frac must lie in [0, 1]")
         n_facts = self.num_families * self.isoforms * self.facts_per_entity
-        if self.num_families < 1 or n_facts * 2 + self.num_families > _MAX_NAMES:
+        if self.num_families < 1 or n_facts * 2 + self.num_families > MAX_NAMES:
             raise ValueError(f"num_families={self.num_families} needs more names than the generator has")
         if not 1 <= self.num_test < n_facts:
             raise ValueError(f"num_test={self.num_test} must lie in [1, number of facts {n_facts})")
@@ -156,7 +156,7 @@ def generate_hard(config: HardConfig = HardConfig()) -> HardData:
     c = config
     n_entities = c.num_families * c.isoforms
     n_facts = n_entities * c.facts_per_entity
-    names = _names(rng, c.num_families + 2 * n_facts)
+    names = entity_names(rng, c.num_families + 2 * n_facts)
     bases, objects, seconds = names[: c.num_families], names[c.num_families: c.num_families + n_facts], names[
         c.num_families + n_facts:]
     docs: list[Document] = []
@@ -164,7 +164,7 @@ def generate_hard(config: HardConfig = HardConfig()) -> HardData:
     chains: list[dict[str, Any]] = []
 
     def add_doc(doc_id: str, title: str, rel: tuple[str, ...], subject: str, obj: str) -> None:
-        cell = _CELLS[int(rng.integers(len(_CELLS)))]
+        cell = CELLS[int(rng.integers(len(CELLS)))]
         docs.append(Document(doc_id, title, rel[1].format(P=subject, X=obj, C=cell)))
         doc_object[doc_id] = obj
 

@@ -154,8 +154,6 @@ class TrainerConfig:
     """Group advantage estimator (``stoa.algos.advantages``)."""
     skip_zero_variance_groups: bool = True
     """Leave out groups whose rewards are all equal (they carry no signal)."""
-    reward_range: tuple[float, float] = (-1000.0, 1000.0)
-    """Rewards a worker may report; a batch with one outside is quarantined (workers are strangers)."""
     checkpoint_every: int = 25
     """Save a full training checkpoint every this many steps (and at the end)."""
     threads: int = 0
@@ -176,9 +174,6 @@ class TrainerConfig:
         _check(self.mismatch_every >= 0, "trainer.mismatch_every must be >= 0")
         _check(self.max_lag >= 0, "trainer.max_lag must be >= 0")
         _check(self.checkpoint_every >= 1 and self.threads >= 0, "trainer.checkpoint_every >= 1, threads >= 0")
-        lo, hi = self.reward_range
-        _check(math.isfinite(lo) and math.isfinite(hi) and lo <= hi and max(abs(lo), abs(hi)) < 1e30,
-               "trainer.reward_range must be two finite numbers lo <= hi (|x| < 1e30)")
 
 
 @dataclass(frozen=True)

@@ -192,16 +192,12 @@ def _trust_summary(store: Any, run: str) -> dict[str, Any] | None:
     from stoa.fleet.trust import read_trust_report
 
     tr = read_trust_report(store, run)
-    if not tr:
+    if tr is None:
         return None
-    workers = []
-    for kid, w in sorted((tr.get("workers") or {}).items(), key=lambda kv: str(kv[1].get("worker_id"))):
-        rej = w.get("rejected") if isinstance(w.get("rejected"), dict) else {}
-        workers.append({"worker_id": w.get("worker_id"), "key": kid, "accepted_batches": w.get("accepted_batches"),
-                        "trained_episodes": w.get("trained_episodes"), "rejected": rej,
-                        "banned": w.get("banned") or ""})
-    return {"mode": tr.get("mode"), "version": tr.get("version"), "workers": workers,
-            "anonymous": tr.get("anonymous") or {}}
+    workers = [{"worker_id": w.worker_id, "key": kid, "accepted_batches": w.accepted_batches,
+                "trained_episodes": w.trained_episodes, "rejected": w.rejected, "banned": w.banned}
+               for kid, w in sorted(tr.workers.items(), key=lambda kv: kv[1].worker_id)]
+    return {"mode": tr.mode, "version": tr.version, "workers": workers, "anonymous": tr.anonymous}
 
 
 def _md(text: Any) -> str:

@@ -2,7 +2,7 @@
 
 Every row of ``metrics.jsonl`` is one JSON object with a ``kind`` (``"train"``, ``"eval"``,
 ``"warmstart"``, ``"event"``), the policy ``version`` it refers to, the wall ``time`` and flat
-scalar metrics named ``group/name`` (see ``docs/metrics.md`` for each name's meaning).
+scalar metrics named ``group/name`` (``docs/fleet.md``, "Metrics", says what each name means).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from stoa.fleet.config import RunConfig
+from stoa.transport import layout
 from stoa.transport.signing import SignatureError, open_document, sign_document
 from stoa.transport.store import KeyNotFound, ObjectStore, ObjectTooLarge
 
@@ -52,10 +53,10 @@ def publish_run(store: ObjectStore, run: str, config: RunConfig, model_dir: Path
             # Workers get the normalized config: every field explicit, RoPE in both layouts.
             data = (json.dumps(load(model_dir), indent=2, sort_keys=True) + "\n").encode() if name == "config.json" \
                 else p.read_bytes()
-            store.put(f"{run}/model/{name}", data)
+            store.put(layout.model_file(run, name), data)
             files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     body = {"config": json.loads(config.to_json()), "model_files": files, "created": time.time()}
-    store.put(f"{run}/config.json", sign_document("run-config", body, private_key))
+    store.put(layout.config(run), sign_document("run-config", body, private_key))
 
 
 def fetch_run(store: ObjectStore, run: str, public_key: Any, cache_dir: Path) -> tuple[RunConfig, Path]:
@@ -66,27 +67,27 @@ def fetch_run(store: ObjectStore, run: str, public_key: Any, cache_dir: Path) ->
         stoa.transport.chain.SignatureError / IntegrityError: anything unsigned, forged or corrupted.
     """
     try:
-        blob = store.get(f"{run}/config.json", max_bytes=_MAX_RUN_CONFIG)
+        blob = store.get(layout.config(run), max_bytes=_MAX_RUN_CONFIG)
     except ObjectTooLarge as e:
-        raise SignatureError(f"{run}/config.json: {e.size} bytes, over the {_MAX_RUN_CONFIG}-byte limit") from None
-    body = open_document(blob, "run-config", public_key, f"{run}/config.json")
+        raise SignatureError(f"{layout.config(run)}: {e.size} bytes, over the {_MAX_RUN_CONFIG}-byte limit") from None
+    body = open_document(blob, "run-config", public_key, layout.config(run))
     config = RunConfig.from_dict(body["config"], resolve_objective=False)  # workers never run the objective
     files = body.get("model_files")
     if not isinstance(files, dict) or "config.json" not in files:
-        raise ValueError(f"{run}/config.json lists no model files")
+        raise ValueError(f"{layout.config(run)} lists no model files")
     out = Path(cache_dir)
     out.mkdir(parents=True, exist_ok=True)
     for name, meta in files.items():
         if name not in MODEL_FILES or not isinstance(meta, dict) or meta.get("bytes", 1 << 62) > _MAX_MODEL_FILE:
-            raise ValueError(f"{run}/config.json lists an unexpected model file {name!r}")
+            raise ValueError(f"{layout.config(run)} lists an unexpected model file {name!r}")
         try:
-            data = store.get(f"{run}/model/{name}", max_bytes=int(meta.get("bytes", 0)))
+            data = store.get(layout.model_file(run, name), max_bytes=int(meta.get("bytes", 0)))
         except ObjectTooLarge:
             data = b""  # larger than the signed size: never downloaded, reported as a mismatch below
         if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
             from stoa.transport.chain import IntegrityError
 
-            raise IntegrityError(f"{run}/model/{name} does not match the sha256 in the signed run config")
+            raise IntegrityError(f"{layout.model_file(run, name)} does not match the sha256 in the signed run config")
         tmp = out / f".{name}.tmp"
         tmp.write_bytes(data)
         tmp.replace(out / name)
@@ -136,14 +137,14 @@ class Heartbeat:
 
 
 def write_heartbeat(store: ObjectStore, run: str, hb: Heartbeat) -> None:
-    store.put(f"{run}/workers/{hb.worker_id}.json", hb.to_json())
+    store.put(layout.heartbeat(run, hb.worker_id), hb.to_json())
 
 
 def read_heartbeats(store: ObjectStore, run: str, max_workers: int = MAX_HEARTBEATS) -> tuple[list[Heartbeat], list[str]]:
     """Every worker's last heartbeat (at most ``max_workers``, each at most 16 KiB, refused unread
     when larger), and the keys that did not parse or were left unread (reported, never raised)."""
     beats, bad = [], []
-    keys = store.list(f"{run}/workers/")
+    keys = store.list(layout.heartbeats(run))
     for key in keys[:max_workers]:
         try:
             beats.append(Heartbeat.parse(store.get(key, max_bytes=_MAX_HEARTBEAT)))

@@ -14,6 +14,7 @@ import unicodedata
 from typing import Any
 
 from stoa.fleet.run import read_heartbeats
+from stoa.transport import layout
 from stoa.transport.exchange import is_finished
 from stoa.transport.store import LocalStore, ObjectStore, StoreError
 
@@ -47,7 +48,7 @@ def runs_in(store: ObjectStore) -> list[str] | None:
 
 
 def _check_run(store: ObjectStore, run: str) -> None:
-    if store.exists(f"{run}/config.json") or store.list(f"{run}/workers/"):
+    if store.exists(layout.config(run)) or store.list(layout.heartbeats(run)):
         return
     runs = runs_in(store)
     found = "" if runs is None else f"; runs there: {', '.join(runs)}" if runs else "; it holds no runs"
@@ -74,26 +75,25 @@ def fleet_status(store: ObjectStore, run: str, public_key: Any = None) -> dict[s
         head, verified = WeightSubscriber(store, run, public_key).head(), True
     else:
         try:  # display only: the pointer's signed body, read without checking the signature
-            head = json.loads(json.loads(store.get(f"{run}/current.json", max_bytes=64 << 10))["body"])["version"]
+            head = json.loads(json.loads(store.get(layout.pointer(run), max_bytes=64 << 10))["body"])["version"]
         except (StoreError, ValueError, KeyError, TypeError):  # missing, oversized or malformed
             head = None
     from stoa.fleet.trust import read_trust_report
     from stoa.transport.signing import SignatureError
 
     try:
-        trust = read_trust_report(store, run, public_key)
+        report = read_trust_report(store, run, public_key)
     except SignatureError:
-        trust = None
-    by_worker: dict[str, dict[str, Any]] = {}
-    for kid, w in ((trust or {}).get("workers") or {}).items():
-        if isinstance(w, dict):
-            by_worker[str(w.get("worker_id"))] = {"key": kid, **w}
+        report = None
+    trust = report.to_body() if report is not None else None
+    by_worker = {w.worker_id: {"key": kid, **trust["workers"][kid]} for kid, w in (report.workers.items() if report
+                                                                                    else ())}
     beats, bad = read_heartbeats(store, run)
     now = time.time()
     workers = [{**b.__dict__, "age_s": round(now - b.time, 1), "lag": None if head is None else head - b.version,
                 "trust": by_worker.get(b.worker_id)} for b in sorted(beats, key=lambda b: b.worker_id)]
     evals = []
-    for key in store.list(f"{run}/eval/")[-5:]:
+    for key in store.list(layout.eval_prefix(run))[-5:]:
         try:
             blob = store.get(key, max_bytes=1 << 20)
             if public_key is not None:
@@ -106,12 +106,12 @@ def fleet_status(store: ObjectStore, run: str, public_key: Any = None) -> dict[s
         except Exception:
             continue
     finished = (is_finished(store, run, public_key) if public_key is not None
-                else store.exists(f"{run}/finished.json"))
+                else store.exists(layout.finished(run)))
     return {
         "run": run, "state": "finished" if finished else "running" if head is not None else "not started",
         "head": head, "verified": verified, "workers": workers, "bad_heartbeats": bad, "trust": trust,
-        "rollouts_waiting": len(store.list(f"{run}/rollouts/")),
-        "quarantined": len([k for k in store.list(f"{run}/quarantine/") if k.endswith(".reason.json")]),
+        "rollouts_waiting": len(store.list(layout.rollouts(run))),
+        "quarantined": len([k for k in store.list(layout.quarantine(run)) if k.endswith(".reason.json")]),
         "finished": finished, "evals": evals,
     }
 
@@ -126,14 +126,14 @@ def trust_lines(store: ObjectStore, run: str) -> list[tuple[str, str]]:
     from stoa.fleet.trust import read_trust_report
 
     tr = read_trust_report(store, run)
-    if not tr:
+    if tr is None:
         return []
     out = []
-    for _, w in sorted(tr.get("workers", {}).items(), key=lambda kv: str(kv[1].get("worker_id"))):
-        rej = _rejected(w)
-        state = f"banned: {clean(w['banned'])}" if w.get("banned") else "ok"
-        out.append((f"trust {clean(w.get('worker_id'), 40)}", f"{state}; accepted {w.get('accepted_batches')}, "
-                    f"trained {w.get('trained_episodes')} ep." + (f"; rejected {rej}" if rej else "")))
+    for w in sorted(tr.workers.values(), key=lambda w: w.worker_id):
+        rej = _rejected({"rejected": w.rejected})
+        state = f"banned: {clean(w.banned)}" if w.banned else "ok"
+        out.append((f"trust {clean(w.worker_id, 40)}", f"{state}; accepted {w.accepted_batches}, "
+                    f"trained {w.trained_episodes} ep." + (f"; rejected {rej}" if rej else "")))
     return out
 
 

@@ -55,6 +55,7 @@ from stoa.fleet.policies import HeldPolicies
 from stoa.fleet.publishing import PublishedRecord, next_version, publish_once
 from stoa.fleet.run import publish_run, read_heartbeats
 from stoa.fleet.trust import Ledger, episode_metric_means
+from stoa.transport import layout
 from stoa.transport.chain import PublishResult, WeightPublisher
 from stoa.transport.exchange import mark_finished
 from stoa.transport.signing import SignatureError, read_signed, sign_document
@@ -239,7 +240,7 @@ class Trainer:
             return self._stopped()
         if not self._evaluated(self.version):
             self.evaluate()
-        self.intake.write_report(self.version, force=True)  # the report's last word is the final version
+        self.intake.report(self.version, force=True)  # the report's last word is the final version
         self.checkpoint()
         mark_finished(self.store, self.run_name, self.key, self.version)
         summary = self._log("event", event="finished", seconds=time.time() - self._t0, **asdict(self.counters),
@@ -290,7 +291,7 @@ class Trainer:
 
     def _evaluated(self, version: int) -> bool:
         """Whether ``version``'s evaluation is in the store *and* verifies under the run's key."""
-        key = f"{self.run_name}/eval/v{version:012d}.json"
+        key = layout.evaluation(self.run_name, version)
         try:
             body = read_signed(self.store, key, "eval", self.key.public_key(),
                                expect={"run": self.run_name, "version": version})
@@ -315,11 +316,10 @@ class Trainer:
         episodes = engine.rollout(make_env, requests, sampling)
         m = eval_metrics(episodes, ev.samples, self.success_metric, self.metric_types)
         m["eval/seconds"] = time.time() - t0
-        if cfg.trust.audit.enabled and self.intake.audit_floor is None:
-            # The audit's floor: these int8 episodes scored by the float weights they were quantized from.
-            m["trust/audit_floor"] = self.intake.calibrate(episodes, self.learner.logprobs(episodes, temperature=None))
-            check_floor(m["trust/audit_floor"])
-        self.store.put(f"{self.run_name}/eval/v{self.version:012d}.json", sign_document("eval", {
+        if (floor := self.intake.calibrate(episodes)) is not None:  # the audit's int8-versus-float floor
+            m["trust/audit_floor"] = floor
+            check_floor(floor)
+        self.store.put(layout.evaluation(self.run_name, self.version), sign_document("eval", {
             "run": self.run_name, "version": self.version, "metrics": m}, self.key))
         self._log("eval", **m)
         log.info("eval v%d: pass@1 %.3f (%d items x %d, %.1fs)", self.version, m["eval/pass@1"], n, ev.samples,
@@ -340,11 +340,11 @@ class Trainer:
             rollout, learn = self._learn(taken)
         except Exception as e:
             log.warning("learner step failed (%s: %s); finding the batch to blame", type(e).__name__, e)
-            self.intake.blame(taken, e)
+            self.intake.settle(taken, e)
             self.counters.failed_steps += 1
             return False
-        self.intake.trained(taken)
-        self._count(taken, rollout)
+        self.intake.settle(taken)
+        self._count(taken, rollout.pop("groups/zero_variance"))
         self.rl_step += 1
         self.version += 1
         pub = self._publish()
@@ -360,7 +360,7 @@ class Trainer:
                      "throughput/episodes_per_s": self.counters.episodes_trained / (now - self._t0),
                      "fleet/workers_alive": sum(now - b.time < 30 and b.status != "stopped" for b in beats)},
                   **self.intake.metrics())
-        self.intake.write_report(self.version)
+        self.intake.report(self.version)
         if self.version % self.cfg.eval.every == 0 and self.rl_step < self.cfg.trainer.steps:
             self.evaluate()
         if self.rl_step % self.cfg.trainer.checkpoint_every == 0 and self.rl_step < self.cfg.trainer.steps:
@@ -400,12 +400,10 @@ class Trainer:
             learn = self.learner.train_step(sel, adv[keep], objective=self.cfg.objective)
         return rollout, learn
 
-    def _count(self, taken: Taken, rollout: dict[str, Any]) -> None:
-        for k, n in rollout.items():
-            if k.startswith("staleness/lag"):
-                lag = k[len("staleness/lag"):]
-                self.counters.staleness[lag] = self.counters.staleness.get(lag, 0) + n
-        self.counters.zero_variance_groups += rollout.pop("groups/zero_variance")
+    def _count(self, taken: Taken, zero_variance_groups: int) -> None:
+        for lag, n in Counter(self.version - e.policy_version for e in taken.episodes).items():
+            self.counters.staleness[str(lag)] = self.counters.staleness.get(str(lag), 0) + n
+        self.counters.zero_variance_groups += zero_variance_groups
         self.counters.episodes_trained += len(taken.episodes)
         self.counters.groups_trained += len(taken.groups)
 

@@ -59,7 +59,7 @@ from stoa.transport.chain import SYNC_ERRORS, PointerError, StateCheck, WeightSu
 from stoa.transport.exchange import RolloutWriter, SequenceTaken, is_finished, read_progress
 from stoa.transport.identity import load_or_create_worker_key, read_roster
 from stoa.transport.sequence import RememberingWriter, SequenceFile, catch_up
-from stoa.transport.signing import SignatureError, key_id, load_public_key, read_signed
+from stoa.transport.signing import SignatureError, key_id, load_public_key
 from stoa.transport.store import KeyNotFound, ObjectStore, StoreError
 
 if TYPE_CHECKING:
@@ -207,18 +207,17 @@ class Worker:
 
     def _trainer_view(self) -> str:
         """Accepted / rejected counts for this worker's key from the trainer's signed trust report."""
+        from stoa.fleet.trust.records import read_trust_report
+
         try:
-            body = read_signed(self.store, f"{self.run_name}/trust.json", "trust-report", self.public_key,
-                               expect={"run": self.run_name}, max_bytes=_MAX_TRUST_REPORT)
+            report = read_trust_report(self.store, self.run_name, self.public_key, max_bytes=_MAX_TRUST_REPORT)
         except (SignatureError, StoreError) as e:
             return f"trainer report unreadable ({type(e).__name__})"
-        rec = ((body or {}).get("workers") or {}).get(self.key_id) if isinstance(body, dict) else None
-        if not isinstance(rec, dict):
+        rec = report.workers.get(self.key_id) if report is not None else None
+        if rec is None:
             return "trainer: none of ours judged yet"
-        acc, rej = rec.get("accepted_batches"), rec.get("rejected_batches")
-        text = f"trainer: {acc} accepted, {rej} rejected"
-        last = rec.get("last_reason")
-        return text + (f" (last: {str(last)[:120]})" if rej and last else "")
+        text = f"trainer: {rec.accepted_batches} accepted, {rec.rejected_batches} rejected"
+        return text + (f" (last: {rec.last_reason[:120]})" if rec.rejected_batches and rec.last_reason else "")
 
     def progress_line(self) -> str:
         """One line: version, lag, uploads, the trainer's verdicts, speed, store state."""

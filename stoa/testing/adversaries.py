@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from stoa.fleet.worker import Worker
+from stoa.transport import layout
 from stoa.transport.exchange import parse_rollout_key
 from stoa.transport.identity import SealError, open_sealed
 from stoa.transport.store import StoreError
@@ -189,9 +190,9 @@ class Copy(_Adversary):
         assert self.engine is not None
         from stoa.fleet.trust import read_trust_report
 
-        report = read_trust_report(self.store, self.run_name) or {}
-        trusted = {w["worker_id"] for w in report.get("workers", {}).values()
-                   if w.get("accepted_batches") and not w.get("banned")} - {self.worker_id}
+        report = read_trust_report(self.store, self.run_name)
+        trusted = {w.worker_id for w in (report.workers.values() if report else ())
+                   if w.accepted_batches and not w.banned} - {self.worker_id}
         stolen = self._steal(lambda worker: worker in trusted)
         for e in stolen:
             e.group_id = f"{self.worker_id}-copy-{len(self._copied)}-{e.group_id}"[:200]
@@ -200,7 +201,7 @@ class Copy(_Adversary):
     def _steal(self, whose) -> list[Episode]:
         """The newest batch at our version of a worker ``whose(worker id)`` accepts, relabelled as ours."""
         assert self.engine is not None
-        for key in reversed(self.store.list(f"{self.run_name}/rollouts/")):
+        for key in reversed(self.store.list(layout.rollouts(self.run_name))):
             parsed = parse_rollout_key(self.run_name, key)
             if parsed is None or not whose(parsed[0]) or key in self._copied or parsed[2] != self.engine.version:
                 continue

@@ -79,9 +79,9 @@ from stoa.transport.subscriber import (  # noqa: F401 - re-exported: the chain's
     SyncResult,
     WeightSubscriber,
     State,
-    _check_state,
-    _sha,
-    _shown,
+    check_state,
+    sha256_hex,
+    shown_key,
 )
 
 __all__ = [
@@ -225,7 +225,7 @@ class WeightPublisher:
         versions = sorted({v for k in self.store.list(self._keys.weights) if (v := self._keys.version_of(k)) is not None})
         for v in reversed(versions):
             try:
-                _, sha = self.subscriber._fetch(v)
+                _, sha = self.subscriber.fetch_manifest(v)
             except (KeyNotFound, ChainError, SignatureError):
                 continue
             self.store.put(self._keys.pointer, sign_document(
@@ -247,7 +247,7 @@ class WeightPublisher:
         """
         t0 = time.perf_counter()
         check_version(version)
-        _check_state(state)
+        check_state(state)
         if not self._resumed:
             self._resume()
         if self._floor is not None and version <= self._floor:
@@ -281,11 +281,11 @@ class WeightPublisher:
         man = Manifest(
             self.run, version, None if prev is None else prev.version, None if prev is None else prev.manifest_sha256,
             h, depth, version if anchor is not None else prev.manifest.anchor_version,  # type: ignore[union-attr]
-            None if anchor is None else Payload(len(anchor), _sha(anchor)),
-            None if delta is None else Payload(len(delta), _sha(delta)),
+            None if anchor is None else Payload(len(anchor), sha256_hex(anchor)),
+            None if delta is None else Payload(len(delta), sha256_hex(delta)),
             full_bytes, len(state), meta, time.time())
         manifest = sign_document("manifest", man.to_body(), self._key)
-        pointer = sign_document("pointer", Pointer(self.run, version, _sha(manifest), time.time()).to_body(), self._key)
+        pointer = sign_document("pointer", Pointer(self.run, version, sha256_hex(manifest), time.time()).to_body(), self._key)
         written = 0
         for kind, blob in (("anchor", anchor), ("delta", delta)):
             if blob is not None:
@@ -295,7 +295,7 @@ class WeightPublisher:
         self.store.put(self._keys.pointer, pointer)
         written += len(manifest) + len(pointer)
         self._prev = _Published(version, {k: np.array(v, copy=True, order="C") for k, v in state.items()},
-                                man, _sha(manifest))
+                                man, sha256_hex(manifest))
         self._floor = version
         problems: list[str] = []
         if anchor is not None and self.keep_anchors is not None:
@@ -323,12 +323,12 @@ class WeightPublisher:
         if keep_anchors < 1:
             raise ValueError("keep_anchors must be >= 1")
         sub, problems = self.subscriber, []
-        ptr = sub._newest(problems)
+        ptr = sub.newest_pointer(problems)
         skipped: list[str] = []
         if ptr is None:
             return Retention([], skipped)
         keep, anchors, now = set(), 0, time.time()
-        m = sub._pinned(ptr.version, ptr.manifest_sha256, problems)
+        m = sub.pinned_manifest(ptr.version, ptr.manifest_sha256, problems)
         while m is not None:
             keep.add(m.version)
             if m.anchor is not None:
@@ -337,7 +337,7 @@ class WeightPublisher:
                     break
             if m.parent is None:
                 break
-            m = sub._pinned(m.parent, m.parent_manifest_sha256, problems)  # type: ignore[arg-type]
+            m = sub.pinned_manifest(m.parent, m.parent_manifest_sha256, problems)  # type: ignore[arg-type]
         if anchors < keep_anchors:
             return Retention([], skipped)  # too few anchors yet (or a broken walk): everything may still be needed
         doomed: dict[int, list[str]] = {}
@@ -345,11 +345,11 @@ class WeightPublisher:
             try:
                 validate_key(key)
             except ValueError as e:
-                skipped.append(f"{_shown(key)}: not a valid key ({e}); skipped")
+                skipped.append(f"{shown_key(key)}: not a valid key ({e}); skipped")
                 continue
             ver = self._keys.version_of(key)
             if ver is None:
-                skipped.append(f"{_shown(key)}: not <version:012d>/<manifest.json|anchor.safetensors|delta.pulse>; "
+                skipped.append(f"{shown_key(key)}: not <version:012d>/<manifest.json|anchor.safetensors|delta.pulse>; "
                                "skipped")
             elif ver <= ptr.version and ver not in keep:
                 doomed.setdefault(ver, []).append(key)

@@ -1,14 +1,10 @@
 """Rollout exchange: workers upload episode batches, the trainer consumes each exactly once;
 and the two control files the trainer writes for workers (progress, run finished).
 
-Layout under a run (``<run>`` is any valid key prefix)::
-
-    <run>/rollouts/<worker_id>/s<seq:012d>-v<version:012d>.episodes   write-once batches
-    <run>/quarantine/<worker_id>/<name>                                 invalid batches, moved
-    <run>/quarantine/<worker_id>/<name>.reason.json                     why, as JSON
-    <run>/quarantine/_misnamed/<sha256 of the key, 32 hex>[.reason.json]  stray names under rollouts/
-    <run>/progress.json                                                 signed: batches taken per worker
-    <run>/finished.json                                                 signed: the run is over
+Its keys under a run (:mod:`stoa.transport.layout` names every key of a run): write-once batches
+under ``rollouts/<worker_id>/``, refused ones (with a ``.reason.json`` saying why) under
+``quarantine/<worker_id>/`` or ``quarantine/_misnamed/``, and the signed ``progress.json`` and
+``finished.json``.
 
 A worker's :class:`RolloutWriter` numbers its uploads with a per-worker sequence number and
 creates each object with ``put_if_absent`` (never overwriting, so two processes sharing a
@@ -23,12 +19,12 @@ The trainer's :class:`RolloutReader` lists new objects, validates them with
 ``worker_id`` must match the key) and returns them in order; an invalid object is moved to the
 quarantine prefix with a reason and counted, never raised. Keys it cannot even address (not a
 valid store key: an empty segment, a control character, over 1024 bytes) are skipped and
-reported. A sealed batch must verify and match its name, and an ``admit`` callback (the
-trainer's roster) decides whether its key may upload as that worker; a reader built with
-``require_seal=True`` quarantines unsealed batches. A payload whose sha256 the reader has
-accepted before (a replayed, copied or re-numbered batch) is quarantined too; the hashes of the
-last ``max_hashes`` accepted batches are part of the reader's state. One poll reads at most
-:class:`PollLimits` worth of objects; the rest waits. Its bookkeeping
+reported. A sealed batch must verify and match its name; a ``screen`` callback (the trainer's
+intake) may refuse a seal before the payload is decoded. The reader holds no trust policy:
+who may upload and what counts as a copy is the caller's (:mod:`stoa.fleet.intake`). A reader
+built with ``hand_back=True`` quarantines nothing by itself: it lists its refusals in
+``last_report.rejected`` and the caller settles each with :meth:`RolloutReader.quarantine`.
+One poll reads at most :class:`PollLimits` worth of objects; the rest waits. Its bookkeeping
 (:meth:`RolloutReader.state`) is plain JSON: save it in the trainer checkpoint together with the
 model, :meth:`RolloutReader.restore` it after a restart, and every batch is delivered to the
 training step exactly once.
@@ -53,6 +49,7 @@ from typing import Any
 
 import zstandard
 
+from stoa.transport import layout
 from stoa.transport.identity import BatchSeal, SealError, is_sealed, open_sealed, seal_batch
 from stoa.transport.signing import SignatureError, key_id, load_private_key, read_signed, sign_document
 from stoa.transport.store import KeyNotFound, ObjectStore, ObjectTooLarge, StoreError, validate_key
@@ -74,7 +71,6 @@ _PROGRESS_FORMAT = "stoa.progress/1"
 _MAX_PROGRESS_WORKERS = 4096
 _MAX_CONTROL_BYTES = 1 << 20
 _MAX_EXAMPLES = 8
-_HASH_RE = re.compile(r"[0-9a-f]{32}")
 _MAX_PROBES = 64  # own-newest search of a sealing writer: objects read at most
 _MAX_UPLOAD_TRIES = 64  # each try lists past every number taken at that moment
 
@@ -95,7 +91,6 @@ def _shown(key: str) -> str:
 
 
 _DEFER = object()
-_MAX_GROUP_PRINTS = 1 << 16  # (sender, group) prints a reader remembers across polls
 
 
 def _declared_size(payload: bytes) -> int:
@@ -109,32 +104,17 @@ def _declared_size(payload: bytes) -> int:
     return max(0, len(payload) - 6)
 
 
-def _group_prints(episodes: list[Episode]) -> list[str]:
-    """A content print per group of a batch: its samples' tokens and log-probs, whatever the ids.
-    A group whose samples are all alike has none: a near-deterministic policy repeats such a
-    group honestly (and it carries no advantage to train on anyway)."""
-    groups: dict[str, list[bytes]] = {}
-    for ep in episodes:
-        h = hashlib.sha256(ep.prompt_tokens.tobytes())
-        for seg in ep.segments:
-            h.update(seg.kind.encode() + seg.tokens.tobytes())
-            if seg.logprobs is not None:
-                h.update(seg.logprobs.tobytes())
-        groups.setdefault(ep.group_id, []).append(h.digest())
-    return [hashlib.sha256(b"".join(sorted(d))).hexdigest()[:32] for d in groups.values() if len(set(d)) > 1]
-
-
 def rollout_key(run: str, worker_id: str, seq: int, version: int) -> str:
     """The object key of a worker's ``seq``-th batch, sampled with weights ``version``."""
     if not (0 <= seq <= _MAX_NUM and 0 <= version <= _MAX_NUM):
         raise ValueError(f"seq {seq} and version {version} must lie in [0, 10^12)")
-    return f"{_check_run(run)}/rollouts/{_check_worker(worker_id)}/s{seq:012d}-v{version:012d}.episodes"
+    return f"{layout.rollouts(_check_run(run), _check_worker(worker_id))}s{seq:012d}-v{version:012d}.episodes"
 
 
 def parse_rollout_key(run: str, key: str) -> tuple[str, int, int] | None:
     """``(worker, seq, version)`` of a well-named batch key of ``run`` (see :func:`rollout_key`), else None."""
-    worker, _, name = key.removeprefix(f"{run}/rollouts/").partition("/")
-    m = _NAME_RE.fullmatch(name) if key.startswith(f"{run}/rollouts/") else None
+    worker, _, name = key.removeprefix(layout.rollouts(run)).partition("/")
+    m = _NAME_RE.fullmatch(name) if key.startswith(layout.rollouts(run)) else None
     return (worker, int(m.group(1)), int(m.group(2))) if m and _WORKER_RE.fullmatch(worker) else None
 
 
@@ -165,7 +145,8 @@ class Batch:
 
 @dataclass(frozen=True)
 class Rejection:
-    """One object a poll quarantined, for per-worker accounting (``PollReport.rejected``)."""
+    """One object a poll refused (``PollReport.rejected``): quarantined already, or, by a reader
+    built with ``hand_back=True``, waiting for the caller's :meth:`RolloutReader.quarantine`."""
 
     key: str
     worker_id: str | None
@@ -173,10 +154,13 @@ class Rejection:
     key_id: str | None
     """The key that sealed it, when the seal verified (the sender is then known)."""
     category: str
-    """``"unsigned"``, ``"signature"`` (the seal does not verify or match the name), ``"refused"``
-    (``admit`` refused the key), ``"duplicate"``, ``"invalid"`` (the codec), ``"size"``,
-    ``"misnamed"``."""
+    """``"signature"`` (the seal does not verify or match the name), ``"invalid"`` (the codec),
+    ``"size"``, ``"misnamed"``, or the category the ``screen`` gave (:data:`stoa.types.Category`)."""
     reason: str
+    parsed: tuple[str, int, int] | None = field(default=None, repr=False, compare=False)
+    """``(worker, seq, version)`` from the object's name (None for a misnamed object)."""
+    stored: bytes | None = field(default=None, repr=False, compare=False)
+    """The stored bytes, kept for the quarantine copy (None: not downloaded, over the size limit)."""
 
 
 @dataclass(frozen=True)
@@ -222,7 +206,7 @@ class PollReport:
     problems: list[str] = field(default_factory=list)
     """One line per quarantined object or failed store operation."""
     rejected: list[Rejection] = field(default_factory=list)
-    """The quarantined objects, with what is known of their sender."""
+    """The refused objects, with what is known of their sender."""
 
 
 class SequenceTaken(StoreError):
@@ -249,8 +233,8 @@ class RolloutWriter:
         self.store, self.run, self.worker_id = store, _check_run(run), _check_worker(worker_id)
         self._key = None if private_key is None else load_private_key(private_key)
         self.key_id = "" if self._key is None else key_id(self._key.public_key())
-        self._prefix = f"{self.run}/rollouts/{self.worker_id}/"
-        self._qprefix = f"{self.run}/quarantine/{self.worker_id}/"
+        self._prefix = layout.rollouts(self.run, self.worker_id)
+        self._qprefix = layout.quarantine(self.run, self.worker_id)
         # A reason file counts too: an oversized batch is quarantined as its reason alone.
         found = sorted(((int(m.group(1)), k) for where in (self._prefix, self._qprefix) for k in store.list(where)
                         if (m := _NAME_RE.fullmatch(k.rpartition("/")[2].removesuffix(".reason.json")))), reverse=True)
@@ -351,34 +335,28 @@ class RolloutReader:
         limits: decoding bounds for untrusted bytes (see :class:`stoa.types.Limits`); an object
             over ``limits.max_bytes`` is quarantined without being downloaded.
         poll_limits: per-poll caps (see :class:`PollLimits`).
-        admit: called with the verified :class:`~stoa.transport.identity.BatchSeal` of every
-            sealed batch (already checked against its object name); returns why its key may
-            not upload as that worker (the batch is then quarantined), or None.
-        require_seal: quarantine batches that carry no worker signature.
-        max_hashes: how many accepted payload hashes to remember, to refuse a batch whose
-            episode bytes were accepted before (duplicates of older ones are not recognized);
-            0 (the default) disables the check. When on, a batch that repeats a group (same
-            tokens and log-probs, whatever its ids) its sender's key uploaded before, in this poll
-            or among the last 65,536 groups, is quarantined as a duplicate together with the
-            other copy in the same poll (neither is known to be the original).
+        screen: called before decoding with the verified :class:`~stoa.transport.identity.BatchSeal`
+            of every sealed object (already checked against its name), or None for an unsealed
+            one; returns ``(category, reason)`` to refuse the object unread, or None.
+        hand_back: list refusals in ``last_report.rejected`` without quarantining them; the
+            caller settles each with :meth:`quarantine` (the trainer's intake does, so that every
+            refusal takes one path). False: :meth:`poll` quarantines them itself.
 
     Bookkeeping: per worker, the highest sequence number ``done`` below which every batch was
     consumed (or quarantined), plus the consumed numbers above it (gaps happen when uploads
-    land out of order), and the payload hashes of the last ``max_hashes`` accepted batches.
+    land out of order).
     :meth:`state` returns it as JSON-ready data; :meth:`progress` is the part workers may see.
     """
 
     def __init__(self, store: ObjectStore, run: str, vocab_size: int | None = None, limits: Limits = DEFAULT_LIMITS,
-                 poll_limits: PollLimits = PollLimits(), admit: Callable[[BatchSeal], str | None] | None = None,
-                 require_seal: bool = False, max_hashes: int = 0):
+                 poll_limits: PollLimits = PollLimits(),
+                 screen: Callable[[BatchSeal | None], tuple[str, str] | None] | None = None, hand_back: bool = False):
         self.store, self.run = store, _check_run(run)
         self.vocab_size, self.limits, self.poll_limits = vocab_size, limits, poll_limits
-        self.admit, self.require_seal, self.max_hashes = admit, require_seal, max_hashes
-        self._prefix = f"{self.run}/rollouts/"
+        self.screen, self.hand_back = screen, hand_back
+        self._prefix = layout.rollouts(self.run)
         self._done: dict[str, int] = {}  # worker -> every seq < done is settled
         self._extra: dict[str, set[int]] = {}  # worker -> settled seqs >= done
-        self._hashes: dict[str, None] = {}  # accepted payload sha256 (32 hex), oldest first
-        self._groups: dict[str, None] = {}  # sender:group prints of returned batches, oldest first
         self.consumed = 0
         self.quarantined = 0
         self.last_report = PollReport()
@@ -410,8 +388,6 @@ class RolloutReader:
         leaves them unconsumed, so a restart from it delivers them again.
         """
         done, extra = dict(self._done), {w: set(s) for w, s in self._extra.items()}
-        pending = list(pending)
-        again = {b.sha256[:32] for b in pending}  # delivered again after a restart: not duplicates
         for b in pending:  # unsettle: everything from b.seq up that was below `done` moves to `extra`
             d = done.get(b.worker_id, 0)
             if b.seq < d:
@@ -426,11 +402,11 @@ class RolloutReader:
                         for w in sorted(set(done) | set(extra))},
             "consumed": self.consumed,
             "quarantined": self.quarantined,
-            "hashes": [h for h in self._hashes if h not in again],
         }
 
     def restore(self, state: dict) -> None:
-        """Resume from :meth:`state` output (e.g. loaded from a checkpoint). Validates it."""
+        """Resume from :meth:`state` output (e.g. loaded from a checkpoint). Validates it (a
+        ``hashes`` list, which older states carry, is left to the caller)."""
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
             raise ValueError(f"not a rollout reader state (format must be {_STATE_FORMAT!r})")
         if state.get("run") != self.run:
@@ -442,11 +418,7 @@ class RolloutReader:
                     and all(isinstance(s, int) and s > d["done"] for s in d["extra"]) and d["done"] >= 0):
                 raise ValueError(f"malformed state entry for worker {w!r}: {d!r}")
             done[w], extra[w] = d["done"], set(d["extra"])
-        hashes = state.get("hashes", [])
-        if not isinstance(hashes, list) or not all(isinstance(h, str) and _HASH_RE.fullmatch(h) for h in hashes):
-            raise ValueError("malformed state: hashes must be a list of 32 hex characters each")
         self._done, self._extra = done, extra
-        self._hashes = dict.fromkeys(hashes[-self.max_hashes:] if self.max_hashes else [])
         self.consumed, self.quarantined = int(state.get("consumed", 0)), int(state.get("quarantined", 0))
 
     def progress(self) -> Progress:
@@ -535,47 +507,11 @@ class RolloutReader:
             if batch is not None:
                 handled += 1
                 loaded.append((batch, blob))
-        out = self._dedupe_groups(sorted(loaded, key=lambda bb: (bb[0].version, bb[0].worker_id, bb[0].seq)), rep)
+        out = [b for b, _ in sorted(loaded, key=lambda bb: (bb[0].version, bb[0].worker_id, bb[0].seq))]
         for b in out:
             self._settle(b.worker_id, b.seq)
             self.consumed += 1
         rep.returned = len(out)
-        return out
-
-    def _dedupe_groups(self, loaded: list[tuple[Batch, bytes]], rep: PollReport) -> list[Batch]:
-        """Quarantine batches that repeat a group their sender already uploaded (in this poll or
-        one of the last remembered): copies of one group under one key are trained at most once.
-        On with the payload check (``max_hashes`` > 0)."""
-        if not self.max_hashes:
-            return [b for b, _ in loaded]
-        seen: dict[str, int] = {}  # sender:group print -> index of the first batch of this poll
-        bad: dict[int, str] = {}
-        prints = []
-        for i, (b, _) in enumerate(loaded):
-            sender = b.key_id or f"worker:{b.worker_id}"
-            mine = [f"{sender}:{fp}" for fp in _group_prints(b.episodes)]
-            prints.append(mine)
-            for fp in mine:
-                if fp in self._groups:
-                    bad[i] = "duplicate: repeats a group this key uploaded in an earlier batch"
-                elif fp in seen:
-                    j = seen[fp]
-                    bad[i] = f"duplicate: repeats a group of {_shown(loaded[j][0].key)} uploaded by the same key"
-                    if j != i:  # the first copy goes too: neither is known to be the original
-                        bad.setdefault(j, f"duplicate: a group of it is repeated in {_shown(b.key)} by the same key")
-                else:
-                    seen[fp] = i
-        out = []
-        for i, (b, blob) in enumerate(loaded):
-            for fp in prints[i]:  # a copy quarantined here still rules out the next one
-                self._groups[fp] = None
-            if i in bad:
-                self._quarantine_safely(b.key, (b.worker_id, b.seq, b.version), bad[i], blob, rep, "duplicate",
-                                        b.key_id or None)
-            else:
-                out.append(b)
-        while len(self._groups) > _MAX_GROUP_PRINTS:
-            del self._groups[next(iter(self._groups))]
         return out
 
     def _open(self, key: str, worker: str, seq: int, version: int,
@@ -594,14 +530,14 @@ class RolloutReader:
                     f"sealed for run {seal.run[:80]!r}, worker {seal.worker_id[:64]!r}, seq {seal.seq}, version "
                     f"{seal.version}; its name says {named[1:]} in run {self.run!r} (copied or renamed)")
             kid, pub = seal.key_id, seal.public_key
-            try:
-                why = self.admit(seal) if self.admit is not None else None
-            except Exception as e:  # the caller's policy failing must not crash the poll
-                why = f"checking the worker key failed: {type(e).__name__}: {e}"
-            if why:
-                return blob, kid, pub, "refused", why
-        elif self.require_seal:
-            return blob, "", "", "unsigned", "unsigned batch: this run takes only batches sealed with a worker key"
+        else:
+            seal = None
+        try:
+            verdict = self.screen(seal) if self.screen is not None else None
+        except Exception as e:  # the caller's policy failing must not crash the poll
+            verdict = "refused", f"checking the worker key failed: {type(e).__name__}: {e}"
+        if verdict is not None:
+            return blob, kid, pub, verdict[0], verdict[1]
         return blob, kid, pub, "", None
 
     def _load(self, key: str, worker: str, seq: int, version: int, blob: bytes, rep: PollReport) -> Any:
@@ -635,30 +571,34 @@ class RolloutReader:
             reason = str(e) if isinstance(e, EpisodeError) else f"{type(e).__name__}: {e}"
             self._quarantine_safely(key, (worker, seq, version), reason, stored, rep, "invalid", kid or None)
             return None
-        digest = hashlib.sha256(blob).hexdigest()
-        if self.max_hashes and digest[:32] in self._hashes:
-            self._quarantine_safely(key, (worker, seq, version), "duplicate: the same episode bytes were accepted "
-                                    "before (a replayed, copied or re-numbered batch)", stored, rep, "duplicate", kid or None)
-            return None
-        if self.max_hashes:
-            self._hashes[digest[:32]] = None
-            while len(self._hashes) > self.max_hashes:
-                del self._hashes[next(iter(self._hashes))]
-        return Batch(key, worker, version, episodes, seq, kid, digest, pub)
+        return Batch(key, worker, version, episodes, seq, kid, hashlib.sha256(blob).hexdigest(), pub)
 
     def _quarantine_safely(self, key: str, parsed: tuple[str, int, int] | None, reason: str,
                            blob: bytes | None, rep: PollReport, category: str = "invalid",
                            kid: str | None = None) -> None:
-        try:
-            self._quarantine(key, parsed, reason, blob, rep)
-        except StoreError as e:  # the object stays where it is; the next poll tries again
-            rep.problems.append(f"{_shown(key)}: could not quarantine ({reason}): {e}")
-            return
-        rep.rejected.append(Rejection(key, parsed[0] if parsed else None, kid, category, reason[:4096]))
+        refused = Rejection(key, parsed[0] if parsed else None, kid, category, reason[:4096], parsed, blob)
+        if self.hand_back:
+            rep.rejected.append(refused)
+        elif self.quarantine(refused, reason):
+            rep.rejected.append(dataclasses.replace(refused, stored=None))
 
-    def quarantine(self, batch: Batch, reason: str) -> None:
-        """Move a batch that :meth:`poll` returned but the caller found invalid (e.g. a policy
-        version from the future) to the quarantine prefix, with ``reason``."""
+    def quarantine(self, item: Batch | Rejection, reason: str) -> bool:
+        """Move an object to the quarantine prefix with ``reason``: a batch that :meth:`poll`
+        returned but the caller refused, or one of ``last_report.rejected`` (``hand_back``).
+        Returns False when a refused object could not be moved (it stays, and the next poll
+        meets it again); a store error moving a returned batch is raised."""
+        if isinstance(item, Rejection):
+            try:
+                self._quarantine(item.key, item.parsed, reason, item.stored, self.last_report)
+            except StoreError as e:  # the object stays where it is; the next poll tries again
+                self.last_report.problems.append(f"{_shown(item.key)}: could not quarantine ({reason}): {e}")
+                return False
+            listed = self.last_report.rejected
+            for i, r in enumerate(listed):  # the report keeps no stored bytes once they are in the quarantine
+                if r is item:
+                    listed[i] = dataclasses.replace(item, stored=None)
+            return True
+        batch = item
         try:
             blob = self.store.get(batch.key, max_bytes=self.limits.max_bytes)
         except KeyNotFound:
@@ -666,15 +606,16 @@ class RolloutReader:
         if blob is not None:
             self._quarantine(batch.key, (batch.worker_id, batch.seq, batch.version), reason, blob, self.last_report)
         self.consumed -= 1
+        return True
 
     def _quarantine(self, key: str, parsed: tuple[str, int, int] | None, reason: str,
                     blob: bytes | None, rep: PollReport) -> None:
         """Copy (when ``blob`` is given), explain, then delete: a crash in between re-quarantines it."""
         if parsed is not None:  # a validated worker id and fixed-length name
-            dest = f"{self.run}/quarantine/{parsed[0]}/{key.rpartition('/')[2]}"
+            dest = layout.quarantined(self.run, parsed[0], key.rpartition("/")[2])
         else:  # never build a key from an untrusted name; the reason file keeps the name
             digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
-            dest = f"{self.run}/quarantine/_misnamed/{digest[:32]}"
+            dest = layout.misnamed(self.run, digest[:32])
         if blob is not None:
             self.store.put(dest, blob)
         self.store.put(dest + ".reason.json", json.dumps(
@@ -762,7 +703,7 @@ class Progress:
 def write_progress(store: ObjectStore, run: str, progress: Progress, private_key: Any) -> None:
     """Sign ``progress`` with the run's key and put it at ``<run>/progress.json``."""
     run = _check_run(run)
-    store.put(f"{run}/progress.json", sign_document("progress", progress.to_body(run), private_key))
+    store.put(layout.progress(run), sign_document("progress", progress.to_body(run), private_key))
 
 
 def read_progress(store: ObjectStore, run: str, public_key: Any) -> Progress | None:
@@ -773,7 +714,7 @@ def read_progress(store: ObjectStore, run: str, public_key: Any) -> Progress | N
         stoa.transport.store.StoreError: the store failed.
     """
     run = _check_run(run)
-    key = f"{run}/progress.json"
+    key = layout.progress(run)
     body = read_signed(store, key, "progress", public_key, expect={"run": run}, max_bytes=_MAX_CONTROL_BYTES)
     return None if body is None else Progress.parse(body, run=run, where=key)
 
@@ -781,7 +722,7 @@ def read_progress(store: ObjectStore, run: str, public_key: Any) -> Progress | N
 def mark_finished(store: ObjectStore, run: str, private_key: Any, version: int) -> None:
     """Put the signed "run finished" marker ``<run>/finished.json`` (after the final version)."""
     run = _check_run(run)
-    store.put(f"{run}/finished.json", sign_document(
+    store.put(layout.finished(run), sign_document(
         "run-finished", {"run": run, "version": int(version), "time": time.time()}, private_key))
 
 
@@ -793,7 +734,7 @@ def is_finished(store: ObjectStore, run: str, public_key: Any) -> bool:
     """
     run = _check_run(run)
     try:
-        return read_signed(store, f"{run}/finished.json", "run-finished", public_key, expect={"run": run},
+        return read_signed(store, layout.finished(run), "run-finished", public_key, expect={"run": run},
                            max_bytes=_MAX_CONTROL_BYTES) is not None
     except SignatureError as e:
         log.warning("ignoring the finished marker: %s", e)

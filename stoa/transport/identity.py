@@ -50,6 +50,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from stoa.transport import layout
 from stoa.transport.signing import (
     SignatureError,
     generate_private_key,
@@ -314,7 +315,7 @@ def _finite(x: Any) -> bool:
 
 def roster_key(run: str) -> str:
     """``<run>/workers.json``."""
-    return validate_key(f"{run.strip('/')}/workers.json")
+    return validate_key(layout.roster(run.strip("/")))
 
 
 def read_roster(store: ObjectStore, run: str, public_key: Any) -> Roster:

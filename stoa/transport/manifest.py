@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from stoa.transport import layout
 from stoa.transport.signing import SignatureError
 from stoa.transport.store import validate_key
 
@@ -212,8 +213,8 @@ class Layout:
 
     def __init__(self, run: str):
         self.run = validate_key(run.strip("/"))
-        self.pointer = f"{self.run}/current.json"
-        self.weights = f"{self.run}/weights/"
+        self.pointer = layout.pointer(self.run)
+        self.weights = layout.weights(self.run)
 
     def manifest(self, v: int) -> str:
         return f"{self.weights}{v:012d}/manifest.json"

@@ -21,10 +21,10 @@ from stoa.transport.store import (
     KeyNotFound,
     ObjectTooLarge,
     StoreError,
-    _as_bytes,
-    _check_max_bytes,
-    _validate_prefix,
-    _validate_start_after,
+    as_bytes,
+    check_max_bytes,
+    validate_prefix,
+    validate_start_after,
     validate_key,
 )
 
@@ -174,7 +174,7 @@ class S3Store:
         return StoreError(self._redact(f"{self}: {op} {key!r} failed: {_describe(e)}"))
 
     def put(self, key: str, data: bytes) -> None:
-        full, data = self._full(key), _as_bytes(data)
+        full, data = self._full(key), as_bytes(data)
         for attempt in range(2):
             try:
                 if len(data) >= self.config.multipart_threshold:
@@ -190,7 +190,7 @@ class S3Store:
                 raise self._fail("put", key, e) from e
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
-        full, data = self._full(key), _as_bytes(data)
+        full, data = self._full(key), as_bytes(data)
         resent = False
         for attempt in range(self.config.max_attempts):
             try:
@@ -244,7 +244,7 @@ class S3Store:
             return None
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
-        full, limit = self._full(key), _check_max_bytes(max_bytes)
+        full, limit = self._full(key), check_max_bytes(max_bytes)
         for attempt in range(2):
             try:
                 return self._download(full, key, limit)
@@ -356,7 +356,7 @@ class S3Store:
             return False
 
     def list(self, prefix: str = "", start_after: str | None = None) -> list[str]:
-        prefix, after = _validate_prefix(prefix), _validate_start_after(start_after)
+        prefix, after = validate_prefix(prefix), validate_start_after(start_after)
         base = f"{self.prefix}/" if self.prefix else ""
         kw = {"Bucket": self.bucket, "Prefix": base + prefix}
         if after is not None:

@@ -159,7 +159,7 @@ def validate_key(key: str) -> str:
     return key
 
 
-def _validate_prefix(prefix: str) -> str:
+def validate_prefix(prefix: str) -> str:
     if not isinstance(prefix, str):
         raise ValueError(f"prefix must be a str, got {type(prefix).__name__}")
     if prefix:
@@ -167,19 +167,19 @@ def _validate_prefix(prefix: str) -> str:
     return prefix
 
 
-def _validate_start_after(start_after: str | None) -> str | None:
+def validate_start_after(start_after: str | None) -> str | None:
     if start_after is not None and not isinstance(start_after, str):
         raise ValueError(f"start_after must be a str or None, got {type(start_after).__name__}")
     return start_after or None
 
 
-def _check_max_bytes(max_bytes: int | None) -> int | None:
+def check_max_bytes(max_bytes: int | None) -> int | None:
     if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
         raise ValueError(f"max_bytes must be an int >= 0 or None, got {max_bytes!r}")
     return max_bytes
 
 
-def _as_bytes(data: Any) -> bytes:
+def as_bytes(data: Any) -> bytes:
     if isinstance(data, (bytes, bytearray, memoryview)):
         return bytes(data)
     raise TypeError(f"object data must be bytes, got {type(data).__name__}")
@@ -297,7 +297,7 @@ class LocalStore:
         return tfd, name
 
     def _install(self, op: str, key: str, data: bytes, link: bool) -> bool:
-        data = _as_bytes(data)
+        data = as_bytes(data)
         validate_key(key)
         try:
             tfd, tmp = self._write_tmp(data)
@@ -365,7 +365,7 @@ class LocalStore:
         return fd
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
-        limit = _check_max_bytes(max_bytes)
+        limit = check_max_bytes(max_bytes)
         fd = self._open_file("get", key)
         with os.fdopen(fd, "rb") as f:
             size = os.fstat(fd).st_size
@@ -399,7 +399,7 @@ class LocalStore:
             os.close(dfd)
 
     def list(self, prefix: str = "", start_after: str | None = None) -> list[str]:
-        prefix, after = _validate_prefix(prefix), _validate_start_after(start_after)
+        prefix, after = validate_prefix(prefix), validate_start_after(start_after)
         folder = prefix.rpartition("/")[0]
         try:
             fd = self._dir_fd(folder)

@@ -70,11 +70,11 @@ itself fail. None of them harms the held weights: keep serving them, retry with 
 after repeated failures re-join with ``sync(None)``."""
 
 
-def _sha(b: bytes) -> str:
+def sha256_hex(b: bytes) -> str:
     return hashlib.sha256(b).hexdigest()
 
 
-def _shown(key: str) -> str:
+def shown_key(key: str) -> str:
     """An untrusted key, bounded and escaped for a report."""
     return repr(key[:200]) + ("..." if len(key) > 200 else "")
 
@@ -83,7 +83,7 @@ def _summary(problems: list[str], n: int = 6) -> str:
     return "; ".join(problems[:n]) + (f"; and {len(problems) - n} more" if len(problems) > n else "")
 
 
-def _check_state(state: Any) -> None:
+def check_state(state: Any) -> None:
     if not isinstance(state, dict) or not state:
         raise TypeError("a weight state is a non-empty dict[str, numpy.ndarray]")
     for k, v in state.items():
@@ -242,7 +242,7 @@ class WeightSubscriber:
                 err = e
         raise PointerError(f"{err}; cannot tell which version is committed")
 
-    def _newest(self, problems: list[str]) -> Pointer | None:
+    def newest_pointer(self, problems: list[str]) -> Pointer | None:
         """The store's pointer, unless the run's key already signed a newer one that this
         subscriber saw (an older pointer put back) or, for a new subscriber, newer manifests."""
         best = self._best
@@ -283,7 +283,7 @@ class WeightSubscriber:
                            if (v := self._keys.version_of(k)) is not None and v > p.version}, reverse=True)
         for v in versions[:_FRESH_PROBES]:
             try:
-                m = self._fetch(v)[0]
+                m = self.fetch_manifest(v)[0]
             except (KeyNotFound, ChainError, SignatureError):
                 continue  # not the run key's word: cannot lower the bound
             if m.created > p.created:
@@ -298,7 +298,7 @@ class WeightSubscriber:
         """Whether ``p``'s manifest chain passes through ``best``'s (a newer version whose publisher's
         clock stepped back is still followed)."""
         problems: list[str] = []
-        m, sha = self._pinned(p.version, p.manifest_sha256, problems), p.manifest_sha256
+        m, sha = self.pinned_manifest(p.version, p.manifest_sha256, problems), p.manifest_sha256
         for _ in range(_DESCENT_STEPS):
             if m is None or m.version < best.version:
                 return False
@@ -307,7 +307,7 @@ class WeightSubscriber:
             if m.parent is None or m.parent_manifest_sha256 is None:
                 return False
             sha = m.parent_manifest_sha256
-            m = self._pinned(m.parent, sha, problems)
+            m = self.pinned_manifest(m.parent, sha, problems)
         return False
 
     def head(self) -> int | None:
@@ -326,7 +326,7 @@ class WeightSubscriber:
             stoa.transport.store.StoreError: the store failed.
         """
         problems: list[str] = []
-        p = self._newest(problems)
+        p = self.newest_pointer(problems)
         self.last_problems = problems
         for msg in problems:
             log.warning("%s", msg)
@@ -342,7 +342,7 @@ class WeightSubscriber:
             _, (_, n) = self._cache.popitem(last=False)
             self._cache_bytes -= n
 
-    def _fetch(self, version: int, expect_sha256: str | None = None) -> tuple[Manifest, str]:
+    def fetch_manifest(self, version: int, expect_sha256: str | None = None) -> tuple[Manifest, str]:
         """Read, verify and parse ``version``'s manifest object; returns it and its sha256.
 
         Raises KeyNotFound, SignatureError, or IntegrityError (not the object ``expect_sha256`` names).
@@ -352,7 +352,7 @@ class WeightSubscriber:
             blob = self._get(key, MAX_MANIFEST_BYTES)
         except ObjectTooLarge as e:
             raise IntegrityError(f"{key}: {e.size} bytes, over the {MAX_MANIFEST_BYTES}-byte manifest limit") from None
-        sha = _sha(blob)
+        sha = sha256_hex(blob)
         if expect_sha256 is not None and sha != expect_sha256:
             try:  # a forgery is reported as such; anything else as a mismatch
                 open_document(blob, "manifest", self.public_key, key)
@@ -368,7 +368,7 @@ class WeightSubscriber:
         self._remember(sha, m, len(blob))
         return m, sha
 
-    def _pinned(self, version: int, sha: str, problems: list[str]) -> Manifest | None:
+    def pinned_manifest(self, version: int, sha: str, problems: list[str]) -> Manifest | None:
         """The manifest of ``version`` whose object hashes to ``sha`` (cached), or None if it is
         gone (retention) or not intact after a second read (reported)."""
         if sha in self._cache:
@@ -377,7 +377,7 @@ class WeightSubscriber:
             return m if m.version == version else None
         for attempt in range(2):
             try:
-                return self._fetch(version, sha)[0]
+                return self.fetch_manifest(version, sha)[0]
             except KeyNotFound:
                 return None
             except (IntegrityError, SignatureError) as e:
@@ -392,7 +392,7 @@ class WeightSubscriber:
         For inspection: it is whatever the store holds at that version now, checked for
         signature, run and version, but not tied to the chain the pointer names.
         """
-        return self._fetch(check_version(version))[0]
+        return self.fetch_manifest(check_version(version))[0]
 
     # -- sync -------------------------------------------------------------------------------------
     def _settle(self, problems: list[str]) -> None:
@@ -443,14 +443,14 @@ class WeightSubscriber:
             raise ValueError(f"check must be one of {SYNC_CHECKS}, not {check!r}")
         if have is not None:
             check_version(have[0], "held version")
-            _check_state(have[1])
+            check_state(have[1])
         self._read = 0
         problems: list[str] = []
         self._settle(problems)
         banned: set[tuple[int, str]] = set()
         tried: set[str] = set()
         for _ in range(_SYNC_ATTEMPTS):
-            ptr = self._newest(problems)
+            ptr = self.newest_pointer(problems)
             if ptr is None:
                 raise ChainError(f"run {self.run!r} has no published weights yet ({self._keys.pointer} is missing)")
             head = ptr.version
@@ -462,7 +462,7 @@ class WeightSubscriber:
             if have is not None and have[0] == head and held_sha == ptr.manifest_sha256:
                 return SyncResult(head, have[1], self._read, [], [], True, problems,
                                   self._cache.get(held_sha, (None,))[0], held_sha)
-            target = self._pinned(head, ptr.manifest_sha256, problems)
+            target = self.pinned_manifest(head, ptr.manifest_sha256, problems)
             if target is None:
                 if ptr.manifest_sha256 in tried:
                     break
@@ -501,7 +501,7 @@ class WeightSubscriber:
             if m.parent is None or m.parent_manifest_sha256 is None:
                 raise IntegrityError(f"version {version} is not on the chain of version {ptr.version}")
             sha = m.parent_manifest_sha256
-            nxt = self._pinned(m.parent, sha, problems)
+            nxt = self.pinned_manifest(m.parent, sha, problems)
             if nxt is None:
                 raise IntegrityError(f"version {m.parent} (on the way down to {version}) is gone or not intact")
             m = nxt
@@ -542,7 +542,7 @@ class WeightSubscriber:
                 break
             suffix.append(v)
             sha = m.parent_manifest_sha256  # type: ignore[assignment]
-            nxt = self._pinned(m.parent, sha, problems)
+            nxt = self.pinned_manifest(m.parent, sha, problems)
             if nxt is None:
                 break
             m = nxt
@@ -563,9 +563,9 @@ class WeightSubscriber:
             except KeyNotFound:  # deleted by retention under us: ban this route so the next plan differs
                 raise _Corrupt((m.version, kind), f"{key} is gone (retention deleted it while syncing); "
                                                   "planning another route") from None
-            if len(blob) == entry.bytes and _sha(blob) == entry.sha256:
+            if len(blob) == entry.bytes and sha256_hex(blob) == entry.sha256:
                 return blob
-            msg = (f"{key}: {len(blob)} bytes with sha256 {_sha(blob)[:12]}..., the signed manifest says "
+            msg = (f"{key}: {len(blob)} bytes with sha256 {sha256_hex(blob)[:12]}..., the signed manifest says "
                    f"{entry.bytes} bytes with {entry.sha256[:12]}... (corrupted or truncated)")
             if attempt == 0:
                 problems.append(msg + "; fetching again")

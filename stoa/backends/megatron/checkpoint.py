@@ -38,7 +38,7 @@ _OPTIMIZER_FIELDS = ("lr", "betas", "eps", "weight_decay", "grad_clip", "schedul
 
 def layout(ln: MegatronLearner) -> dict[str, Any]:
     return {"tp": ln.tp, "pp": ln.pp, "dp": ln.dp, "world": dist.get_world_size(),
-            "attention": ln.attention, "dtype": str(ln.dtype), "cuda": ln._cuda}
+            "attention": ln.attention, "dtype": str(ln.dtype), "cuda": ln.on_cuda}
 
 
 def _owned(opt, p) -> bool:
@@ -48,8 +48,8 @@ def _owned(opt, p) -> bool:
 def rank_tensors(ln: MegatronLearner) -> dict[str, torch.Tensor]:
     named = dict(ln.model.named_parameters())
     out = {f"model/{n}": p.detach().cpu().contiguous() for n, p in named.items()}
-    if ln._cuda:
-        for k, opt in enumerate(ln._chained()):
+    if ln.on_cuda:
+        for k, opt in enumerate(ln.chained_optimizers()):
             for name, p in named.items():
                 if _owned(opt, p):
                     for field, v in opt._get_main_param_and_optimizer_states(p).items():
@@ -59,7 +59,7 @@ def rank_tensors(ln: MegatronLearner) -> dict[str, torch.Tensor]:
         out["rng/cuda"] = torch.cuda.get_rng_state(ln.device)
     else:
         names = {p: n for n, p in named.items()}
-        for p, state in ln._optimizer.state.items():
+        for p, state in ln.optimizer.state.items():
             for field, v in state.items():
                 out[f"opt/{names[p]}/{field}"] = v.detach().cpu().contiguous()
     out["rng/cpu"] = torch.get_rng_state()
@@ -117,13 +117,13 @@ def load(ln: MegatronLearner, path: Path) -> dict[str, Any]:
     except (KeyError, TypeError, ValueError) as e:
         raise LearnerError(f"{path}: bad optimizer config in meta.json: {e}") from None
     saved = load_file(str(rank_file))
-    ln._load_local({k[6:]: v for k, v in saved.items() if k.startswith("model/")}, str(rank_file))
+    ln.load_local({k[6:]: v for k, v in saved.items() if k.startswith("model/")}, str(rank_file))
     ln.config = config
-    ln._optimizer = ln._make_optimizer()
+    ln.optimizer = ln.make_optimizer()
     named = dict(ln.model.named_parameters())
-    if ln._cuda:
+    if ln.on_cuda:
         stepped = any(k.startswith("opt") and k.endswith("/exp_avg") for k in saved)
-        for k, opt in enumerate(ln._chained()):
+        for k, opt in enumerate(ln.chained_optimizers()):
             if stepped and len(opt.optimizer.state) == 0:  # allocate Adam moments to copy into
                 opt._init_optimizer_states_with_dummy_values()
             for name, p in named.items():
@@ -139,7 +139,7 @@ def load(ln: MegatronLearner, path: Path) -> dict[str, Any]:
             tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
         torch.cuda.set_rng_state(saved["rng/cuda"], ln.device)
     else:
-        index = {id(p): i for i, p in enumerate(p for g in ln._optimizer.param_groups for p in g["params"])}
+        index = {id(p): i for i, p in enumerate(p for g in ln.optimizer.param_groups for p in g["params"])}
         state: dict[int, dict[str, torch.Tensor]] = {}
         for key, v in saved.items():
             if key.startswith("opt/"):
@@ -147,11 +147,11 @@ def load(ln: MegatronLearner, path: Path) -> dict[str, Any]:
                 if name not in named:
                     raise LearnerError(f"{rank_file}: optimizer state for unknown parameter {name!r}")
                 state.setdefault(index[id(named[name])], {})[field] = v
-        sd = ln._optimizer.state_dict()
+        sd = ln.optimizer.state_dict()
         sd["state"] = state
-        ln._optimizer.load_state_dict(sd)
+        ln.optimizer.load_state_dict(sd)
     torch.set_rng_state(saved["rng/cpu"])
-    ln._step, ln._version = step, version
+    ln.restore_counters(step, version)
     return meta.get("extra") or {}
 
 

@@ -159,20 +159,20 @@ class MegatronLearner(Counters):
         self.config, self.options = config, options
         if config.threads:
             torch.set_num_threads(config.threads)
-        self._cuda = (config.device == "auto" and torch.cuda.is_available()) or config.device.startswith("cuda")
-        if self._cuda and not torch.cuda.is_available():
+        self.on_cuda = (config.device == "auto" and torch.cuda.is_available()) or config.device.startswith("cuda")
+        if self.on_cuda and not torch.cuda.is_available():
             raise LearnerError(f"device={config.device!r} but torch sees no CUDA device")
-        if self._cuda:
+        if self.on_cuda:
             index = int(config.device.split(":")[1]) if ":" in config.device else int(os.environ.get("LOCAL_RANK", 0))
             self.device = torch.device("cuda", index)
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-        self.dtype = {"auto": torch.bfloat16 if self._cuda else torch.float32,
+        self.dtype = {"auto": torch.bfloat16 if self.on_cuda else torch.float32,
                       "float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
-        if not self._cuda and self.dtype != torch.float32:
+        if not self.on_cuda and self.dtype != torch.float32:
             raise LearnerError("the Megatron learner on CPU trains in float32 only")
-        if not self._cuda and options.pipeline_parallel > 1:
+        if not self.on_cuda and options.pipeline_parallel > 1:
             raise LearnerError("pipeline parallelism needs CUDA (megatron's schedules are CUDA-only)")
         try:
             self.arch.check_tp(options.tensor_parallel)
@@ -202,11 +202,11 @@ class MegatronLearner(Counters):
         per_stage = self.arch.num_layers // self.pp
         self._layers = range(self.pp_rank * per_stage, (self.pp_rank + 1) * per_stage)
         torch.manual_seed(config.seed)
-        if self._cuda:
+        if self.on_cuda:
             tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
         try:
             self.tf_config = transformer_config(self.arch, tp=self.tp, pp=self.pp, dtype=self.dtype,
-                                                cpu_init=not self._cuda, recompute=config.gradient_checkpointing)
+                                                cpu_init=not self.on_cuda, recompute=config.gradient_checkpointing)
         except ValueError as e:
             raise LearnerError(str(e)) from None
         self.model = build_gpt(self.arch, self.tf_config, self.attention, pre_process=self.pre, post_process=self.post)
@@ -219,7 +219,7 @@ class MegatronLearner(Counters):
         self._step = 0
         self._version = 0
         self._ddp = None
-        if self._cuda:
+        if self.on_cuda:
             from megatron.core.distributed import (
                 DistributedDataParallel,
                 DistributedDataParallelConfig,
@@ -231,7 +231,7 @@ class MegatronLearner(Counters):
             self._ddp = DistributedDataParallel(config=self.tf_config, ddp_config=ddp_config, module=self.model)
             self.tf_config.no_sync_func = self._ddp.no_sync
             self.tf_config.finalize_model_grads_func = finalize_model_grads
-        self._optimizer = self._make_optimizer()
+        self.optimizer = self.make_optimizer()
 
     # -- setup ---------------------------------------------------------------------------------
     def _init_parallel(self) -> tuple[bool, bool]:
@@ -239,7 +239,7 @@ class MegatronLearner(Counters):
         opts = self.options
         timeout = timedelta(seconds=opts.timeout_s)
         if not dist.is_initialized():
-            backend = "nccl" if self._cuda else "gloo"
+            backend = "nccl" if self.on_cuda else "gloo"
             if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:  # launched by torchrun
                 dist.init_process_group(backend, timeout=timeout)
             else:
@@ -288,9 +288,9 @@ class MegatronLearner(Counters):
             state = self._stage_state(_HFFolder(self.hf_dir))
         except (ConversionError, KeyError) as e:
             raise LearnerError(f"{self.hf_dir}: {e}") from None
-        self._load_local(state, f"{self.hf_dir}")
+        self.load_local(state, f"{self.hf_dir}")
 
-    def _load_local(self, state: Mapping[str, torch.Tensor], where: str) -> None:
+    def load_local(self, state: Mapping[str, torch.Tensor], where: str) -> None:
         params = dict(self.model.named_parameters())
         if set(state) != set(params):
             raise LearnerError(f"{where}: tensors do not match the model (missing {sorted(set(params) - set(state))[:3]}, "
@@ -306,9 +306,9 @@ class MegatronLearner(Counters):
         return self.arch.vocab_size
 
     # -- optimizer -----------------------------------------------------------------------------
-    def _make_optimizer(self):
+    def make_optimizer(self):
         c = self.config
-        if self._cuda:
+        if self.on_cuda:
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
             oc = OptimizerConfig(
@@ -330,7 +330,7 @@ class MegatronLearner(Counters):
         self._step = 0
         if self._ddp is not None:
             self._ddp.zero_grad_buffer()
-        self._optimizer = self._make_optimizer()
+        self.optimizer = self.make_optimizer()
 
     # -- inputs --------------------------------------------------------------------------------
     def _check(self, episodes: Sequence[Episode], *, train: bool) -> list[np.ndarray]:
@@ -409,7 +409,7 @@ class MegatronLearner(Counters):
 
     def _run(self, mbs: list[_Micro], loss_of: Callable[[_Micro, torch.Tensor], torch.Tensor], *, train: bool) -> None:
         """Forward (and backward) over this rank's micro-batches; gradients accumulate."""
-        if not self._cuda:
+        if not self.on_cuda:
             for mb in mbs:
                 out, loss_func = self._forward_step(loss_of, 1.0, iter([mb]), self.model)
                 loss = loss_func(out)[0]
@@ -471,17 +471,17 @@ class MegatronLearner(Counters):
         self.model.train()
         lr = lr_at(self.config, self._step)
         self._zero_grad()
-        if self._cuda:
+        if self.on_cuda:
             self._run(mbs, loss_of, train=True)
-            self._optimizer.prepare_grads()
-            grad_norm = float(self._optimizer.get_grad_norm())
+            self.optimizer.prepare_grads()
+            grad_norm = float(self.optimizer.get_grad_norm())
             if not math.isfinite(grad_norm):
                 self._zero_grad()
                 raise LearnerError(f"non-finite gradient norm ({grad_norm}); step skipped, weights unchanged")
-            for g in self._optimizer.param_groups:
+            for g in self.optimizer.param_groups:
                 g["lr"] = lr * g.get("lr_mult", 1.0)
                 g["weight_decay"] = self.config.weight_decay * g.get("wd_mult", 1.0)
-            ok, _, _ = self._optimizer.step()
+            ok, _, _ = self.optimizer.step()
             if not ok:
                 raise LearnerError("megatron's optimizer skipped the step")
             torch.cuda.synchronize(self.device)
@@ -495,9 +495,9 @@ class MegatronLearner(Counters):
             if not math.isfinite(grad_norm):
                 self._zero_grad()
                 raise LearnerError(f"non-finite gradient norm ({grad_norm}); step skipped, weights unchanged")
-            for g in self._optimizer.param_groups:
+            for g in self.optimizer.param_groups:
                 g["lr"] = lr
-            self._optimizer.step()
+            self.optimizer.step()
             self._zero_grad()
         self._step += 1
         self._version += 1
@@ -605,7 +605,7 @@ class MegatronLearner(Counters):
         self._zero_grad()
         self._run(mbs, loss_of, train=True)
         params = dict(self.model.named_parameters())
-        local = {n: (p.main_grad if self._cuda else p.grad) for n, p in params.items()}
+        local = {n: (p.main_grad if self.on_cuda else p.grad) for n, p in params.items()}
         local = {n: (g.detach().float() if g is not None else torch.zeros_like(params[n], dtype=torch.float32))
                  for n, g in local.items()}
         grads = self._gather_hf(local)
@@ -613,20 +613,20 @@ class MegatronLearner(Counters):
         return finish(), {k: v.cpu() for k, v in grads.items()}
 
     def _zero_grad(self) -> None:
-        if self._cuda:
+        if self.on_cuda:
             self._ddp.zero_grad_buffer()
-            self._optimizer.zero_grad()
+            self.optimizer.zero_grad()
         else:
-            self._optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=True)
 
     # -- weights -------------------------------------------------------------------------------
-    def _chained(self) -> list:
-        return list(getattr(self._optimizer, "chained_optimizers", [self._optimizer]))
+    def chained_optimizers(self) -> list:
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
     def _master(self) -> dict[str, torch.Tensor]:
         """This rank's parameters (stage-local Megatron names) in float32, from the master copy."""
         params = dict(self.model.named_parameters())
-        if not self._cuda:
+        if not self.on_cuda:
             return {n: p.detach() for n, p in params.items()}
         # The distributed optimizer holds each parameter's float32 master in slices over the
         # data-parallel ranks; every rank writes its slice and a sum assembles the whole.
@@ -634,7 +634,7 @@ class MegatronLearner(Counters):
         dp_group = mpu.get_data_parallel_group()
         for name, p in params.items():
             full = torch.zeros(p.numel(), dtype=torch.float32, device=self.device)
-            for opt in self._chained():
+            for opt in self.chained_optimizers():
                 if p in getattr(opt, "model_param_group_index_map", {}):
                     main = opt._get_main_param_and_optimizer_states(p)["param"]
                     rng = opt._get_model_param_range_map(p)["param"]
@@ -693,6 +693,10 @@ class MegatronLearner(Counters):
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         return checkpoint.load(self, Path(path))
+
+    def restore_counters(self, step: int, version: int) -> None:
+        """Set :attr:`step` and :attr:`version` to a checkpoint's (``checkpoint.load``)."""
+        self._step, self._version = step, version
 
 
 def _mark_tensor_parallel(model: torch.nn.Module) -> None:

@@ -8,10 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from stoa import _blas
+from stoa import blas
 from stoa.backends.engine import EngineConfig
 
-_blas.load_openblas()  # before mlx loads: bind its BLAS calls to OpenBLAS, not the bundled reference BLAS
+blas.load_openblas()  # before mlx loads: bind its BLAS calls to OpenBLAS, not the bundled reference BLAS
 
 from stoa.backends.mlx.engine import MODES, MLXEngine, resolve_mode  # noqa: E402
 

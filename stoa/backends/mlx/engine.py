@@ -126,6 +126,12 @@ class MLXEngine:
         return dict(self._built)
 
     @property
+    def body(self) -> Any:
+        """The model up to its output head (the whole model when the head is not split off): what
+        a prefill runs without computing logits."""
+        return self._body
+
+    @property
     def tokenizer(self) -> Any:
         return self._tok
 
@@ -215,7 +221,7 @@ class MLXEngine:
         return self._stop_cache[stops]
 
     # -- generation -----------------------------------------------------------------------------
-    def _sample(self, logits: mx.array, u: np.ndarray, s: SamplingConfig) -> tuple[np.ndarray, np.ndarray]:
+    def sample_tokens(self, logits: mx.array, u: np.ndarray, s: SamplingConfig) -> tuple[np.ndarray, np.ndarray]:
         """Tokens and behaviour log-probs for logits ``[B, V]`` (see :mod:`stoa.backends.mlx.sampling`)."""
         where = self.config.sampler
         if where == "device" or (where == "auto" and mx.metal.is_available()):

@@ -174,7 +174,7 @@ class Cohort:
                 feeds.append(ep.feed)
             expand.append(slot[k])
         n_new = len(feeds) - len(moving)
-        layers = len(self.e._model.layers)
+        layers = len(self.e.mlx_model.layers)
         cache = self.moving_cache
         if n_new:
             empty = [BatchKVCache([0] * n_new) for _ in range(layers)]
@@ -192,7 +192,7 @@ class Cohort:
                     c.prepare(right_padding=pads)
             step = self.cfg.prefill_chunk
             for a in range(0, width, step):
-                self.e._body(x[:, a:a + step], cache=cache)
+                self.e.body(x[:, a:a + step], cache=cache)
                 mx.eval([c.state for c in cache])
             if max(pads):
                 for c in cache:
@@ -219,9 +219,9 @@ class Cohort:
     def _decode(self) -> None:
         rows, s, e = self.rows, self.s, self.e
         x = mx.array([ep.pending for ep in rows], dtype=mx.int32)[:, None]
-        logits = e._model(x, cache=self.cache)[:, -1, :]
+        logits = e.mlx_model(x, cache=self.cache)[:, -1, :]
         u = uniforms(np.array([ep.key for ep in rows], np.uint64), np.array([ep.length for ep in rows], np.int64))
-        toks, lps = e._sample(logits, u, s)
+        toks, lps = e.sample_tokens(logits, u, s)
         self.stats.decode_steps += 1
         keep, move = [], []
         for i, ep in enumerate(rows):

@@ -52,7 +52,7 @@ def batch_problem(episodes: Sequence[Episode], *, temperature: float, top_p: flo
         if not (math.isfinite(r) and abs(r) <= _F32_MAX):
             return f"{where}: reward {r!r} is not finite in float32"
         if not lo <= r <= hi:
-            return f"{where}: reward {r!r} is outside trainer.reward_range [{lo}, {hi}]"
+            return f"{where}: reward {r!r} is outside trust.reward_range [{lo}, {hi}]"
         why = metric_problem(ep.metrics, types)
         if why:
             return f"{where}: {why}"

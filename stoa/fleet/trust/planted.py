@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from stoa.fleet.trust.gate import WorkerRecord
+    from stoa.fleet.trust.records import WorkerRecord
     from stoa.transport.exchange import Rejection
 
 __all__ = ["count_planted"]

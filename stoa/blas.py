@@ -40,7 +40,7 @@ def load_openblas() -> str | None:
         return None
     if "mlx.core" in sys.modules:
         warnings.warn("mlx was imported before stoa.backends.mlx: it keeps its slow reference BLAS in this "
-                      "process (import stoa.backends.mlx first, or call stoa._blas.load_openblas())", stacklevel=3)
+                      "process (import stoa.backends.mlx first, or call stoa.blas.load_openblas())", stacklevel=3)
         return None
     ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
     _loaded = lib

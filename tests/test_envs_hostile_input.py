@@ -1,4 +1,4 @@
-"""Hostile input to the search environments (issue 12, item 8).
+"""Hostile input to the search environments.
 
 The retriever server is started for real on 127.0.0.1 port 0 and spoken to over sockets: slow and
 trickling clients, a full connection table, oversized bodies, huge ``topk``, answers that would be

@@ -22,7 +22,7 @@ from stoa.transport.exchange import (
 from stoa.transport.signing import SignatureError, generate_private_key, read_signed, sign_document
 from stoa.transport.store import LocalStore, StoreError, validate_key
 from stoa.types import Limits
-from test_chain_hardening import CountingStore, plant
+from test_chain_hostile_store import CountingStore, plant
 from test_exchange import RUN, episodes
 
 
@@ -299,36 +299,6 @@ def test_a_poll_holds_at_most_its_decoded_budget(tmp_path):
     small = RolloutReader(store, RUN, poll_limits=PollLimits(max_decoded_bytes=1 << 20))
     small.restore(reader.state())
     assert small.poll() == [] and small.last_report.rejected[0].category == "size"
-
-
-def test_copies_of_a_group_under_one_key_are_not_trained_twice(tmp_path):
-    """Attack: one key uploads two copies of an honest group (ids rewritten, each copy in a
-    different batch). Old code returned both; now both copies go to quarantine and the honest
-    original is returned."""
-    store = LocalStore(tmp_path)
-    honest = RolloutWriter(store, RUN, "honest", private_key=generate_private_key())
-    mallory = RolloutWriter(store, RUN, "mallory", private_key=generate_private_key())
-    group = episodes("honest", 1, tag=7)
-    honest.upload(group, 1)
-
-    def copy(eps, gid):
-        out = []
-        for e in eps:
-            c = type(e)(**{**e.__dict__})
-            c.worker_id, c.group_id = "mallory", gid
-            out.append(c)
-        return out
-
-    mallory.upload(copy(group, "x1"), 1)
-    mallory.upload(copy(group, "x2") + episodes("mallory", 1, tag=8), 1)
-    reader = RolloutReader(store, RUN, require_seal=True, max_hashes=100)
-    got = reader.poll()
-    assert [b.worker_id for b in got] == ["honest"]
-    dup = [r for r in reader.last_report.rejected if r.category == "duplicate"]
-    assert sorted(r.worker_id for r in dup) == ["mallory", "mallory"] and all(r.key_id for r in dup)
-    # A third copy in a later poll is refused too.
-    mallory.upload(copy(group, "x3"), 1)
-    assert reader.poll() == [] and reader.last_report.rejected[0].category == "duplicate"
 
 
 def test_heartbeats_are_read_with_a_size_cap(tmp_path):

@@ -1,0 +1,298 @@
+"""The :class:`Intake`: polls the store, checks what came, pools it, and refuses in one way.
+
+Every refusal, the reader's included, goes through :meth:`Intake.reject`, which quarantines the
+object in the store (so a restart never retries it), counts it against its sender's key
+(strikes, bans), writes the ledger and emits an event row, together.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from stoa.fleet.intake.copies import Copies
+from stoa.fleet.intake.pool import Pool, Taken
+from stoa.fleet.trust import FloatScorer, Ledger, TrustGate, batch_problem, scoped
+from stoa.fleet.trust.assign import Assignment, assignment, assignment_problem
+from stoa.transport.exchange import Batch, Rejection, RolloutReader, write_progress
+from stoa.transport.sequence import write_floors
+from stoa.transport.store import StoreError
+
+if TYPE_CHECKING:
+    from stoa.fleet.config import RunConfig
+    from stoa.fleet.policies import HeldPolicies
+    from stoa.transport.identity import BatchSeal
+    from stoa.transport.store import ObjectStore
+    from stoa.types import Category, Episode
+
+__all__ = ["Intake", "IntakeCounters"]
+
+log = logging.getLogger("stoa.trainer")
+
+_PROGRESS_EVERY_S = 5.0
+_NEWCOMER_BACKLOG = 64
+"""Newcomers' batches kept waiting per allowed batch (``trust.newcomers_per_poll``)."""
+
+
+@dataclass
+class IntakeCounters:
+    dropped_stale_groups: int = 0
+    dropped_reused_groups: int = 0
+    dropped_malformed_groups: int = 0
+    future_version_batches: int = 0
+    rejected_batches: int = 0
+    """Decoded batches refused (the reader's refusals of undecodable objects are counted in its
+    ``quarantined``)."""
+
+
+class Intake:
+    """Reads, checks and pools the fleet's batches for one trainer (see ``docs/architecture.md``).
+
+    Args:
+        cfg: the run config (``[rollout]`` sampling settings, ``[trainer]`` gates, ``[trust]``).
+        store, private_key: the fleet's store and the run's signing key (roster, progress, reports).
+        vocab_size: every token id must lie below it (the learner's).
+        metric_types: the task's declared metric types (``TextEnv.metric_types``).
+        ledger: the trainer's ledger.
+        float_scorer: the learner (the audit's log pi and its floor; finds the batch to blame
+            when a step fails).
+        int8: the held int8 policies (spot-checks; replay's text codec).
+        make_env: builds the run's training environment (replay).
+        event: called with an event row's fields for every refusal and ban (the metrics log).
+        roster_copy: where the gate keeps the newest roster it has seen (see :class:`TrustGate`).
+    """
+
+    def __init__(self, cfg: RunConfig, store: ObjectStore, private_key: Any, *, vocab_size: int,
+                 metric_types: dict[str, Any], ledger: Ledger, float_scorer: FloatScorer, int8: HeldPolicies | None,
+                 make_env: Callable[[], Any], event: Callable[..., Any] = lambda **_: None,
+                 roster_copy: Path | None = None):
+        from stoa.fleet.trust.replay import Replayer
+
+        self.cfg, self.store, self.key = cfg, store, private_key
+        self.metric_types, self.ledger, self.float_scorer, self.event = metric_types, ledger, float_scorer, event
+        rc = cfg.rollout
+        replayer = (Replayer(make_env, int8.codec, max_turn_tokens=rc.max_turn_tokens,
+                             max_episode_tokens=rc.max_episode_tokens) if cfg.trust.replay and int8 else None)
+        self.n_items = len(make_env().unwrapped)
+        self.gate = TrustGate(cfg.trust, store, cfg.name, private_key, ledger=ledger, replayer=replayer,
+                              float_scorer=float_scorer, int8=int8, assign=self.assigned, roster_copy=roster_copy)
+        self.gate.refresh(force=True)
+        self.reader = RolloutReader(store, cfg.name, vocab_size=vocab_size, screen=self._screen, hand_back=True)
+        self.copies = Copies(cfg.trust.max_hashes)
+        self.pool = Pool()
+        self.waiting: list[Batch] = []  # newcomers' batches past this poll's quota (trust.newcomers_per_poll)
+        self.used_groups: set[str] = set()
+        self.counters = IntakeCounters()
+        self._progress_written = 0.0
+
+    # -- the verbs ---------------------------------------------------------------------------------
+    def take(self, version: int) -> Taken | None:
+        """Poll the store, check what came, and return ``trainer.groups_per_step`` eligible groups
+        (oldest first), or None while there are not enough yet."""
+        self._poll(version)
+        tc = self.cfg.trainer
+        taken, dropped = self.pool.choose(version, tc.groups_per_step, self.cfg.rollout.group_size, tc.max_lag,
+                                          self.gate.max_groups(tc.groups_per_step), self.used_groups)
+        self.counters.dropped_reused_groups += len(dropped["reused"])
+        self.counters.dropped_stale_groups += len(dropped["stale"])
+        self.counters.dropped_malformed_groups += len(dropped["malformed"])
+        if any(dropped.values()):
+            self.ledger.write(dropped={k: v for k, v in dropped.items() if v})
+        return taken
+
+    def settle(self, taken: Taken, error: Exception | None = None) -> None:
+        """After the learner's step over ``taken``: with no ``error`` its groups are used and its
+        senders credited; with one, the batches whose episodes the learner cannot take are
+        refused and the other groups go back to the pool (if no batch alone fails, every batch
+        of the step is refused)."""
+        if error is None:
+            for batch, g in zip(taken.batches, taken.groups):
+                self.used_groups.add(g[0].group_id)
+                self.gate.trained(batch, len(g))
+            return
+        by_batch: dict[str, tuple[Batch, list[list[Episode]]]] = {}
+        for batch, g in zip(taken.batches, taken.groups):
+            by_batch.setdefault(batch.key, (batch, []))[1].append(g)
+        guilty = []
+        for batch, groups in by_batch.values():
+            try:
+                lps = self.float_scorer.logprobs([e for g in groups for e in g])
+                if not all(np.isfinite(lp).all() for lp in lps):
+                    raise ValueError("non-finite trainer log-probs")
+            except Exception as e:
+                guilty.append((batch, f"the learner cannot take it: {type(e).__name__}: {e}"))
+        if not guilty:
+            guilty = [(b, f"a learner step over this and {len(by_batch) - 1} other batch(es) failed: "
+                          f"{type(error).__name__}: {error}") for b, _ in by_batch.values()]
+        for batch, reason in guilty:
+            self.pool.remove(batch.key)
+            self.reject(batch, reason[:2000])
+        self.pool.put_back(taken, [b.key for b, _ in guilty])
+
+    def reject(self, item: Batch | Rejection, reason: str = "", category: Category = "invalid") -> None:
+        """Refuse a batch, or an object the reader refused, everywhere at once: quarantine (a
+        restart never retries it), the sender's record (strikes, bans), the ledger and an event
+        row. A reader's refusal carries its own reason and category (``reason`` and ``category``
+        are for a batch)."""
+        if isinstance(item, Rejection):
+            reason, category = item.reason, item.category  # type: ignore[assignment]
+            kid, worker, episodes = item.key_id or "", item.worker_id or "", 0
+        else:
+            kid, worker, episodes = item.key_id, item.worker_id, len(item.episodes)
+        if not self.reader.quarantine(item, reason):
+            return  # it stays in the store; the next poll meets it again
+        if isinstance(item, Batch):
+            self.counters.rejected_batches += 1
+        self.gate.reject(kid, worker, category, reason, episodes)
+        self.ledger.write(rejected=item.key, category=category, reason=reason[:500])
+        self.event(event="rejected", batch=item.key, worker=worker, key_id=kid, category=category,
+                   reason=reason[:500])
+        log.warning("quarantined %s: %s", item.key, reason)
+
+    def assigned(self, batch: Batch) -> Assignment:
+        """The work ``batch`` owes: its sealing key's assignment for its sequence number."""
+        rc = self.cfg.rollout
+        return assignment(self.cfg.seed, batch.key_id, batch.seq, self.n_items, rc.groups_per_cohort)
+
+    def calibrate(self, episodes: list[Episode]) -> float | None:
+        """Set the audit's int8-versus-float floor from the trainer's own int8 ``episodes`` (scored
+        here by the learner they were quantized from) when the audit needs one; returns it, or
+        None when nothing was set."""
+        if not self.cfg.trust.audit.enabled or self.gate.audit.floor is not None:
+            return None
+        return self.gate.calibrate(episodes, self.float_scorer.logprobs(episodes, temperature=None))
+
+    # -- polling and checks ------------------------------------------------------------------------
+    def _screen(self, seal: BatchSeal | None) -> tuple[Category, str] | None:
+        """The reader's refusal of an object before it is decoded: unsealed, or a key the roster refuses."""
+        if seal is None:
+            return "unsigned", "unsigned batch: this run takes only batches sealed with a worker key"
+        why = self.gate.admit(seal)
+        return None if why is None else ("refused", why)
+
+    def _poll(self, version: int) -> None:
+        self.gate.refresh()
+        batches = self.reader.poll()
+        for refused in self.reader.last_report.rejected:
+            self.reject(refused)
+        self.gate.planted(self.reader.last_report.rejected)
+        batches, copies = self.copies.sift(batches)
+        for batch, why in copies:
+            self.reject(batch, why, "duplicate")
+        self._write_progress(bool(batches))
+        admitted = [b for b in batches if self._bounded(b, version)]
+        admitted = self._newcomers(admitted, version)
+        for batch, verdict in zip(admitted, self.gate.review(admitted, version)):
+            if verdict is not None:
+                self.reject(batch, verdict.reason, verdict.category)
+            else:
+                self.pool.add(batch)
+        for kid, worker, reason in self.gate.take_new_bans():  # a banned key's queued batches are never trained on
+            self.event(event="banned", key_id=kid, worker=worker, reason=reason[:500])
+            for batch in self.pool.of_key(kid):
+                self.pool.remove(batch.key)
+                self.reject(batch, f"worker key {kid} was banned: {reason[:300]}", "banned")
+
+    def _write_progress(self, fresh: bool) -> None:
+        """What was taken, per worker (signed): workers throttle on it (rollout.max_outstanding) and
+        wait while it is missing, so it is rewritten every few seconds even when nothing came."""
+        if fresh or time.time() - self._progress_written > _PROGRESS_EVERY_S:
+            try:
+                write_progress(self.store, self.cfg.name, self.reader.progress(), self.key)
+                write_floors(self.store, self.cfg.name, self.reader.next_numbers(), self.key)  # no number reused
+                self._progress_written = time.time()
+            except StoreError as e:
+                log.warning("could not write the progress document (%s); will retry", e)
+
+    def _bounded(self, batch: Batch, version: int) -> bool:
+        """Whether ``batch`` keeps to the run's own bounds (version, staleness, sampling settings,
+        rewards, metrics, task, assigned work); a batch that does not is refused or dropped here."""
+        cfg = self.cfg
+        self.gate.saw(batch.key_id, batch.worker_id, batch.seq)  # every number that came counts, whatever its fate
+        if batch.version > version:  # not a strike: a tampered store can show a label the trainer never reached
+            self.reject(batch, f"policy version {batch.version} is newer than the trainer's "
+                               f"{version}: not produced by this run's weights", "future")
+            self.counters.future_version_batches += 1
+            return False
+        if self._stale(batch, version):  # never trained: dropped before any check
+            return False
+        category: Category = "invalid"
+        try:
+            why = batch_problem(batch.episodes, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                group_size=cfg.rollout.group_size, reward_range=cfg.trust.reward_range,
+                                env_id=cfg.env.id, metric_types=self.metric_types)
+            if why is None and batch.key_id:
+                why = assignment_problem(batch.episodes, self.assigned(batch), cfg.rollout.group_size)
+                category = "assignment"
+        except Exception as e:  # whatever a stranger's batch breaks, it is the batch's fault
+            why, category = f"checking the batch failed: {type(e).__name__}: {e}", "invalid"
+        if why:
+            self.reject(batch, why if category == "invalid" else f"not the assigned work: {why}", category)
+            return False
+        return True
+
+    def _newcomers(self, batches: list[Batch], version: int) -> list[Batch]:
+        """``batches`` and the waiting ones, less the newcomers' batches past this poll's quota
+        (:meth:`TrustGate.pace_newcomers`), which wait for a later poll: at most 64 per allowed
+        batch, the newest versions kept (the others are refused, not struck)."""
+        now, wait = self.gate.pace_newcomers([b for b in self.waiting if not self._stale(b, version)] + batches)
+        cap = _NEWCOMER_BACKLOG * self.cfg.trust.newcomers_per_poll
+        wait.sort(key=lambda b: b.version)
+        for b in wait[:-cap] if len(wait) > cap else []:
+            self.reject(b, f"more than {cap} batches from keys without accepted work are waiting; this one is "
+                           "refused (trust.newcomers_per_poll)", "refused")
+        self.waiting = wait[-cap:]
+        return now
+
+    def _stale(self, batch: Batch, version: int) -> bool:
+        """Whether ``batch`` is more than ``trainer.max_lag`` versions behind ``version``; if so its
+        groups are counted and written to the ledger as dropped (stale)."""
+        if version - batch.version <= self.cfg.trainer.max_lag:
+            return False
+        stale = sorted({scoped(batch.key_id, e.group_id) for e in batch.episodes})
+        self.counters.dropped_stale_groups += len(stale)
+        self.ledger.write(dropped={"stale": stale})
+        return True
+
+    # -- reports -----------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        """``dropped/...`` and ``trust/...`` figures for the trainer's rows (cumulative)."""
+        c = self.counters
+        return {"dropped/stale_groups": c.dropped_stale_groups, "dropped/reused_groups": c.dropped_reused_groups,
+                "dropped/quarantined_batches": self.reader.quarantined, "dropped/rejected_batches": c.rejected_batches,
+                **self.gate.metrics()}
+
+    def report(self, version: int, force: bool = False) -> None:
+        """Put the signed per-worker report (``<run>/trust.json``) that ``stoa status`` shows (at
+        most every 2 s unless ``force``)."""
+        self.gate.write_report(version, force=force)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """JSON-ready state for a checkpoint: pooled and waiting batches stay unconsumed, so a
+        restart from it delivers them again (:meth:`RolloutReader.state`)."""
+        pending = self.pool.batches() + self.waiting
+        waiting_groups = self.pool.waiting_groups()
+        pending_used = sorted(gid for b in self.pool.batches() for gid in {scoped(b.key_id, e.group_id)
+                                                                           for e in b.episodes}
+                              if gid in self.used_groups and gid not in waiting_groups)
+        return {"reader": self.reader.state(pending=pending), "hashes": self.copies.state(pending),
+                "used_groups": pending_used, "counters": asdict(self.counters), "trust": self.gate.state()}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.reader.restore(state["reader"])
+        self.copies.restore(state.get("hashes", state["reader"].get("hashes", [])))  # older states keep them there
+        self.used_groups = set(state["used_groups"])
+        self.counters = IntakeCounters(**state["counters"])
+        if state.get("trust"):
+            self.gate.restore(state["trust"])
+
+    def prune(self, state: dict[str, Any]) -> None:
+        """Delete consumed batches that ``state`` (a checkpoint's) no longer needs from the store."""
+        self.reader.prune(state["reader"])

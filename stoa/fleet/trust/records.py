@@ -1,0 +1,307 @@
+"""What the trainer knows of each worker key, and the signed report it publishes of it.
+
+:class:`Records` holds one :class:`WorkerRecord` per key (batches accepted and rejected by
+:data:`~stoa.types.Category`, episodes trained, strikes, spot-checks, ban, sequence numbers seen)
+and per-worker counts of refusals whose sender is unknown. A key is due a ban after
+``trust.ban_after`` strikes (:data:`STRIKE_CATEGORIES`). :class:`TrustReport` is
+``<run>/trust.json``: written by the trainer, and read through :func:`read_trust_report` by the
+worker, ``stoa status`` and the launcher's summary.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+from stoa.transport import layout
+from stoa.transport.signing import read_signed
+from stoa.transport.store import ObjectStore
+from stoa.types import Category
+
+__all__ = ["STRIKE_CATEGORIES", "REPORT_KIND", "Records", "TrustReport", "WorkerRecord", "WorkerReport",
+           "read_trust_report"]
+
+STRIKE_CATEGORIES: frozenset[Category] = frozenset({"replay", "duplicate", "invalid", "audit", "sampling",
+                                                    "assignment"})
+"""Rejections that count toward ``ban_after``: the sender is known and the content is its fault. A
+refused key (not enrolled yet, banned, impersonating) is not struck: its batches are never read."""
+REPORT_KIND = "trust-report"
+MAX_RECORDS = 8192
+"""Records beyond this: those of keys with no accepted batch and no ban, seen longest ago, are
+forgotten (a throwaway key's record is a few hundred bytes; a flood of them must stay bounded)."""
+_MAX_REPORT_WORKERS = 2048
+_RIPE_SEQS = 8  # sequence numbers a key shows before its withholding rate is judged
+
+
+@dataclass
+class WorkerRecord:
+    """What the trainer knows of one worker key."""
+
+    worker_id: str
+    accepted_batches: int = 0
+    accepted_episodes: int = 0
+    trained_episodes: int = 0
+    rejected_batches: int = 0
+    rejected_episodes: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+    """Rejected batches by category (:data:`~stoa.types.Category`)."""
+    strikes: int = 0
+    """Rejections that count toward a ban (:data:`STRIKE_CATEGORIES`)."""
+    spot_checks: int = 0
+    spot_check_failures: int = 0
+    last_reason: str = ""
+    banned: str = ""
+    """Why the key is banned ("" if it is not)."""
+    last_seen: float = 0.0
+    last_accepted: float = 0.0
+    """When its last batch was accepted (0: never)."""
+    batches_seen: int = 0
+    """Batches of this key the intake read (any outcome)."""
+    max_seq: int = -1
+    """Its highest sequence number read."""
+    taken_by_others: int = 0
+    """Its worker id's numbers held by objects it did not seal (planted by others; not its gaps)."""
+
+    @property
+    def withheld(self) -> int:
+        """Sequence numbers up to :attr:`max_seq` of which no batch came (withheld, or lost in a
+        crash), less those :attr:`taken_by_others`."""
+        return max(0, self.max_seq + 1 - self.batches_seen - self.taken_by_others)
+
+
+class Records(dict[str, WorkerRecord]):
+    """Key id -> :class:`WorkerRecord`, plus :attr:`anonymous` (worker id -> rejections by
+    category, for refusals whose sender key is unknown).
+
+    Args:
+        ban_after: strikes after which a key is due a ban (0: never).
+    """
+
+    def __init__(self, ban_after: int):
+        super().__init__()
+        self.ban_after = ban_after
+        self.anonymous: dict[str, dict[str, int]] = {}
+
+    def touch(self, kid: str, worker_id: str) -> WorkerRecord:
+        """The record of ``kid`` (made on first sight), marked as seen now."""
+        rec = self.get(kid)
+        if rec is None:
+            rec = self[kid] = WorkerRecord(worker_id)
+        rec.last_seen = time.time()
+        return rec
+
+    def reject(self, kid: str, worker_id: str, category: Category, reason: str, episodes: int = 0) -> bool:
+        """Count a rejected batch against its sender; returns whether the key is now due a ban."""
+        if not kid:
+            per = self.anonymous.setdefault(worker_id or "?", {})
+            per[category] = per.get(category, 0) + 1
+            return False
+        rec = self.touch(kid, worker_id)
+        rec.rejected_batches += 1
+        rec.rejected_episodes += episodes
+        rec.rejected[category] = rec.rejected.get(category, 0) + 1
+        rec.last_reason = reason[:300]
+        if category in STRIKE_CATEGORIES:
+            rec.strikes += 1
+            return bool(self.ban_after) and rec.strikes >= self.ban_after and not rec.banned
+        return False
+
+    def accept(self, kid: str, worker_id: str, episodes: int) -> None:
+        rec = self.touch(kid, worker_id)
+        rec.accepted_batches += 1
+        rec.accepted_episodes += episodes
+        rec.last_accepted = time.time()
+
+    def saw(self, kid: str, worker_id: str, seq: int) -> None:
+        """A batch of ``kid`` with sequence number ``seq`` reached the intake (withholding accounting)."""
+        if kid:
+            rec = self.touch(kid, worker_id)
+            rec.batches_seen += 1
+            rec.max_seq = max(rec.max_seq, seq)
+
+    def banned(self, kid: str) -> str:
+        """Why ``kid`` is banned in the records ("" if it is not)."""
+        rec = self.get(kid)
+        return rec.banned if rec is not None else ""
+
+    def withholding(self, worker_mads: float) -> dict[str, tuple[float, bool]]:
+        """Per key ``(withheld rate, flagged)``: a key is flagged when its rate leaves the fleet's
+        range (median + ``worker_mads`` x max(MAD, 0.05)) over keys with 8 or more numbers.
+        A flag says "look", never "ban": a gap is also what a crash mid-cohort leaves."""
+        rates = {k: r.withheld / (r.max_seq + 1) for k, r in self.items() if r.max_seq >= 0}
+        ripe = [v for k, v in rates.items() if self[k].max_seq >= _RIPE_SEQS - 1]
+        if not ripe:
+            return {k: (v, False) for k, v in rates.items()}
+        med = float(np.median(ripe))
+        limit = med + worker_mads * max(float(np.median(np.abs(np.array(ripe) - med))), 0.05)
+        return {k: (v, self[k].max_seq >= _RIPE_SEQS - 1 and v > limit) for k, v in rates.items()}
+
+    def forget_strangers(self, keep: set[str]) -> list[str]:
+        """Keep at most :data:`MAX_RECORDS` records: forget keys that never had a batch accepted,
+        are not banned and not in ``keep``, seen longest ago first; returns the keys forgotten."""
+        limit = MAX_RECORDS
+        if len(self) <= limit:
+            return []
+        idle = sorted((r.last_seen, k) for k, r in self.items()
+                      if not r.accepted_batches and not r.banned and k not in keep)
+        gone = [k for _, k in idle[: len(self) - limit]]
+        for k in gone:
+            del self[k]
+        return gone
+
+    def metrics(self, worker_mads: float) -> dict[str, float]:
+        """``trust/...`` counts over every key (cumulative)."""
+        recs = self.values()
+        cats: dict[str, int] = {}
+        for d in [r.rejected for r in recs] + list(self.anonymous.values()):
+            for c, n in d.items():
+                cats[c] = cats.get(c, 0) + n
+        return {
+            "trust/workers": float(len(self)),
+            "trust/banned_workers": float(sum(bool(r.banned) for r in recs)),
+            "trust/withheld_batches": float(sum(r.withheld for r in recs)),
+            "trust/withholding_flagged": float(sum(f for _, f in self.withholding(worker_mads).values())),
+            "trust/accepted_batches": float(sum(r.accepted_batches for r in recs)),
+            "trust/rejected_batches": float(sum(r.rejected_batches for r in recs)
+                                            + sum(sum(d.values()) for d in self.anonymous.values())),
+            **{f"trust/rejected/{c}": float(n) for c, n in sorted(cats.items())},
+        }
+
+    def state(self) -> dict[str, Any]:
+        return {"records": {k: asdict(r) for k, r in self.items()}, "anonymous": self.anonymous}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.clear()
+        self.update({k: WorkerRecord(**r) for k, r in state.get("records", {}).items()})
+        self.anonymous = {w: dict(d) for w, d in state.get("anonymous", {}).items()}
+
+
+# -- the report -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """One key's line of the :class:`TrustReport`: its :class:`WorkerRecord`, its withholding and
+    its audit summary."""
+
+    worker_id: str = ""
+    accepted_batches: int = 0
+    accepted_episodes: int = 0
+    trained_episodes: int = 0
+    rejected_batches: int = 0
+    rejected_episodes: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+    strikes: int = 0
+    spot_checks: int = 0
+    spot_check_failures: int = 0
+    last_reason: str = ""
+    banned: str = ""
+    last_seen: float = 0.0
+    last_accepted: float = 0.0
+    batches_seen: int = 0
+    max_seq: int = -1
+    taken_by_others: int = 0
+    withheld: int = 0
+    withheld_rate: float = 0.0
+    withholding_flagged: bool = False
+    audit: dict[str, float] = field(default_factory=dict)
+
+
+def _fits(v: Any, default: Any) -> bool:
+    """Whether ``v`` has the type of ``default`` (None: a number or None; float admits int, never bool)."""
+    number = isinstance(v, (int, float)) and not isinstance(v, bool)
+    if default is None:
+        return v is None or number
+    if type(default) is float:
+        return number
+    return type(v) is type(default) if type(default) in (int, bool, str) else isinstance(v, type(default))
+
+
+def _typed(cls: type, data: Any, where: str) -> dict[str, Any]:
+    """``data``'s fields of dataclass ``cls``, checked against their defaults' types (missing:
+    the default; unknown: ignored). Raises ValueError."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} is not an object")
+    out = {}
+    for f in fields(cls):
+        if f.name in data:
+            v, default = data[f.name], f.default_factory() if callable(f.default_factory) else f.default
+            if not _fits(v, default):
+                raise ValueError(f"{where}.{f.name} is {type(v).__name__}, expected {type(default).__name__}")
+            out[f.name] = float(v) if type(default) is float else v
+    return out
+
+
+def _counts(d: Any, where: str) -> dict[str, int]:
+    if not isinstance(d, dict) or not all(isinstance(k, str) and type(n) is int for k, n in d.items()):
+        raise ValueError(f"{where} is not a map of counts")
+    return dict(d)
+
+
+@dataclass(frozen=True)
+class TrustReport:
+    """``<run>/trust.json``: the trainer's per-key records, signed with the run's key."""
+
+    run: str = ""
+    version: int = 0
+    time: float = 0.0
+    mode: str = ""
+    floor: float | None = None
+    """The audit's int8-versus-float floor (None until calibrated)."""
+    workers: dict[str, WorkerReport] = field(default_factory=dict)
+    """Key id -> its record."""
+    anonymous: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Worker id -> rejections by category, for objects whose sender key is unknown."""
+
+    @classmethod
+    def parse(cls, body: Any) -> TrustReport:
+        """The report in a document body; raises ValueError on a field of the wrong type."""
+        top = _typed(cls, body, "trust report")
+        workers = {}
+        for kid, w in (top.pop("workers", None) or {}).items():
+            one = _typed(WorkerReport, w, f"trust report worker {str(kid)[:20]!r}")
+            if "rejected" in one:
+                one["rejected"] = _counts(one["rejected"], "rejected")
+            workers[str(kid)] = WorkerReport(**one)
+        anonymous = {str(w): _counts(d, "anonymous") for w, d in (top.pop("anonymous", None) or {}).items()}
+        return cls(**top, workers=workers, anonymous=anonymous)
+
+    def to_body(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def build_report(run: str, version: int, mode: str, floor: float | None, records: Records,
+                 withholding: dict[str, tuple[float, bool]], audit: Any) -> TrustReport:
+    """The report of ``records`` (the keys seen most recently, at most 2,048)."""
+    recs = sorted(records.items(), key=lambda kv: -kv[1].last_seen)[:_MAX_REPORT_WORKERS]
+    workers = {}
+    for kid, r in sorted(recs):
+        rate, flagged = withholding.get(kid, (0.0, False))
+        workers[kid] = WorkerReport(**asdict(r), withheld=r.withheld, withheld_rate=round(rate, 4),
+                                    withholding_flagged=flagged, audit=audit.summary(kid))
+    return TrustReport(run, version, time.time(), mode, floor, workers,
+                       {w: d for w, d in list(records.anonymous.items())[:_MAX_REPORT_WORKERS]})
+
+
+def read_trust_report(store: ObjectStore, run: str, public_key: Any = None, *,
+                      max_bytes: int = 4 << 20) -> TrustReport | None:
+    """The trainer's per-worker report (verified when ``public_key`` is given), or None (missing,
+    or unverified and malformed). Raises ``SignatureError`` when a verified read fails."""
+    key = layout.trust_report(run)
+    if public_key is not None:
+        body = read_signed(store, key, REPORT_KIND, public_key, expect={"run": run}, max_bytes=max_bytes)
+    else:
+        try:
+            body = json.loads(json.loads(store.get(key, max_bytes=max_bytes))["body"])
+        except Exception:
+            return None
+    if body is None:
+        return None
+    try:
+        return TrustReport.parse(body)
+    except ValueError:
+        return None

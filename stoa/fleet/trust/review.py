@@ -1,0 +1,286 @@
+"""The trainer's review of an admitted batch's content: replay, log-prob audit, spot-checks and
+the sampling check. Each check returns a typed :class:`Verdict` (or None to pass) and changes
+nothing outside its own statistics; :class:`stoa.fleet.trust.gate.TrustGate` applies verdicts to
+the records and the roster.
+
+In the order a batch meets them:
+
+1. **Replay** (:mod:`stoa.fleet.trust.replay`): every episode re-played through the trainer's
+   own environment (tasks that declare ``replayable``).
+2. **Audit** (:mod:`stoa.fleet.trust.audit`): a sample of episodes scored by the learner (log pi
+   against the claimed log mu); a suspicious episode or key, or a random draw, triggers a
+   **spot-check** with the int8 policy of the claimed version (log-probs token by token and,
+   with assigned work, every token against the sampling rule's draw from the assigned seed).
+3. **Sampling check**: every batch with assigned work has ``audit.sampling_episodes`` random
+   episodes, and every episode whose tokens repeat another's, re-derived from the assigned seed.
+
+A confirmed forgery (a spot-check or the sampling check) is a verdict with ``ban=True``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from stoa.fleet.trust.audit import AuditConfig, LogprobAudit, episode_stats, spot_check
+from stoa.fleet.trust.replay import layout_digest
+from stoa.types import Category
+
+if TYPE_CHECKING:
+    from stoa.fleet.trust.assign import Assignment
+    from stoa.fleet.trust.replay import Replayer
+    from stoa.transport.exchange import Batch
+    from stoa.types import Episode
+
+__all__ = ["FloatScorer", "Int8Scorer", "Review", "Verdict", "distinct_rows", "sampling_pick"]
+
+log = logging.getLogger("stoa.trust")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Why a batch is refused."""
+
+    category: Category
+    reason: str
+    ban: bool = False
+    """A confirmed forgery: the sending key is banned at once (with ``reason``)."""
+
+
+class FloatScorer(Protocol):
+    """The trainer's float policy (a :class:`stoa.backends.learner.Learner` is one)."""
+
+    def logprobs(self, episodes: Sequence[Episode], temperature: float | None = 1.0, *,
+                 model_only: bool = False) -> list[np.ndarray]:
+        """Per-episode log-probs aligned with ``Episode.tokens()`` (``temperature=None``: each
+        episode's own; ``model_only``: model tokens only, 0 elsewhere)."""
+        ...
+
+
+class Int8Scorer(Protocol):
+    """The int8 policies workers sampled from (:class:`stoa.fleet.policies.HeldPolicies` is one)."""
+
+    def score(self, version: int, episodes: Sequence[Episode]) -> list[np.ndarray] | None:
+        """Prefill log-probs of ``version``'s int8 policy, aligned with ``Episode.tokens()``; None
+        when that version's weights are no longer held."""
+        ...
+
+    def sampling_margins(self, version: int, episodes: Sequence[Episode],
+                         seeds: Sequence[int]) -> list[np.ndarray] | None:
+        """``RolloutEngine.sampling_margins`` under ``version``'s int8 policy; None when not held."""
+        ...
+
+
+def _takes(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` accepts keyword ``name``."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def distinct_rows(eps: Sequence[Episode]) -> tuple[list[Episode], list[int]]:
+    """``(distinct, of)``: one episode per distinct (tokens, temperature), and the index in
+    ``distinct`` of each episode of ``eps`` (what the audit scores once)."""
+    row: dict[tuple[bytes, float], int] = {}
+    distinct: list[Episode] = []
+    of = []
+    for e in eps:
+        k = (layout_digest(e), float(e.temperature))
+        if k not in row:
+            row[k] = len(distinct)
+            distinct.append(e)
+        of.append(row[k])
+    return distinct, of
+
+
+def sampling_pick(eps: Sequence[Episode], rng: np.random.Generator, n_random: int) -> list[int]:
+    """Which episodes of a batch the sampling check re-derives: ``n_random`` drawn with ``rng``,
+    and every episode whose tokens repeat another's (a variant copy, or an honest
+    near-deterministic sample)."""
+    seen: dict[bytes, int] = {}
+    dup = []
+    for i, e in enumerate(eps):
+        d = layout_digest(e)
+        if d in seen:
+            dup += [seen[d], i]
+        seen.setdefault(d, i)
+    drawn = rng.permutation(len(eps))[:n_random].tolist()
+    return sorted(set(dup) | set(drawn))
+
+
+class Review:
+    """The content checks (see the module docstring) and their statistics.
+
+    Args:
+        cfg: ``[trust.audit]``.
+        replay: whether ``[trust] replay`` is on.
+        replayer, float_scorer, int8, assign, rng: as :class:`~stoa.fleet.trust.gate.TrustGate` takes them.
+    """
+
+    def __init__(self, cfg: AuditConfig, replay: bool, *, replayer: Replayer | None,
+                 float_scorer: FloatScorer | None, int8: Int8Scorer | None,
+                 assign: Callable[[Batch], Assignment] | None, rng: np.random.Generator):
+        self.cfg, self.rng, self.assign = cfg, rng, assign
+        self.audit = LogprobAudit(cfg)
+        self.seconds = {"replay": 0.0, "audit": 0.0, "spot_check": 0.0, "sampling": 0.0}
+        self.counts = {"spot_checks": 0, "episodes_replayed": 0, "episodes_audited": 0, "sampled_tokens_checked": 0,
+                       "sampled_tokens_ambiguous": 0, "sampling_violations": 0}
+        if replayer is not None and replay and not replayer.replayable:
+            log.warning("the task is not replayable (TextEnv.replayable = False): episodes are audited only")
+        self.replayer = replayer if replay and replayer is not None and replayer.replayable else None
+        self.float_scorer = float_scorer if cfg.enabled else None
+        self._model_only = self.float_scorer is not None and _takes(self.float_scorer.logprobs, "model_only")
+        self.int8 = int8 if cfg.enabled else None
+
+    def replay(self, b: Batch) -> Verdict | None:
+        """Replay's verdict on ``b`` (None also when replay is off)."""
+        return None if self.replayer is None else _guarded(self._replay, b)
+
+    def check(self, b: Batch, trainer_version: int) -> tuple[Verdict | None, bool]:
+        """``(verdict, spot_checked)``: the audit and the sampling check of ``b``, and whether a
+        spot-check was made (whatever its outcome)."""
+        verdict, spot = None, [False]
+        if self.float_scorer is not None:
+            verdict = _guarded(self._audit, b, trainer_version, spot)
+        if verdict is None and self.int8 is not None and self.assign is not None and b.key_id:
+            verdict = _guarded(self._draws, b)
+        return verdict, spot[0]
+
+    def _replay(self, b: Batch) -> Verdict | None:
+        t0 = time.perf_counter()
+        bad = self.replayer.check_all(b.episodes)  # type: ignore[union-attr]
+        self.seconds["replay"] += time.perf_counter() - t0
+        self.counts["episodes_replayed"] += len(b.episodes)
+        if not bad:
+            return None
+        i, why = bad[0]
+        ep = b.episodes[i]
+        return Verdict("replay", f"replay: {len(bad)} of {len(b.episodes)} episodes do not match the environment; "
+                                 f"episode {i} (group {ep.group_id[:48]!r}, item {ep.item_index}): {why}")
+
+    def _audit(self, b: Batch, trainer_version: int, spot: list[bool]) -> Verdict | None:
+        eps = b.episodes
+        n = max(1, math.ceil(self.cfg.fraction * len(eps)))
+        pick = sorted(self.rng.choice(len(eps), size=min(n, len(eps)), replace=False).tolist())
+        t0 = time.perf_counter()
+        lps = self._float_logprobs([eps[i] for i in pick])
+        self.seconds["audit"] += time.perf_counter() - t0
+        self.counts["episodes_audited"] += len(pick)
+        staleness = trainer_version - b.version
+        stats = [episode_stats(lp, eps[i]) for i, lp in zip(pick, lps)]
+        suspicious = [(i, why) for i, st in zip(pick, stats) if (why := self.audit.episode_verdict(staleness, st))]
+        why_worker = self.audit.worker_verdict(b.key_id, extra=(staleness, stats))
+        verdict = None
+        if suspicious or why_worker or self.rng.random() < self.cfg.random_spot_check:
+            reason = suspicious[0][1] if suspicious else why_worker or "random spot-check"
+            verdict = self._spot_check(b, [i for i, _ in suspicious], reason, spot)
+        if verdict is None:  # what passed (a spot-check, if any) shapes the worker's statistics and the fleet's range
+            for st in stats:
+                self.audit.observe(b.key_id, staleness, st)
+        return verdict
+
+    def _float_logprobs(self, eps: list[Episode]) -> list[np.ndarray]:
+        """The learner's log pi of ``eps`` at their model tokens. Episodes with the same tokens and
+        temperature (a converged policy repeats itself) share one scored row; each keeps its own
+        claims, which the audit compares one episode at a time."""
+        distinct, of = distinct_rows(eps)
+        kw = {"model_only": True} if self._model_only else {}  # a scorer without it scores every token
+        lps = self.float_scorer.logprobs(distinct, temperature=None, **kw)  # type: ignore[union-attr]
+        return [lps[j] for j in of]
+
+    def _spot_check(self, b: Batch, first: list[int], reason: str, spot: list[bool]) -> Verdict | None:
+        """Re-score some episodes with the int8 policy of the claimed version: their log-probs
+        token by token, and (when the batch's work was assigned) every token against the draw the
+        sampling rule makes from the assigned seed. A confirmed mismatch bans the key."""
+        if self.int8 is None:
+            return None
+        rest = [i for i in self.rng.permutation(len(b.episodes)).tolist() if i not in first]
+        pick = (first + rest)[: self.cfg.spot_check_episodes]
+        eps = [b.episodes[i] for i in pick]
+        t0 = time.perf_counter()
+        scored = self.int8.score(b.version, eps)
+        if scored is None:  # never accepted unchecked: a forger would claim exactly such a version
+            return Verdict("unverifiable", f"{reason}; the spot-check cannot be made: version {b.version}'s int8 "
+                                           "weights are neither held nor rebuildable from the weight chain")
+        result = spot_check(lambda _: scored, eps, self.audit.config)
+        drawn = None if result.confirmed or self.assign is None else self._sampling(b, eps)
+        self.seconds["spot_check"] += time.perf_counter() - t0
+        self.counts["spot_checks"] += 1
+        spot[0] = True
+        if not result.confirmed and drawn is None:
+            log.info("spot-check of %s (%s): %s", b.key, reason, result.detail)
+            return None
+        why = f"log-prob audit: {reason}; spot-check: {result.detail if result.confirmed else drawn}"
+        return Verdict("audit" if result.confirmed else "sampling", why, ban=True)
+
+    def _draws(self, b: Batch) -> Verdict | None:
+        """Every batch: ``audit.sampling_episodes`` random episodes, and every episode whose tokens
+        repeat another's in the batch (a variant copy, or an honest near-deterministic sample),
+        re-derived from the assigned seed; a token the rule did not draw bans the key."""
+        pick = sampling_pick(b.episodes, self.rng, self.cfg.sampling_episodes)
+        t0 = time.perf_counter()
+        eps, seed = [b.episodes[i] for i in pick], self.assign(b).seed  # type: ignore[misc]
+        margins = self.int8.sampling_margins(b.version, eps, [seed] * len(eps))  # type: ignore[union-attr]
+        if margins is None:  # never accepted unchecked
+            return Verdict("unverifiable", f"the sampling check cannot be made: version {b.version}'s int8 weights "
+                                           "are neither held nor rebuildable from the weight chain")
+        why = self._sampling(b, eps, margins)
+        self.seconds["sampling"] += time.perf_counter() - t0
+        return None if why is None else Verdict("sampling", why, ban=True)
+
+    def _sampling(self, b: Batch, eps: list[Episode], margins: list[np.ndarray] | None = None) -> str | None:
+        """Why some of ``eps``' tokens are not the ones the sampling rule draws from the batch's
+        assigned seed under the claimed version's int8 weights (``margins``, computed here when
+        not given), or None."""
+        if margins is None:
+            seed = self.assign(b).seed  # type: ignore[misc]
+            margins = self.int8.sampling_margins(b.version, eps, [seed] * len(eps))  # type: ignore[union-attr]
+            if margins is None:  # only after the log-prob re-score of the same version succeeded
+                return None
+        band = self.cfg.sampling_band
+        flat = np.concatenate(margins) if margins else np.zeros(0)
+        self.counts["sampled_tokens_checked"] += int(flat.size)
+        self.counts["sampled_tokens_ambiguous"] += int((np.abs(flat) <= band).sum())
+        bad = [(e, int((m < -band).sum()), int(m.size)) for e, m in zip(eps, margins) if (m < -band).any()]
+        if not bad:
+            return None
+        self.counts["sampling_violations"] += sum(n for _, n, _ in bad)
+        e, n, total = bad[0]
+        return (f"sampling: {len(bad)} of {len(eps)} episodes hold tokens the sampling rule does not draw from the "
+                f"assigned seed at temperature {e.temperature:g}, top_p {e.top_p:g} (group {e.group_id[:40]!r} sample "
+                f"{e.sample_index}: {n} of {total} tokens further than {band:g} outside their slice of the CDF)")
+
+    def calibrate(self, episodes: Sequence[Episode], trainer_logprobs: Sequence[np.ndarray]) -> float:
+        """The int8-versus-float floor, from the trainer's own int8 episodes at one version."""
+        floor = self.audit.calibrate([episode_stats(lp, ep) for ep, lp in zip(episodes, trainer_logprobs)])
+        log.info("audit calibrated: int8-vs-float mean |log pi - log mu| (99th percentile per episode) %.4f", floor)
+        return floor
+
+    def metrics(self) -> dict[str, float]:
+        """``trust/...`` seconds and counts of the checks, and the audit's floor and fleet median."""
+        out = {**{f"trust/{k}_s": round(v, 4) for k, v in self.seconds.items()},
+               **{f"trust/{k}": float(v) for k, v in self.counts.items()}}
+        if self.audit.floor is not None:
+            out["trust/audit_floor"] = self.audit.floor
+        f = self.audit.fleet("0")
+        if f is not None:
+            out["trust/audit_median_s0"] = f[0]
+        return out
+
+
+def _guarded(check: Callable[..., Verdict | None], *args: Any) -> Verdict | None:
+    """A check that fails on a stranger's batch rejects the batch; it never stops the trainer."""
+    try:
+        return check(*args)
+    except Exception as e:
+        name = check.__name__
+        return Verdict("invalid", f"checking the batch failed ({name}): {type(e).__name__}: {str(e)[:300]}")

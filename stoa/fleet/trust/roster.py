@@ -1,0 +1,210 @@
+"""Who may upload: the trainer's side of the signed roster (``stoa.transport.identity``).
+
+``[trust] mode = "enrolled"``: only enrolled keys; ``"open"``: any key, bound to its worker id
+by its first *accepted* batch (a refused or junk batch binds nothing, so nobody takes an id
+without doing the work). Banned keys and impersonations are refused. Keys without accepted work
+("newcomers") are reviewed at most ``newcomers_per_poll`` batches a poll, and when the roster is
+full a binding idle for ``idle_expiry_hours`` makes room, so a flood of throwaway keys neither
+fills the roster nor eats the trainer's time. Revisions never go back: a kept copy beside the
+trainer means a stale ``workers.json`` put back while it is down undoes no ban or binding.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from stoa.transport.identity import Ban, BatchSeal, Roster, WorkerEntry, read_roster, write_roster
+from stoa.transport.signing import SignatureError
+from stoa.transport.store import LocalStore, ObjectStore, StoreError
+
+if TYPE_CHECKING:
+    from stoa.fleet.trust.gate import TrustConfig
+    from stoa.fleet.trust.records import Records
+    from stoa.transport.exchange import Batch
+
+__all__ = ["Membership"]
+
+log = logging.getLogger("stoa.trust")
+
+_ROSTER_REFRESH_S = 2.0
+
+
+class Membership:
+    """The roster as the trainer keeps it (see the module docstring).
+
+    Args:
+        cfg: ``[trust]``.
+        store, run, private_key: where the roster lives, and the run's signing key.
+        records: the gate's records (standing, idleness, bans by hand).
+        rng: draws whose newcomers are reviewed each poll.
+        roster_copy: a local folder keeping the newest roster seen (None: none kept).
+    """
+
+    def __init__(self, cfg: TrustConfig, store: ObjectStore, run: str, private_key: Any, records: Records,
+                 rng: np.random.Generator, roster_copy: Path | None = None):
+        self.cfg, self.store, self.run, self.key, self.records, self.rng = cfg, store, run, private_key, records, rng
+        self.roster = Roster(run)
+        self.copy = None if roster_copy is None else LocalStore(roster_copy)
+        if self.copy is not None:
+            try:
+                self.roster = read_roster(self.copy, run, private_key.public_key())
+            except (SignatureError, StoreError) as e:
+                log.warning("ignoring the kept copy of the roster: %s", e)
+        self.read_at = 0.0
+        self.dirty = False
+        self.expired: set[str] = set()  # first-use bindings let expire for room (kept out of the roster)
+
+    def refresh(self, force: bool = False) -> list[str]:
+        """Re-read the roster (``stoa enroll`` / ``stoa ban`` edit it live), keeping our own bans
+        and bindings; returns the keys banned by hand that the records did not know as banned."""
+        now = time.time()
+        if not force and now - self.read_at < _ROSTER_REFRESH_S and not self.dirty:
+            return []
+        self.read_at = now
+        try:
+            stored = read_roster(self.store, self.run, self.key.public_key())
+        except (SignatureError, StoreError) as e:
+            log.warning("the roster does not read (%s); keeping the one in memory", e)
+            return []
+        merged = stored
+        gone = {k for k in self.expired if k in merged.enrolled and merged.enrolled[k].source == "first-use"}
+        if gone:  # bindings this trainer let expire stay expired
+            merged = merged.without(gone)
+        for kid, ban in self.roster.banned.items():
+            if kid not in merged.banned:
+                merged = merged.with_ban(kid, ban)
+        for kid, entry in self.roster.enrolled.items():
+            if kid not in merged.enrolled and merged.key_for(entry.worker_id) is None and entry.source == "first-use":
+                try:
+                    merged = merged.with_entry(kid, entry)
+                except ValueError as e:  # a full roster: that binding is lost, the key's record keeps its work
+                    log.warning("cannot keep the binding of key %s: %s", kid, e)
+        by_hand = []
+        for kid, ban in merged.banned.items():  # bans made by hand (stoa ban) reach the records too
+            rec = self.records.get(kid)
+            if rec is not None and not rec.banned:
+                rec.banned = ban.reason or "banned by hand"
+                by_hand.append(kid)
+        if stored.revision < self.roster.revision:  # a stale roster put back: ours is newer, whatever it lacks
+            log.warning("the store's roster (revision %d) is older than one this trainer has seen (%d); "
+                        "rewriting it with every ban and binding kept", stored.revision, self.roster.revision)
+        if merged != stored or stored.revision < self.roster.revision:
+            rev = max(stored.revision, self.roster.revision) + 1  # revisions never go back
+            merged = Roster(merged.run, merged.enrolled, merged.banned, rev, time.time())
+            try:
+                write_roster(self.store, self.run, merged, self.key)
+            except StoreError as e:
+                log.warning("could not write the roster (%s); will retry", e)
+                self.roster = merged
+                return by_hand
+        self.roster, self.dirty = merged, False
+        if self.copy is not None:  # the newest roster seen, kept beside the trainer (restarts start from it)
+            try:
+                write_roster(self.copy, self.run, merged, self.key)
+            except (StoreError, OSError) as e:
+                log.warning("could not keep a copy of the roster (%s)", e)
+        return by_hand
+
+    def admit(self, seal: BatchSeal) -> str | None:
+        """Why the seal's key may not upload as the seal's worker id, or None."""
+        kid, wid = seal.key_id, seal.worker_id
+        ban = self.roster.banned.get(kid)
+        if ban is not None or self.records.banned(kid):
+            return f"key {kid} is banned: {(ban.reason if ban else self.records.banned(kid))[:300]}"
+        entry = self.roster.enrolled.get(kid)
+        if entry is not None:
+            if entry.worker_id != wid:
+                return (f"key {kid} is bound to worker id {entry.worker_id!r} in this run, not {wid!r}: restart "
+                        f"the worker with --id {entry.worker_id} (or without --id)")
+            return None
+        bound = self.roster.key_for(wid)
+        if bound is not None:
+            return f"worker id {wid!r} belongs to key {bound}; this batch is signed by key {kid} (impersonation)"
+        if self.cfg.mode == "enrolled":
+            return f"key {kid} is not enrolled in this run (stoa enroll); mode is 'enrolled'"
+        return None  # open run: reviewed; bound to ``wid`` only if accepted (:meth:`bind`)
+
+    def is_banned(self, kid: str) -> bool:
+        return bool(kid) and (kid in self.roster.banned or bool(self.records.banned(kid)))
+
+    def established(self, kid: str) -> bool:
+        """Whether ``kid`` has standing: in the roster (enrolled, or bound by accepted work) or
+        with accepted batches. The others are newcomers (``newcomers_per_poll``)."""
+        rec = self.records.get(kid)
+        return kid in self.roster.enrolled or (rec is not None and rec.accepted_batches > 0)
+
+    def pace_newcomers(self, batches: Sequence[Batch]) -> tuple[list[Batch], list[Batch]]:
+        """``(review now, wait)``: every batch of a key with standing (:meth:`established`) or
+        unsealed, and at most ``newcomers_per_poll`` of the others, one per key (its lowest
+        sequence number), the keys drawn from operating-system entropy. A flood of fresh keys
+        costs the trainer a bounded number of full reviews per poll, and cannot predict whose
+        turn it is."""
+        now, by_key = [], {}
+        for b in batches:
+            if not b.key_id or self.established(b.key_id) or self.is_banned(b.key_id):  # the ban: refused cheaply
+                now.append(b)
+            else:
+                by_key.setdefault(b.key_id, []).append(b)
+        keys, wait = list(by_key), []
+        self.rng.shuffle(keys)
+        for i, k in enumerate(keys):
+            mine = sorted(by_key[k], key=lambda b: b.seq)
+            if i < self.cfg.newcomers_per_poll:
+                now.append(mine.pop(0))
+            wait += mine
+        return now, wait
+
+    def ban(self, kid: str, ban: Ban) -> None:
+        """List ``kid`` as banned in the roster (the records refuse it already). Never raises."""
+        try:
+            self.roster = self.roster.with_ban(kid, ban)
+            self.dirty = True
+        except ValueError as e:  # a full ban list: the records (checkpointed) still refuse the key
+            log.warning("key %s is banned, but the roster cannot list it (%s)", kid, e)
+
+    def bind(self, b: Batch) -> str | None:
+        """Bind an accepted batch's unbound key to its worker id (open runs); why not, or None.
+        (A batch without its seal's public key, built by hand, binds nothing.)"""
+        if not b.public_key:
+            return None
+        entry = self.roster.enrolled.get(b.key_id)
+        if entry is not None:
+            return None if entry.worker_id == b.worker_id else (
+                f"key {b.key_id} was bound to worker id {entry.worker_id!r} while this batch waited")
+        owner = self.roster.key_for(b.worker_id)
+        if owner is not None:
+            return f"worker id {b.worker_id!r} was bound to key {owner} by its accepted work first"
+        if self.cfg.mode != "open":
+            return f"key {b.key_id} is not enrolled in this run"
+        new = WorkerEntry(b.public_key, b.worker_id, time.time(), "first-use")
+        try:
+            self.roster = self.roster.with_entry(b.key_id, new)
+        except ValueError:
+            idle = self._idle_binding()
+            if idle is None:  # the work is still taken: only the id stays unprotected until there is room
+                log.warning("the roster is full (no binding idle for %g h): worker %s (key %s) is accepted but its "
+                            "id is not bound", self.cfg.idle_expiry_hours, b.worker_id, b.key_id)
+                return None
+            log.info("roster full: key %s (idle) loses its binding to worker id %r", idle,
+                     self.roster.enrolled[idle].worker_id)
+            self.expired.add(idle)
+            self.roster = self.roster.without({idle}).with_entry(b.key_id, new)
+        self.dirty = True
+        self.expired.discard(b.key_id)
+        log.info("open run: worker %s bound to key %s by its first accepted batch", b.worker_id, b.key_id)
+        return None
+
+    def _idle_binding(self) -> str | None:
+        """The first-use binding whose key's last accepted batch is oldest, if older than
+        ``idle_expiry_hours`` (enrolled keys never expire)."""
+        cutoff = time.time() - 3600 * self.cfg.idle_expiry_hours
+        idle = [(self.records[k].last_accepted if k in self.records else 0.0, k)
+                for k, e in self.roster.enrolled.items() if e.source == "first-use"]
+        oldest = min(idle, default=None)
+        return oldest[1] if oldest is not None and oldest[0] < cutoff else None

@@ -1,0 +1,99 @@
+"""Every key of a run in the store, named in one place.
+
+::
+
+    <run>/config.json                                   signed run config (stoa.fleet.run)
+    <run>/model/<file>                                  the model folder's files it lists
+    <run>/current.json                                  signed pointer to the newest weights (stoa.transport.manifest)
+    <run>/weights/<version:012d>/...                    manifest, anchor, delta of one version
+    <run>/workers.json                                  signed roster (stoa.transport.identity)
+    <run>/workers/<worker_id>.json                      heartbeats (stoa.fleet.run)
+    <run>/rollouts/<worker_id>/s<seq>-v<version>.episodes   rollout batches (stoa.transport.exchange)
+    <run>/quarantine/<worker_id>/<name>[.reason.json]   refused batches, and why
+    <run>/quarantine/_misnamed/<sha256 of the key, 32 hex>[.reason.json]
+    <run>/progress.json                                 signed: batches taken per worker
+    <run>/finished.json                                 signed: the run is over
+    <run>/trust.json                                    signed: the trainer's per-key report (stoa.fleet.trust.records)
+    <run>/eval/v<version:012d>.json                     signed: one version's evaluation
+
+Functions take the run's prefix (a valid key prefix) and return keys or listing prefixes; they
+check nothing about the other parts, which their callers validate.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "config", "eval_prefix", "evaluation", "finished", "heartbeat", "heartbeats", "misnamed", "model_file", "pointer",
+    "progress", "quarantine", "quarantined", "roster", "rollouts", "trust_report", "weights",
+]
+
+
+def config(run: str) -> str:
+    return f"{run}/config.json"
+
+
+def model_file(run: str, name: str) -> str:
+    return f"{run}/model/{name}"
+
+
+def pointer(run: str) -> str:
+    return f"{run}/current.json"
+
+
+def weights(run: str) -> str:
+    """The prefix of every version's manifest and payloads."""
+    return f"{run}/weights/"
+
+
+def roster(run: str) -> str:
+    return f"{run}/workers.json"
+
+
+def heartbeats(run: str) -> str:
+    """The prefix of the workers' heartbeats."""
+    return f"{run}/workers/"
+
+
+def heartbeat(run: str, worker_id: str) -> str:
+    return f"{run}/workers/{worker_id}.json"
+
+
+def rollouts(run: str, worker_id: str = "") -> str:
+    """The prefix of the rollout batches (of one worker, when given)."""
+    return f"{run}/rollouts/{worker_id}/" if worker_id else f"{run}/rollouts/"
+
+
+def quarantine(run: str, worker_id: str = "") -> str:
+    """The prefix of the quarantine (of one worker, when given)."""
+    return f"{run}/quarantine/{worker_id}/" if worker_id else f"{run}/quarantine/"
+
+
+def quarantined(run: str, worker_id: str, name: str) -> str:
+    """Where a worker's refused batch ``name`` is kept (its reason: this key + ``.reason.json``)."""
+    return f"{run}/quarantine/{worker_id}/{name}"
+
+
+def misnamed(run: str, digest: str) -> str:
+    """Where an object whose name is not a batch's is kept, by the sha256 of its key."""
+    return f"{run}/quarantine/_misnamed/{digest}"
+
+
+def progress(run: str) -> str:
+    return f"{run}/progress.json"
+
+
+def finished(run: str) -> str:
+    return f"{run}/finished.json"
+
+
+def trust_report(run: str) -> str:
+    return f"{run}/trust.json"
+
+
+def eval_prefix(run: str) -> str:
+    """The prefix of the evaluations."""
+    return f"{run}/eval/"
+
+
+def evaluation(run: str, version: int) -> str:
+    return f"{run}/eval/v{version:012d}.json"

@@ -1,0 +1,60 @@
+"""Per-key records (stoa.fleet.trust.records, through the gate): strikes and bans, the trust
+report, checkpoints, group namespaces and the share cap, withholding."""
+
+from __future__ import annotations
+
+import json
+
+from stoa.fleet.intake.copies import group_prints
+from stoa.fleet.trust import TrustConfig, TrustGate, Verdict, read_trust_report, scoped
+from stoa.transport.signing import generate_private_key
+
+from trust_helpers import ListLedger, RUN, batch_of, episodes
+
+
+def test_strikes_ban_a_key_and_the_ban_survives_a_checkpoint(tmp_path):
+    from stoa.transport.store import LocalStore
+
+    ledger: list[dict] = []
+    gate = TrustGate(TrustConfig(ban_after=2), LocalStore(tmp_path), RUN, generate_private_key(),
+                     ledger=ListLedger(ledger))
+    honest = [episodes("h", group=f"h{i}", seed=i) for i in range(3)]
+    assert gate.review([batch_of("hk", "h", honest[0]), batch_of("hk", "h", honest[1], 1)], 0) == [None, None]
+    copy_reason = "duplicate: repeats a group this key uploaded in an earlier batch"
+    gate.reject("ck", "c", "duplicate", copy_reason, episodes=2)  # what the intake does with a copy
+    assert not gate.is_banned("ck") and gate.records["ck"].strikes == 1
+    gate.reject("ck", "c", "duplicate", copy_reason, episodes=2)
+    assert gate.is_banned("ck") and gate.take_new_bans() == [("ck", "c", gate.records["ck"].banned)]
+    assert ledger[-1]["banned"] == "ck" and gate.take_new_bans() == []
+    assert gate.review([batch_of("ck", "c", honest[2], 2)], 0) == [Verdict("refused", "key ck is banned")]
+    assert gate.records["hk"].accepted_batches == 2 and gate.records["hk"].rejected_batches == 0
+    gate.write_report(3, force=True)
+    report = read_trust_report(gate.store, RUN, gate.key.public_key())
+    assert report.workers["ck"].banned and report.workers["ck"].rejected == {"duplicate": 2}
+    assert report.workers["ck"].rejected_episodes == 4 and report.version == 3
+    state = json.loads(json.dumps(gate.state()))
+    fresh = TrustGate(TrustConfig(), gate.store, RUN, gate.key)
+    fresh.restore(state)
+    assert fresh.is_banned("ck") and fresh.records["hk"].accepted_batches == 2
+
+
+def test_identical_samples_are_no_copy_and_groups_live_in_their_senders_namespace():
+    same = episodes("a", n=1) * 3
+    assert group_prints(same) == []  # a near-deterministic group may repeat itself
+    assert group_prints(episodes("a")) == group_prints(episodes("b", group="other"))
+    assert scoped("k1", "g") != scoped("k2", "g") and scoped("", "g") == "g"
+    gate = TrustGate(TrustConfig(max_worker_share=0.5), None, RUN, generate_private_key())
+    assert gate.max_groups(8) == 4 and gate.max_groups(1) == 1
+
+
+def test_gaps_in_a_keys_sequence_numbers_are_counted_and_a_withholder_flagged():
+    gate = TrustGate(TrustConfig(), None, RUN, generate_private_key())
+    for kid in ("h1", "h2", "h3"):
+        for seq in range(20):
+            gate.saw(kid, kid, seq)
+    for seq in range(0, 20, 3):  # uploads one number in three
+        gate.saw("sel", "sel", seq)
+    held = gate.withholding()
+    assert gate.records["sel"].withheld == 12 and held["sel"][1]
+    assert all(gate.records[k].withheld == 0 and not held[k][1] for k in ("h1", "h2", "h3"))
+    assert gate.metrics()["trust/withheld_batches"] == 12 and gate.metrics()["trust/withholding_flagged"] == 1
