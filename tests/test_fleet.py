@@ -302,7 +302,7 @@ def _raw_batch(episodes: list[Episode], mutate) -> bytes:
 
 def test_bad_episodes_are_quarantined_with_a_reason(fleet):
     """Wrong version, out-of-vocabulary tokens, non-finite log-probs, oversize: quarantined, counted, no crash."""
-    fleet.config.write_text(fleet.config.read_text() + "\n[trust]\nban_after = 0\n")  # every reason, not a ban
+    fleet.config.write_text(fleet.config.read_text().replace("[trust]\n", "[trust]\nban_after = 0\n", 1))  # every reason, not a ban
     trainer = fleet.trainer()
     fleet.wait_for(lambda: fleet.store.exists(f"{fleet.cfg.name}/current.json"), what="version 0")
     run = fleet.cfg.name
@@ -362,7 +362,7 @@ def test_poisoned_batches_are_quarantined_and_a_killed_trainer_trains_on(fleet):
     temperature the run never asked for, metrics of the wrong type, another task's episodes) are
     quarantined with reasons instead of crashing the step; a planted unsigned finish marker stops
     no worker; the trainer killed after seeing them resumes and finishes (no crash loop)."""
-    fleet.config.write_text(fleet.config.read_text() + "\n[trust]\nban_after = 0\n")  # every reason, not a ban
+    fleet.config.write_text(fleet.config.read_text().replace("[trust]\n", "[trust]\nban_after = 0\n", 1))  # every reason, not a ban
     trainer = fleet.trainer()
     fleet.wait_for(lambda: fleet.store.exists(f"{fleet.cfg.name}/current.json"), what="version 0")
     run, st = fleet.cfg.name, fleet.store

@@ -112,7 +112,6 @@ max_batch = 8
 steps = 2
 groups_per_step = 1
 threads = 1
-reward_range = [0.0, 1.0]
 skip_zero_variance_groups = false
 
 [eval]
@@ -125,6 +124,9 @@ workers = 1
 
 # The sampling check's rule is calibrated on tiny policies; on a real model's long tail it
 # rejects honest tokens (docs/trust.md), so this run checks the rest of the gate.
+[trust]
+reward_range = [0.0, 1.0]
+
 [trust.audit]
 sampling_episodes = 0
 """

@@ -250,7 +250,7 @@ class Trainer:
 
     def _stopped(self) -> dict[str, Any]:
         """End of a stopped run: what ``--resume`` needs, and no finished marker (workers wait)."""
-        self.intake.write_report(self.version, force=True)
+        self.intake.report(self.version, force=True)
         self.checkpoint()
         summary = self._log("event", event="stopped", rl_step=self.rl_step, seconds=time.time() - self._t0,
                             **asdict(self.counters), **asdict(self.intake.counters))
