@@ -1,14 +1,18 @@
 """The trust layer with each of the trainer's int8 scorers (``trainer.int8_scorer``: ``"torch"``,
 the default for this tiny model on a CPU learner, and the MLX ``"engine"``): a real fleet of two
 honest workers and two forgers. Spot-checks, sampling checks and the mismatch split run on the
-chosen scorer; honest workers lose nothing and both forgers are banned."""
+chosen scorer; honest workers lose nothing and both forgers are banned. The test stops the run
+(SIGTERM: report, checkpoint) once 5 steps are trained and both forgers are banned (30 steps a cap):
+a forger whose first batch comes late would otherwise race a fixed run length."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -34,7 +38,7 @@ def test_spot_and_sampling_checks_on_either_scorer_pass_honest_workers_and_ban_f
     config = tmp_path / "torch-trust.toml"
     config.write_text(tiny_fleet_config(
         "torch-trust", warmstart={"mix": {"oracle": 0.5, "guess": 0.5}, "practice_answer_only": 0},
-        trainer={"steps": 5, "skip_zero_variance_groups": False, "int8_scorer": scorer, "mismatch_every": 1},
+        trainer={"steps": 30, "skip_zero_variance_groups": False, "int8_scorer": scorer, "mismatch_every": 1},
         learner={"lr": 1e-5}, trust={"max_worker_share": 0.5, "audit": {"random_spot_check": 1.0}}))
     store_dir, run_dir, run = tmp_path / "store", tmp_path / "run", "torch-trust"
     key, pub = save_keypair(generate_private_key(), tmp_path / "keys", "run")
@@ -50,7 +54,14 @@ def test_spot_and_sampling_checks_on_either_scorer_pass_honest_workers_and_ban_f
         for w, kind in workers.items():
             spawn(w, ["worker", "--store", str(store_dir), "--run", run, "--public-key", str(pub), "--id", w,
                       "--cache", str(tmp_path / "cache" / w), *(["--adversary", kind] if kind else [])])
-        assert procs["trainer"].wait(timeout=480) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+        deadline = time.monotonic() + 480
+        while procs["trainer"].poll() is None and time.monotonic() < deadline:
+            train = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+            if len(train) >= 5 and train[-1]["trust/banned_workers"] >= len(FORGERS):
+                procs["trainer"].send_signal(signal.SIGTERM)
+                break
+            time.sleep(1.0)
+        assert procs["trainer"].wait(timeout=120) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -70,6 +81,7 @@ def test_spot_and_sampling_checks_on_either_scorer_pass_honest_workers_and_ban_f
         assert rec["banned"] and needle in (rec["banned"] + rec["last_reason"]), (kind, rec)
     train = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     last = train[-1]
-    assert len(train) == 5 and last["trust/spot_checks"] >= 2 and last["trust/sampled_tokens_checked"] > 0
+    assert any(r.get("event") == "stopped" for r in read_metrics(run_dir / "metrics.jsonl"))
+    assert len(train) >= 5 and last["trust/spot_checks"] >= 2 and last["trust/sampled_tokens_checked"] > 0
     assert last["trust/banned_workers"] == len(FORGERS)
     assert all({"mismatch/kl_int8", "mismatch/kl_stale"} <= set(r) for r in train)
