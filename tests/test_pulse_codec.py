@@ -1,5 +1,6 @@
 """The PULSE codec: exact round trips for any dtype, near-entropy size, and refusal of bad blobs."""
 
+import json
 import math
 import struct
 import zlib
@@ -298,7 +299,7 @@ def test_anchor_round_trip_keeps_every_dtype_and_is_safetensors():
 
 
 def _anchor(header: dict, data: bytes) -> bytes:
-    h = pulse.json.dumps(header).encode()
+    h = json.dumps(header).encode()
     return struct.pack("<Q", len(h)) + h + data
 
 

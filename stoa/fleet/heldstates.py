@@ -21,33 +21,16 @@ import json
 import mmap
 import os
 import re
-import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
 
+from stoa.transport import tensorfile
+
 __all__ = ["CorruptStateError", "HeldStates"]
 
-_CODES = {"U8": np.dtype(np.uint8), "I8": np.dtype(np.int8), "I32": np.dtype("<i4"), "I64": np.dtype("<i8"),
-          "F16": np.dtype("<f2"), "F32": np.dtype("<f4"), "F64": np.dtype("<f8"), "BF16": None}
 _NAME = re.compile(r"^v(\d{12})\.(safetensors|json)$")
-_MAX_HEADER = 64 << 20
-
-
-def _bf16() -> np.dtype:
-    import ml_dtypes
-
-    return np.dtype(ml_dtypes.bfloat16)
-
-
-def _code(dt: np.dtype) -> str:
-    if dt.name == "bfloat16":
-        return "BF16"
-    for code, d in _CODES.items():
-        if d is not None and d == dt.newbyteorder("<"):
-            return code
-    raise ValueError(f"dtype {dt} cannot be held (uint8, int8/32/64, float16/32/64, bfloat16)")
 
 
 class CorruptStateError(RuntimeError):
@@ -165,36 +148,19 @@ class HeldStates:
             raise ValueError(f"version must be >= 0, got {version}")
         if version in self._held:
             raise ValueError(f"version {version} is already held")
-        header: dict[str, dict] = {}
-        offset = 0
-        arrays = []
+        arrays = {}
         for name, a in state.items():
-            a = np.asarray(a)
             if not isinstance(name, str) or not name:
                 raise ValueError(f"tensor names must be non-empty strings, got {name!r}")
-            size = a.nbytes
-            header[name] = {"dtype": _code(a.dtype), "shape": list(a.shape), "data_offsets": [offset, offset + size]}
-            offset += size
-            arrays.append(a)
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
+            a = np.asarray(a)
+            arrays[name] = a.astype(a.dtype.newbyteorder("<")) if a.dtype.byteorder == ">" else a
         digest = hashlib.sha256()
-        tmp = self._data(version).with_name(self._data(version).name + ".tmp")
-        with open(tmp, "wb") as f:
-            for chunk in (struct.pack("<Q", len(raw)), raw):
-                f.write(chunk)
-                digest.update(chunk)
-            for a in arrays:
-                if a.dtype.byteorder == ">":
-                    a = a.astype(a.dtype.newbyteorder("<"))
-                buf = memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
-                f.write(buf)
-                digest.update(buf)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._data(version))
-        rec = {"version": version, "sha256": digest.hexdigest(), "bytes": 8 + len(raw) + offset,
-               "state_hash": state_hash}
+        try:
+            size = tensorfile.write(self._data(version), [(n, a.dtype, a.shape) for n, a in arrays.items()],
+                                    ([a] for a in arrays.values()), digest=digest)
+        except tensorfile.TensorFileError as e:
+            raise ValueError(f"cannot hold version {version}: {e}") from None
+        rec = {"version": version, "sha256": digest.hexdigest(), "bytes": size, "state_hash": state_hash}
         mtmp = self._marker(version).with_name(self._marker(version).name + ".tmp")
         with open(mtmp, "w") as f:
             f.write(json.dumps(rec) + "\n")
@@ -242,27 +208,7 @@ class HeldStates:
     def _parse(mm: mmap.mmap | None, size: int) -> dict[str, np.ndarray]:
         if mm is None or size < 8:
             raise ValueError("file too short")
-        (n,) = struct.unpack("<Q", mm[:8])
-        if n > min(_MAX_HEADER, size - 8):
-            raise ValueError("header length out of bounds")
-        header = json.loads(bytes(mm[8:8 + n]))
-        if not isinstance(header, dict):
-            raise ValueError("header is not an object")
-        base, out, end = 8 + n, {}, 0
-        for name, spec in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0] if isinstance(kv[1], dict) else 0):
-            if name == "__metadata__":
-                continue
-            code, shape, (a, b) = spec["dtype"], tuple(int(s) for s in spec["shape"]), spec["data_offsets"]
-            if code not in _CODES or any(s < 0 for s in shape):
-                raise ValueError(f"{name}: bad dtype or shape")
-            dt = _bf16() if code == "BF16" else _CODES[code]
-            if a != end or b - a != int(np.prod(shape, dtype=np.int64)) * dt.itemsize or base + b > size:
-                raise ValueError(f"{name}: offsets do not match its shape or the file")
-            end = b
-            out[name] = np.frombuffer(mm, dtype=dt, count=(b - a) // dt.itemsize, offset=base + a).reshape(shape)
-        if base + end != size:
-            raise ValueError("trailing bytes after the last tensor")
-        return out
+        return tensorfile.read(mm).tensors
 
     def drop(self, version: int) -> None:
         """Forget ``version`` (marker first: a crash in between leaves data without a marker, which reopening removes)."""

@@ -16,8 +16,6 @@ same preset, seed and ``texts`` give byte-identical files. Only numpy is used he
 from __future__ import annotations
 
 import json
-import os
-import struct
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from stoa.models.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, train_tokenizer
+from stoa.transport import tensorfile
 
 __all__ = ["PRESETS", "build_preset", "hf_config_for", "num_params", "tensor_specs", "write_safetensors"]
 
@@ -66,7 +65,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 """Shapes of public checkpoints (their ``config.json`` fields that fix tensor shapes and numerics)."""
 
-_DTYPES = {"float32": (np.dtype(np.float32), "F32"), "bfloat16": (None, "BF16")}
+_DTYPES = {"float32": tensorfile.DTYPES["F32"], "bfloat16": tensorfile.DTYPES["BF16"]}
+"""The weight dtypes a preset can be written in, by name."""
 
 
 def _head_dim(cfg: dict[str, Any]) -> int:
@@ -114,9 +114,7 @@ def num_params(cfg: dict[str, Any]) -> int:
 def _fill(name: str, shape: tuple[int, ...], init: str, index: int, seed: int, std: float, n_layers: int,
           dtype: str, rows_per_block: int) -> Iterable[bytes]:
     """The bytes of one tensor, a block of rows at a time."""
-    import ml_dtypes
-
-    out_dt = np.dtype(np.float32) if dtype == "float32" else np.dtype(ml_dtypes.bfloat16)
+    out_dt = _DTYPES[dtype]
     if init != "normal":
         yield (np.ones if init == "ones" else np.zeros)(shape, out_dt).tobytes()
         return
@@ -135,32 +133,11 @@ def write_safetensors(path: Path, specs: list[tuple[str, tuple[int, ...], str]],
     """Write a ``.safetensors`` file tensor by tensor; ``chunks`` yields each tensor's bytes in
     ``specs`` order. The header is computed from the shapes first, so nothing is held whole.
     Written to a temporary name and renamed, so a crash never leaves a truncated file. Returns
-    the file size."""
+    the file size (:func:`stoa.transport.tensorfile.write`)."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    width = 4 if dtype == "float32" else 2
-    header: dict[str, Any] = {"__metadata__": dict(metadata or {})}
-    offset = 0
-    for name, shape, _ in specs:
-        size = int(np.prod(shape)) * width
-        header[name] = {"dtype": _DTYPES[dtype][1], "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        for (name, shape, _), parts in zip(specs, chunks, strict=True):
-            written = 0
-            for b in parts:
-                f.write(b)
-                written += len(b)
-            if written != int(np.prod(shape)) * width:
-                raise RuntimeError(f"{name}: wrote {written} bytes, expected {int(np.prod(shape)) * width}")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return 8 + len(raw) + offset
+    return tensorfile.write(path, [(name, _DTYPES[dtype], shape) for name, shape, _ in specs], chunks,
+                            metadata=dict(metadata or {}))
 
 
 def hf_config_for(preset_or_config: str | Path | dict[str, Any]) -> dict[str, Any]:

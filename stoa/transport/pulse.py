@@ -35,15 +35,15 @@ allocated, and any inconsistency raises :class:`PulseError`.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import struct
 import zlib
 from collections.abc import Mapping, Sequence
 
-import ml_dtypes
 import numpy as np
 import zstandard
+
+from stoa.transport import tensorfile
 
 __all__ = [
     "DTYPES",
@@ -58,21 +58,12 @@ __all__ = [
     "state_hash",
 ]
 
-DTYPES: dict[str, np.dtype] = {
-    "BOOL": np.dtype(np.bool_), "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8),
-    "U16": np.dtype("<u2"), "I16": np.dtype("<i2"), "F16": np.dtype("<f2"),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "U32": np.dtype("<u4"), "I32": np.dtype("<i4"),
-    "F32": np.dtype("<f4"), "U64": np.dtype("<u8"), "I64": np.dtype("<i8"), "F64": np.dtype("<f8"),
-}
-"""Accepted dtypes by their safetensors names (little-endian)."""
-_CODE = {dt: name for name, dt in DTYPES.items()}
+DTYPES = tensorfile.DTYPES
+"""Accepted dtypes by their safetensors names (little-endian): :data:`stoa.transport.tensorfile.DTYPES`."""
 _UINT = {1: np.dtype(np.uint8), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
 _MAGIC, _VERSION = b"PLSD", 1
 _ANCHOR_FORMAT = "stoa.pulse.state/1"
-_MAX_NAME = 1024
-_MAX_TENSORS = 1 << 20
-_MAX_HEADER = 64 << 20
 _ZSTD_LEVEL = 3
 _NONE, _ALL, _RAW, _GAPS1, _GAPS0 = range(5)
 _BYTES, _WIDE = 1, 2
@@ -87,16 +78,17 @@ class PulseError(ValueError):
 def _code(name: str, a: np.ndarray) -> str:
     if not isinstance(a, np.ndarray):
         raise PulseError(f"{name!r}: expected a numpy array, got {type(a).__name__}")
-    code = _CODE.get(a.dtype)
-    if code is None:
-        raise PulseError(f"{name!r}: unsupported dtype {a.dtype} (supported: {', '.join(DTYPES)})")
-    return code
+    try:
+        return tensorfile.code(a.dtype)
+    except tensorfile.TensorFileError as e:
+        raise PulseError(f"{name!r}: {e}") from None
 
 
 def _check_name(name: object) -> str:
-    if not isinstance(name, str) or not name or len(name) > _MAX_NAME or "\x00" in name:
-        raise PulseError(f"invalid tensor name {name!r}")
-    return name
+    try:
+        return tensorfile.check_name(name)
+    except tensorfile.TensorFileError as e:
+        raise PulseError(str(e)) from None
 
 
 def _layout(state: Mapping[str, np.ndarray]) -> tuple[list[str], bytes]:
@@ -544,67 +536,21 @@ def apply_delta(prev_state: Mapping[str, np.ndarray], blob: bytes) -> dict[str, 
 def encode_state(state: Mapping[str, np.ndarray]) -> bytes:
     """A full state as a safetensors file (loadable by safetensors, ``mlx.core.load``, ...)."""
     names = sorted(state, key=lambda n: (-state[n].dtype.itemsize, n))  # keeps every tensor aligned
-    header: dict[str, object] = {}
-    chunks, off, crc = [], 0, 0
+    crc = 0
     for n in names:
-        a = state[_check_name(n)]
-        code = _code(n, a)
-        data = memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
-        header[n] = {"dtype": code, "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
-        chunks.append(data)
-        crc = zlib.crc32(data, crc)
-        off += a.nbytes
-    header["__metadata__"] = {"format": _ANCHOR_FORMAT, "crc32": str(crc)}
-    h = json.dumps(header, separators=(",", ":")).encode()
-    h += b" " * (-len(h) % 8)
-    return b"".join([struct.pack("<Q", len(h)), h, *chunks])
+        _code(_check_name(n), state[n])
+        crc = zlib.crc32(memoryview(np.ascontiguousarray(state[n]).reshape(-1).view(np.uint8)), crc)
+    return tensorfile.encode({n: state[n] for n in names}, {"format": _ANCHOR_FORMAT, "crc32": str(crc)})
 
 
 def decode_state(blob: bytes) -> dict[str, np.ndarray]:
     """The state in an anchor made by :func:`encode_state` (any valid safetensors file of
     supported dtypes is accepted; our crc32 is checked when present). Arrays are writeable."""
     buf = bytearray(blob)
-    if len(buf) < 8:
-        raise PulseError("not a state anchor (shorter than its 8-byte header length)")
-    (hlen,) = struct.unpack_from("<Q", buf)
-    if hlen > min(len(buf) - 8, _MAX_HEADER):
-        raise PulseError(f"anchor header length {hlen} exceeds the blob or the {_MAX_HEADER}-byte limit")
     try:
-        header = json.loads(bytes(buf[8:8 + hlen]))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise PulseError(f"anchor header is not valid JSON: {e}") from None
-    if not isinstance(header, dict) or len(header) > _MAX_TENSORS + 1:
-        raise PulseError("anchor header must be a JSON object of at most "
-                         f"{_MAX_TENSORS} tensors")
-    meta = header.pop("__metadata__", {})
-    if not isinstance(meta, dict):
-        raise PulseError("anchor __metadata__ must be an object")
-    base, total = 8 + hlen, len(buf) - 8 - hlen
-    spans = []
-    for name, info in header.items():
-        _check_name(name)
-        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
-            raise PulseError(f"{name!r}: entry must have exactly dtype, shape and data_offsets")
-        dt, shape, offs = DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None, \
-            info["shape"], info["data_offsets"]
-        if dt is None:
-            raise PulseError(f"{name!r}: unsupported dtype {info['dtype']!r}")
-        ints = lambda x: isinstance(x, list) and all(type(v) is int and v >= 0 for v in x)  # noqa: E731
-        if not ints(shape) or len(shape) > 8 or not ints(offs) or len(offs) != 2:
-            raise PulseError(f"{name!r}: bad shape {shape!r} or data_offsets {offs!r}")
-        if offs[1] - offs[0] != math.prod(shape) * dt.itemsize or offs[1] > total:
-            raise PulseError(f"{name!r}: data_offsets {offs} do not fit shape {shape} of {info['dtype']} "
-                             f"in {total} data bytes")
-        spans.append((offs[0], offs[1], name, dt, tuple(shape)))
-    spans.sort()
-    end = 0
-    for a, b, name, _, _ in spans:
-        if a != end:
-            raise PulseError(f"{name!r}: data at {a} leaves a gap or overlaps (expected {end})")
-        end = b
-    if end != total:
-        raise PulseError(f"anchor has {total - end} bytes of data no tensor claims")
-    if "crc32" in meta and str(zlib.crc32(memoryview(buf)[base:])) != meta["crc32"]:
+        got = tensorfile.read(buf)
+    except tensorfile.TensorFileError as e:
+        raise PulseError(f"not a valid anchor: {e}") from None
+    if "crc32" in got.metadata and str(zlib.crc32(memoryview(buf)[got.data_start:])) != got.metadata["crc32"]:
         raise PulseError("anchor is corrupted (crc32 mismatch)")
-    return {name: np.frombuffer(buf, dt, math.prod(shape), base + a).reshape(shape)
-            for a, _, name, dt, shape in spans}
+    return got.tensors
