@@ -98,6 +98,7 @@ __all__ = [
     "EngineBusyError",
     "EngineConfig",
     "EngineError",
+    "EngineWrapper",
     "FINISH_REASONS",
     "RolloutEngine",
     "RolloutRequest",
@@ -463,3 +464,45 @@ def make_engine(
     module = importlib.import_module(BACKENDS[backend])
     return module.make(Path(hf_dir), state=state, version=version, mode=mode, config=config, worker_id=worker_id,
                        **options)
+
+
+class EngineWrapper:
+    """A rollout engine around another, as a Gymnasium wrapper is an env around an env.
+
+    Every member of :class:`RolloutEngine` is the wrapped engine's (``self.engine``) unless a
+    subclass overrides it, so a wrapper changes one behaviour and keeps the rest of the contract:
+    :meth:`rollout` to change what a cohort is (how it samples, what it returns),
+    :meth:`update_inplace` to change how weights arrive. :attr:`version` reads and writes the
+    wrapped engine's. An override keeps the protocol's signature. A worker takes a wrapper through
+    its ``wrap_engine`` argument (:class:`stoa.fleet.worker.Worker`); the test doubles of
+    :mod:`stoa.testing.adversaries` are wrappers.
+    """
+
+    def __init__(self, engine: RolloutEngine):
+        self.engine = engine
+
+    @property
+    def unwrapped(self) -> RolloutEngine:
+        """The innermost engine."""
+        inner = self.engine
+        return inner.unwrapped if isinstance(inner, EngineWrapper) else inner
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.engine.version = value
+
+    def rollout(self, make_env: Callable[[], Any], requests: Sequence[RolloutRequest],
+                sampling: SamplingConfig = SamplingConfig()) -> list[Episode]:
+        return self.engine.rollout(make_env, requests, sampling)
+
+    def update_inplace(self, write: Callable[[dict[str, np.ndarray]], tuple[int, Sequence[str]]]) -> list[str]:
+        return self.engine.update_inplace(write)
+
+    def __getattr__(self, name: str) -> Any:  # every other member: the wrapped engine's
+        if name == "engine":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.engine, name)

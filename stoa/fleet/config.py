@@ -36,13 +36,16 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from stoa.algos import Objective
 from stoa.backends.learner import LearnerConfig
 from stoa.backends.megatron.options import MegatronOptions
 from stoa.fleet.trust.gate import TrustConfig
 from stoa.models.tiny import TinyConfig
+
+if TYPE_CHECKING:
+    from stoa.backends.engine import SamplingConfig
 
 __all__ = [
     "ConfigError", "EnvConfig", "EvalConfig", "FleetConfig", "LearnerSection", "ModelConfig", "PulseConfig",
@@ -138,6 +141,13 @@ class RolloutConfig:
         from stoa.backends.engine import BACKENDS
 
         _check(self.engine in BACKENDS, f"rollout.engine {self.engine!r} is not one of {sorted(BACKENDS)}")
+
+    def sampling(self, seed: int) -> SamplingConfig:
+        """How a cohort samples: these settings and the seed its work was assigned."""
+        from stoa.backends.engine import SamplingConfig
+
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, max_turn_tokens=self.max_turn_tokens,
+                              max_episode_tokens=self.max_episode_tokens, seed=seed)
 
 
 @dataclass(frozen=True)

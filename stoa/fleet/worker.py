@@ -38,6 +38,7 @@ the same key (and so the same id and cache) catches up by deltas instead of a fu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -46,16 +47,17 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from stoa.fleet.config import import_env_module
+from stoa.fleet.follower import LayoutChanged, LiveWeights
 from stoa.fleet.parity import join_check
 from stoa.fleet.run import Heartbeat, fetch_run, write_heartbeat
-from stoa.fleet.trust.assign import Assignment, assignment
-from stoa.transport.chain import SYNC_ERRORS, PointerError, StateCheck, WeightSubscriber
+from stoa.fleet.trust.assign import assignment
+from stoa.transport.chain import SYNC_ERRORS, PointerError, SyncResult
 from stoa.transport.exchange import RolloutWriter, SequenceTaken, is_finished, read_progress
 from stoa.transport.identity import load_or_create_worker_key, read_roster
 from stoa.transport.sequence import RememberingWriter, SequenceFile, catch_up
@@ -63,7 +65,7 @@ from stoa.transport.signing import SignatureError, key_id, load_public_key
 from stoa.transport.store import KeyNotFound, ObjectStore, StoreError
 
 if TYPE_CHECKING:
-    from stoa.backends.engine import RolloutEngine
+    from stoa.backends.engine import RolloutEngine, RolloutRequest, SamplingConfig
     from stoa.types import Episode
 
 __all__ = ["EXIT_BANNED", "EXIT_CONFIG", "EXIT_NO_RUN", "EXIT_OK", "EXIT_UNREACHABLE", "Worker", "WorkerExit",
@@ -78,7 +80,12 @@ _ROSTER_EVERY_S = 10.0
 _BACKOFF_MAX_S = 60.0
 _MAX_TRUST_REPORT = 4 << 20
 _MAX_RUNS_LISTED = 20
-_STATE_FILE, _STATE_META = "weights.safetensors", "weights.json"
+_STORE_TROUBLE = (*SYNC_ERRORS, SignatureError, OSError)
+"""What a failing or hostile store raises: it costs a backoff, never the session."""
+_T = TypeVar("_T")
+
+WrapEngine = Callable[["RolloutEngine", "Worker"], "RolloutEngine"]
+"""``wrap_engine(engine, worker) -> engine``: see :class:`Worker`."""
 
 
 class WorkerExit(Exception):
@@ -87,6 +94,24 @@ class WorkerExit(Exception):
     def __init__(self, code: int, message: str):
         super().__init__(message)
         self.code, self.message = code, message
+
+
+@dataclass(frozen=True)
+class Cohort:
+    """The work one sequence number owes (:mod:`stoa.fleet.trust.assign`), ready for the engine."""
+
+    seq: int
+    requests: list[RolloutRequest]
+    sampling: SamplingConfig
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """A cohort's episodes waiting for their upload (retried first after a failure)."""
+
+    episodes: list[Episode]
+    version: int
+    seq: int
 
 
 def find_runs(store: ObjectStore, limit: int = _MAX_RUNS_LISTED) -> list[str]:
@@ -118,6 +143,13 @@ class Worker:
         progress_every: seconds between progress lines.
         keep_weights: save the verified weights in ``cache_dir`` on the way out, and start from
             them next time.
+        wrap_engine: ``wrap_engine(engine, worker) -> engine``, the one seam for changing what the
+            worker does with its engine, as a Gymnasium wrapper changes an env: the engine built
+            on the joined weights (and checked against the run's model) is replaced by what this
+            returns, and every rollout and every weight update goes through it
+            (:class:`stoa.backends.engine.EngineWrapper` delegates whatever it does not
+            override). The dishonest workers of :mod:`stoa.testing.adversaries` are wrappers; None:
+            the engine as built.
     """
 
     backoff_base_s = 0.5
@@ -126,7 +158,8 @@ class Worker:
 
     def __init__(self, store: ObjectStore, run: str, public_key: Any, worker_id: str, cache_dir: Path,
                  max_batches: int | None = None, wait_seconds: float = 600.0, private_key: Any = None,
-                 max_seconds: float | None = None, progress_every: float = 30.0, keep_weights: bool = True):
+                 max_seconds: float | None = None, progress_every: float = 30.0, keep_weights: bool = True,
+                 wrap_engine: WrapEngine | None = None):
         self.store, self.run_name = store, run
         self.public_key = load_public_key(public_key)
         self.worker_id, self.cache_dir = worker_id, Path(cache_dir)
@@ -135,25 +168,96 @@ class Worker:
             self.private_key = load_or_create_worker_key(self.private_key)
         self.key_id = key_id(self.private_key.public_key())
         self.max_batches, self.wait_seconds, self.max_seconds = max_batches, wait_seconds, max_seconds
-        self.progress_every, self.keep_weights = progress_every, keep_weights
+        self.progress_every, self.keep_weights, self.wrap_engine = progress_every, keep_weights, wrap_engine
+        self.exit_code = EXIT_OK
         self._stop = False
         self._stop_event = threading.Event()
         self._stop_reason = ""
-        self.episodes = self.batches = self.sync_bytes = 0
+        self.episodes = self.batches = 0
         self.episodes_per_s = self.tokens_per_s = 0.0
         self.host = socket.gethostname()
-        self.writer: RolloutWriter | None = None
+        self.writer: RememberingWriter | None = None
         self.engine: RolloutEngine | None = None
-        self.sub: WeightSubscriber | None = None
-        self._check: StateCheck | None = None  # the background hash check of the weights last synced
+        self.weights: LiveWeights | None = None
+        self._pending: _Batch | None = None  # a batch whose upload failed: retried first
+        self._cohorts_at: dict[int, int] = {}  # cohorts uploaded per weight version
         self._last_status, self._last_beat = "", 0.0
         self._failures, self._trouble, self._trouble_since = 0, "", 0.0
-        self._last_progress = 0.0
+        self._last_progress = self._roster_read = 0.0
         self._taken = 0  # the newest count of our batches taken, from a verified progress document
-        self._head: int | None = None
-        self._repair = False  # the live weights failed their check and are not repaired yet
         self._started = time.time()
         self._signals = 0
+
+    @property
+    def sync_bytes(self) -> int:
+        """Bytes read from the weight chain this session."""
+        return self.weights.bytes_read if self.weights is not None else 0
+
+    # -- the story --------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Join the run, then make and upload one cohort per turn until something ends the session
+        (the module docstring says what); returns the exit status."""
+        with self._session():
+            joined = self._fetch_run()  # the signed run config and the model files, verified
+            if joined is None:
+                return self.exit_code
+            cfg, model_dir = joined
+            rc = cfg.rollout
+            self._import_env(cfg, model_dir)
+            first = self._first_weights(rc.lag)  # the kept weights caught up, else an anchor; waits for one
+            if first is None:
+                return self.exit_code
+            self.engine = self._start_engine(model_dir, first, rc)
+            make_env, n_items = self._task(cfg)
+            self._last_progress = time.time()
+            while self._more_to_do():
+                if self._pending is not None:  # a batch whose upload failed goes first
+                    self._retrying("talking to the store", self._upload_pending)
+                elif self._retrying("talking to the store", self._ready, rc):
+                    cohort = self._cohort(cfg.seed, rc, n_items)  # the work our next number owes
+                    episodes, seconds = self._generate(make_env, cohort)
+                    self._deliver(cohort, episodes, seconds)  # dropped if its weights failed their check
+        return self.exit_code
+
+    @contextlib.contextmanager
+    def _session(self) -> Iterator[None]:
+        """Around a session: SIGINT / SIGTERM ask for a stop; a :class:`WorkerExit`, a changed weight
+        layout or a second Ctrl-C end it with their exit status; on the way out the final
+        heartbeat, the weights kept for the next session, and a last word."""
+        old = {s: signal.signal(s, self.request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        kept = ""
+        try:
+            yield
+        except WorkerExit as e:
+            log.error("%s", e.message)
+            self.exit_code = e.code
+        except LayoutChanged as e:
+            log.error("%s; restart the worker", e)
+            self.exit_code = EXIT_CONFIG
+        except KeyboardInterrupt:
+            self._stop_reason = "stopped at once by a second Ctrl-C (the cohort in progress was dropped)"
+        finally:
+            kept = self._leave()
+            for s, h in old.items():
+                signal.signal(s, h)
+        if self.engine is not None:
+            try:
+                log.info("%s", self.progress_line())
+            except Exception:  # noqa: BLE001 - a last report must not change the exit
+                pass
+        if self.exit_code == EXIT_OK:
+            log.info("%s: %d batches (%d episodes) uploaded this session as %s (key %s)%s", self._stop_reason or
+                     "done", self.batches, self.episodes, self.worker_id, self.key_id, f"; {kept}" if kept else "")
+
+    def _leave(self) -> str:
+        """The final heartbeat and the weights kept for the next session (says what was kept)."""
+        if self.engine is None or self.weights is None:
+            return ""
+        try:
+            self._beat("stopped")
+        except Exception as e:  # a dying store must not hide the real exit reason
+            log.warning("could not write the final heartbeat: %s", e)
+        return self.weights.keep()
 
     # -- stopping ---------------------------------------------------------------------------------
     def request_stop(self, signum: Any = None, *_: Any) -> None:
@@ -175,7 +279,27 @@ class Worker:
         self._stop = True
         self._stop_event.set()
 
+    def _more_to_do(self) -> bool:
+        """Whether to make another cohort: not stopped, the batches asked for not all uploaded,
+        the time limit not reached (otherwise the reason is noted)."""
+        done = self.max_batches is not None and self.batches >= self.max_batches
+        if not (self._stop or done) and self.max_seconds is not None and time.time() - self._started > self.max_seconds:
+            self._stop_for(f"time limit of {self.max_seconds / 3600:.2f} h reached")
+        if self._stop and not self._stop_reason:
+            self._stop_reason = "stopped"
+        if done:
+            self._stop_reason = self._stop_reason or f"uploaded the {self.max_batches} batches asked for"
+        return not (self._stop or done)
+
     # -- store trouble ----------------------------------------------------------------------------
+    def _retrying(self, what: str, step: Callable[..., _T], *args: Any) -> _T | None:
+        """``step(*args)``; a failing or hostile store costs a backoff (and None), never the session."""
+        try:
+            return step(*args)
+        except _STORE_TROUBLE as e:
+            self._backoff(what, e)
+            return None
+
     def _backoff(self, what: str, e: BaseException) -> None:
         """Note a failure and wait the next capped, jittered delay (interrupted by a stop)."""
         self._failures += 1
@@ -223,7 +347,8 @@ class Worker:
         """One line: version, lag, uploads, the trainer's verdicts, speed, store state."""
         e = self.engine
         v = e.version if e is not None else None
-        lag = "?" if v is None or self._head is None else str(max(0, self._head - v))
+        head = self.weights.newest if self.weights is not None else None
+        lag = "?" if v is None or head is None else str(max(0, head - v))
         store = f"store trouble for {time.time() - self._trouble_since:.0f}s" if self._trouble else "store ok"
         return (f"version {v if v is not None else '-'} (lag {lag}) | {self.batches} batches uploaded | "
                 f"{self._trainer_view()} | {self.tokens_per_s:.0f} tok/s | {store}")
@@ -233,7 +358,150 @@ class Worker:
             self._last_progress = time.time()
             log.info("%s", self.progress_line())
 
-    # -- decisions --------------------------------------------------------------------------------
+    # -- joining ----------------------------------------------------------------------------------
+    def _fetch_run(self) -> tuple[Any, Path] | None:
+        """The verified run config and model folder, waiting for them within ``wait_seconds``."""
+        t0, reached, last_note = time.time(), False, 0.0
+        while not self._stop:
+            try:
+                got = fetch_run(self.store, self.run_name, self.public_key, self.cache_dir / "model")
+                self._recovered()
+                return got
+            except KeyNotFound:
+                reached = True
+                # Another run's name and nothing under ours (an enrolled roster counts): a typo.
+                runs = [] if self.store.list(f"{self.run_name.strip('/')}/") else find_runs(self.store)
+                if runs and self.run_name not in runs:
+                    raise WorkerExit(EXIT_NO_RUN, f"no run {self.run_name!r} in {self.store}; runs found there: "
+                                                  f"{', '.join(runs)}") from None
+                if time.time() - t0 > self.wait_seconds:
+                    raise WorkerExit(EXIT_NO_RUN, f"no run {self.run_name!r} appeared in {self.store} within "
+                                                  f"{self.wait_seconds:.0f}s (the store holds no runs)") from None
+                if time.time() - last_note > self.progress_every:
+                    last_note = time.time()
+                    log.info("waiting for run %r to appear in %s (the trainer publishes it when it starts)",
+                             self.run_name, self.store)
+                self._sleep(2.0)
+            except SignatureError as e:
+                raise WorkerExit(EXIT_CONFIG, f"run {self.run_name!r} does not verify under the public key given "
+                                              f"(wrong key for this run, or the store was tampered with): {e}") from None
+            except ValueError as e:
+                raise WorkerExit(EXIT_CONFIG, f"run {self.run_name!r} cannot be used: {e}") from None
+            except (StoreError, OSError) as e:
+                if not reached and time.time() - t0 > self.wait_seconds:
+                    raise WorkerExit(EXIT_UNREACHABLE, f"cannot reach the store {self.store} "
+                                                       f"({type(e).__name__}: {e}); check its URL, your network "
+                                                       "and the credentials in your environment") from None
+                self._backoff("reading the run config", e)
+        return None
+
+    def _import_env(self, cfg: Any, model_dir: Path) -> None:
+        """Import what registers the run's task (``env.module``, the package it names)."""
+        log.info("run %s: env %s%s, kwargs %s; model files verified in %s", self.run_name, cfg.env.id,
+                 f" (imports module {cfg.env.module!r})" if cfg.env.module else "",
+                 json.dumps(cfg.env.kwargs, sort_keys=True)[:500], model_dir)
+        try:
+            import_env_module(cfg.env)
+        except Exception as e:
+            raise WorkerExit(EXIT_CONFIG, f"the run's environment module cannot be imported here: "
+                                          f"{type(e).__name__}: {e}") from None
+
+    def _first_weights(self, lag: int) -> SyncResult | None:
+        """The state to start from (:meth:`LiveWeights.join`), waiting for the trainer's first
+        publish; None if stopped first."""
+        self.weights = LiveWeights(self.store, self.run_name, self.public_key,
+                                   keep_dir=self.cache_dir if self.keep_weights else None)
+        last_note = 0.0
+        while not self._stop:
+            try:
+                head = self.weights.head()
+                if head is None:
+                    if self._finished():
+                        self._stop_for("the run finished before publishing weights")
+                        return None
+                    if time.time() - last_note > self.progress_every:
+                        last_note = time.time()
+                        log.info("waiting for the trainer's first weights of run %r", self.run_name)
+                    self._sleep(0.5)
+                    continue
+                res = self.weights.join(max(0, head - lag) if lag else None)
+                self._recovered()
+                return res
+            except PointerError as e:  # a stale or unreadable pointer: wait for the trainer's next word
+                self._backoff("the run's pointer", e)
+            except (*SYNC_ERRORS, OSError) as e:
+                self._backoff("joining the weight chain", e)
+        return None
+
+    def _start_engine(self, model_dir: Path, first: SyncResult, rc: Any) -> RolloutEngine:
+        """The int8 engine on the joined weights, checked against the run's model (this machine's
+        framework may read its config otherwise), wrapped by ``wrap_engine``; the weights are
+        followed into it from now on."""
+        from stoa.backends.engine import EngineConfig, make_engine
+
+        engine = make_engine(model_dir, rc.engine, state=first.state, version=first.version, mode=rc.engine_mode,
+                             config=EngineConfig(max_batch=rc.max_batch), worker_id=self.worker_id)
+        refused = join_check(engine, model_dir)
+        if refused:
+            raise WorkerExit(EXIT_CONFIG, refused)
+        if self.wrap_engine is not None:
+            engine = self.wrap_engine(engine, self)
+        assert self.weights is not None
+        self.weights.live = engine
+        log.info("worker %s (key %s) joined run %s at version %d (%s mode, %d bytes); a progress line every %.0fs",
+                 self.worker_id, self.key_id, self.run_name, first.version, engine.mode, first.bytes_read,
+                 self.progress_every)
+        return engine
+
+    def _task(self, cfg: Any) -> tuple[Callable[[], Any], int]:
+        """The factory of the run's training environment, and how many items it has."""
+        import stoa.envs
+
+        make_env = lambda: stoa.envs.make(cfg.env.id, split=cfg.env.train_split, **cfg.env.kwargs)  # noqa: E731
+        return make_env, len(make_env().unwrapped)
+
+    # -- between cohorts --------------------------------------------------------------------------
+    def _ready(self, rc: Any) -> bool:
+        """Between cohorts: whether to make one now. No (after a wait) when the run finished, this
+        version got ``rollout.cohorts_per_version`` cohorts from us, or ``rollout.max_outstanding``
+        of our batches wait for the trainer. On the way: the roster's word (every 10 s), the
+        trainer's sequence floor, and the weights caught up to the head (or repaired)."""
+        if self.writer is None:
+            self.writer = RememberingWriter(self.store, self.run_name, self.worker_id, self.private_key,
+                                            SequenceFile(self.cache_dir / "sequence.json"))
+        if self._finished():
+            self._stop_for("the run finished")
+            return False
+        if time.time() - self._roster_read > _ROSTER_EVERY_S:
+            self._heed_roster()
+        assert self.weights is not None and self.engine is not None
+        self.weights.follow(rc.lag)
+        self._recovered()
+        self._maybe_progress()
+        if ((rc.cohorts_per_version and self._cohorts_at.get(self.engine.version, 0) >= rc.cohorts_per_version)
+                or (rc.max_outstanding and self._outstanding(self.writer) >= rc.max_outstanding)):
+            self._beat("waiting")
+            self._sleep(rc.poll_seconds)
+            return False
+        self.writer.skip_taken()  # a number someone planted ahead of us costs no cohort
+        return True
+
+    def _heed_roster(self) -> None:
+        """Stop when the run's roster says so; continue at the trainer's sequence floor."""
+        stop = self._roster_says()
+        if stop is not None:
+            raise stop
+        assert self.writer is not None
+        moved = catch_up(self.writer, self.store, self.run_name, self.public_key)
+        if moved:
+            log.warning("%s", moved)
+        self._roster_read = time.time()
+
+    def _finished(self) -> bool:
+        """Whether the trainer marked the run finished: only a marker that verifies under the run's
+        key counts (anyone with write access to the store could plant one)."""
+        return is_finished(self.store, self.run_name, self.public_key)
+
     def _outstanding(self, writer: RolloutWriter) -> int:
         """Own batches uploaded but not yet taken by the trainer. Counted against the newest
         verified progress document this worker saw: a missing, forged or replayed older one
@@ -273,328 +541,51 @@ class Worker:
                                            f"{self.run_name!r}: start this worker with another --id (or without --id)")
         return None
 
-    def _finished(self) -> bool:
-        """Whether the trainer marked the run finished: only a marker that verifies under the run's
-        key counts (anyone with write access to the store could plant one)."""
-        return is_finished(self.store, self.run_name, self.public_key)
-
-    def make_engine(self, model_dir: Path, state: dict, version: int, rc: Any) -> RolloutEngine:
-        """The worker's int8 engine for the run's weights."""
-        from stoa.backends.engine import EngineConfig, make_engine
-
-        return make_engine(model_dir, rc.engine, state=state, version=version, mode=rc.engine_mode,
-                           config=EngineConfig(max_batch=rc.max_batch), worker_id=self.worker_id)
-
-    def finish_cohort(self, episodes: list[Episode]) -> list[Episode]:
-        """What the worker uploads of a cohort: exactly what the engine returned. (A subclass may
-        change it; ``stoa.testing.adversaries`` does, to test the trainer's checks.)"""
-        return episodes
-
-    # -- joining ----------------------------------------------------------------------------------
-    def _fetch_run(self) -> tuple[Any, Path] | None:
-        """The verified run config and model folder, waiting for them within ``wait_seconds``."""
-        t0, reached, last_note = time.time(), False, 0.0
-        while not self._stop:
-            try:
-                got = fetch_run(self.store, self.run_name, self.public_key, self.cache_dir / "model")
-                self._recovered()
-                return got
-            except KeyNotFound:
-                reached = True
-                # Another run's name and nothing under ours (an enrolled roster counts): a typo.
-                runs = [] if self.store.list(f"{self.run_name.strip('/')}/") else find_runs(self.store)
-                if runs and self.run_name not in runs:
-                    raise WorkerExit(EXIT_NO_RUN, f"no run {self.run_name!r} in {self.store}; runs found there: "
-                                                  f"{', '.join(runs)}") from None
-                if time.time() - t0 > self.wait_seconds:
-                    raise WorkerExit(EXIT_NO_RUN, f"no run {self.run_name!r} appeared in {self.store} within "
-                                                  f"{self.wait_seconds:.0f}s (the store holds no runs)") from None
-                if time.time() - last_note > self.progress_every:
-                    last_note = time.time()
-                    log.info("waiting for run %r to appear in %s (the trainer publishes it when it starts)",
-                             self.run_name, self.store)
-                self._sleep(2.0)
-            except SignatureError as e:
-                raise WorkerExit(EXIT_CONFIG, f"run {self.run_name!r} does not verify under the public key given "
-                                              f"(wrong key for this run, or the store was tampered with): {e}") from None
-            except ValueError as e:
-                raise WorkerExit(EXIT_CONFIG, f"run {self.run_name!r} cannot be used: {e}") from None
-            except (StoreError, OSError) as e:
-                if not reached and time.time() - t0 > self.wait_seconds:
-                    raise WorkerExit(EXIT_UNREACHABLE, f"cannot reach the store {self.store} "
-                                                       f"({type(e).__name__}: {e}); check its URL, your network "
-                                                       "and the credentials in your environment") from None
-                self._backoff("reading the run config", e)
-        return None
-
-    def _first_weights(self, rc: Any) -> Any:
-        """The first synced state (from the weights kept by the last session when they are still
-        on the chain), waiting for the first publish; None if stopped first."""
-        assert self.sub is not None
-        kept = self._load_kept()
-        last_note = 0.0
-        while not self._stop:
-            try:
-                head = self.sub.head()
-                if head is None:
-                    if self._finished():
-                        self._stop_for("the run finished before publishing weights")
-                        return None
-                    if time.time() - last_note > self.progress_every:
-                        last_note = time.time()
-                        log.info("waiting for the trainer's first weights of run %r", self.run_name)
-                    self._sleep(0.5)
-                    continue
-                self._head = head
-                res = self.sub.sync(kept, version=max(0, head - rc.lag) if rc.lag else None)
-                self._recovered()
-                self.sync_bytes += res.bytes_read
-                if kept is not None:
-                    how = ("the kept weights were current" if not res.applied else
-                           " + ".join(f"{k} {v}" for v, k in res.applied))
-                    log.info("resumed from the weights kept at version %d: %s (%d bytes)", kept[0], how,
-                             res.bytes_read)
-                return res
-            except PointerError as e:  # a stale or unreadable pointer: wait for the trainer's next word
-                self._backoff("the run's pointer", e)
-            except (*SYNC_ERRORS, OSError) as e:
-                self._backoff("joining the weight chain", e)
-        return None
-
-    def _load_kept(self) -> tuple[int, dict] | None:
-        """The weights the last session saved, if any and readable (verified by the first sync)."""
-        meta, path = self.cache_dir / _STATE_META, self.cache_dir / _STATE_FILE
-        if not self.keep_weights or not meta.exists() or not path.exists():
-            return None
-        try:
-            from stoa.transport import pulse
-
-            m = json.loads(meta.read_text())
-            if m.get("run") != self.run_name:
-                return None
-            return int(m["version"]), pulse.decode_state(path.read_bytes())
-        except Exception as e:  # a damaged cache costs one anchor, nothing else
-            log.warning("ignoring the weights kept in %s (%s: %s)", self.cache_dir, type(e).__name__, e)
-            return None
-
-    def _save_kept(self) -> str:
-        """Save the verified live weights for the next session; says what it did."""
-        e = self.engine
-        if not self.keep_weights or e is None:
-            return ""
-        try:
-            if self._check is not None and not self._check.wait():
-                return ""
-            from stoa.transport import pulse
-
-            blob = pulse.encode_state({k: np.asarray(v) for k, v in e.state.items()})
-            tmp = self.cache_dir / f".{_STATE_FILE}.tmp"
-            tmp.write_bytes(blob)
-            tmp.replace(self.cache_dir / _STATE_FILE)
-            (self.cache_dir / _STATE_META).write_text(json.dumps({"run": self.run_name, "version": e.version}))
-            return f"weights of version {e.version} kept in {self.cache_dir} for a quick restart"
-        except Exception as err:  # noqa: BLE001 - saving is a convenience; never hide the exit reason
-            log.warning("could not keep the weights (%s: %s)", type(err).__name__, err)
-            return ""
-
-    # -- syncing ----------------------------------------------------------------------------------
-    def _sync(self, version: int | None = None) -> None:
-        """Catch up to the head (or to ``version``, for a forced lag) between cohorts, writing verified
-        deltas (or a newer anchor) into the live weights. Raises on failure (the caller backs off);
-        the engine keeps the weights it had.
-
-        Deltas are written as soon as their payloads verify; the signed hash of the resulting state
-        is checked in the background while the worker generates (``check="background"``), and
-        :meth:`_weights_verified` holds the cohort's upload until it passed."""
-        assert self.engine is not None and self.sub is not None
-        problems: list[str] = []
-
-        def write(state: dict) -> tuple[int, list[str]]:
-            res = self.sub.sync((self.engine.version, state), apply_inplace=True, version=version, check="background")
-            self.sync_bytes += res.bytes_read
-            problems.extend(res.problems)
-            self._check = res.check
-            if not res.inplace:
-                raise WorkerExit(EXIT_CONFIG, f"version {res.version} changes the weight layout; restart the worker")
-            return res.version, res.changed_names
-
-        self.engine.update_inplace(write)
-        for p in problems:
-            log.warning("weight sync: %s", p)
-
-    def _weights_verified(self, version: int | None) -> bool:
-        """Whether the weights the last cohort was generated with passed their background hash
-        check (waiting for it). If not, they are repaired from the store (verified before writing)
-        and False tells the caller to drop that cohort."""
-        check, self._check = self._check, None
-        if check is None:
-            return True
-        try:
-            return check.wait()
-        except SYNC_ERRORS as e:
-            log.error("the weights of version %d did not verify after the in-place update (%s); dropping the "
-                      "cohort generated with them and repairing the weights from the store", check.version, e)
-            self._repair = True  # until a sync succeeds, nothing is generated with these weights
-            self._sync(version)
-            self._repair = False
-            return False
-
-    # -- the loop ---------------------------------------------------------------------------------
-    def run(self) -> int:
-        old = {s: signal.signal(s, self.request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
-        code = EXIT_OK
-        try:
-            code = self._run()
-        except WorkerExit as e:
-            log.error("%s", e.message)
-            code = e.code
-        except KeyboardInterrupt:
-            self._stop_reason = "stopped at once by a second Ctrl-C (the cohort in progress was dropped)"
-        finally:
-            kept = ""
-            if self.engine is not None:
-                try:
-                    self._beat("stopped")
-                except Exception as e:  # a dying store must not hide the real exit reason
-                    log.warning("could not write the final heartbeat: %s", e)
-                kept = self._save_kept()
-            for s, h in old.items():
-                signal.signal(s, h)
-        if self.engine is not None:
-            try:
-                log.info("%s", self.progress_line())
-            except Exception:  # noqa: BLE001 - a last report must not change the exit
-                pass
-        if code == EXIT_OK:
-            log.info("%s: %d batches (%d episodes) uploaded this session as %s (key %s)%s", self._stop_reason or
-                     "done", self.batches, self.episodes, self.worker_id, self.key_id, f"; {kept}" if kept else "")
-        return code
-
-    def _run(self) -> int:
+    # -- one cohort -------------------------------------------------------------------------------
+    def _cohort(self, run_seed: int, rc: Any, n_items: int) -> Cohort:
+        """The work of our next sequence number (:mod:`stoa.fleet.trust.assign`): its items, group
+        ids and sampling seed follow from the run's seed, our key and the number."""
         from stoa.backends.engine import RolloutRequest
-        import stoa.envs
 
-        got = self._fetch_run()
-        if got is None:
-            return EXIT_OK
-        cfg, model_dir = got
-        log.info("run %s: env %s%s, kwargs %s; model files verified in %s", self.run_name, cfg.env.id,
-                 f" (imports module {cfg.env.module!r})" if cfg.env.module else "",
-                 json.dumps(cfg.env.kwargs, sort_keys=True)[:500], model_dir)
+        assert self.writer is not None
+        seq = self.writer.next_seq
+        work = assignment(run_seed, self.writer.key_id, seq, n_items, rc.groups_per_cohort)
+        return Cohort(seq, [RolloutRequest(i, g, rc.group_size) for i, g in zip(work.items, work.group_ids)],
+                      rc.sampling(work.seed))
+
+    def _generate(self, make_env: Callable[[], Any], cohort: Cohort) -> tuple[list[Episode], float]:
+        """The cohort's episodes (one weight version for all) and the seconds they took."""
+        assert self.engine is not None
+        t0 = time.time()
+        episodes = self.engine.rollout(make_env, cohort.requests, cohort.sampling)
+        return episodes, max(time.time() - t0, 1e-9)
+
+    def _deliver(self, cohort: Cohort, episodes: list[Episode], seconds: float) -> None:
+        """Upload a cohort made with weights that passed their check. One made with weights that
+        failed it is dropped (the weights are repaired first) and its number stays ours: its work
+        is made again."""
+        assert self.weights is not None and self.engine is not None
+        if not episodes or not self._retrying("repairing the weights", self.weights.verified):
+            return
+        self.episodes_per_s = len(episodes) / seconds
+        self.tokens_per_s = sum(e.num_model_tokens for e in episodes) / seconds
+        self._pending = _Batch(episodes, self.engine.version, cohort.seq)
+        self._retrying("uploading a batch", self._upload_pending)
+
+    def _upload_pending(self) -> None:
+        """Upload the batch in hand under its number (a retry after a failure finds its own object,
+        never a duplicate); a number someone else took voids its work."""
+        batch, writer = self._pending, self.writer
+        assert batch is not None and writer is not None
         try:
-            import_env_module(cfg.env)
-        except Exception as e:
-            raise WorkerExit(EXIT_CONFIG, f"the run's environment module cannot be imported here: "
-                                          f"{type(e).__name__}: {e}") from None
-        self.sub = WeightSubscriber(self.store, self.run_name, self.public_key)
-        rc = cfg.rollout
-        res = self._first_weights(rc)
-        if res is None:
-            return EXIT_OK
-        self.engine = self.make_engine(model_dir, res.state, res.version, rc)
-        refused = join_check(self.engine, model_dir)  # this machine's framework may read the config otherwise
-        if refused:
-            raise WorkerExit(EXIT_CONFIG, refused)
-        log.info("worker %s (key %s) joined run %s at version %d (%s mode, %d bytes); a progress line every %.0fs",
-                 self.worker_id, self.key_id, self.run_name, res.version, self.engine.mode, res.bytes_read,
-                 self.progress_every)
-        make_env = lambda: stoa.envs.make(cfg.env.id, split=cfg.env.train_split, **cfg.env.kwargs)
-        n_items = len(make_env().unwrapped)
-        writer: RolloutWriter | None = None
-        roster_read = 0.0
-        cohorts_at: dict[int, int] = {}
-        pending: tuple[list, int, int] | None = None  # a cohort whose upload failed: retried first
-        self._last_progress = time.time()
-        while not self._stop and (self.max_batches is None or self.batches < self.max_batches):
-            if self.max_seconds is not None and time.time() - self._started > self.max_seconds:
-                self._stop_for(f"time limit of {self.max_seconds / 3600:.2f} h reached")
-                break
-            try:
-                if writer is None:
-                    writer = self.writer = RememberingWriter(self.store, self.run_name, self.worker_id, self.private_key,
-                                                             SequenceFile(self.cache_dir / "sequence.json"))
-                if pending is not None:
-                    try:
-                        self._upload(writer, *pending, cohorts_at)
-                    except SequenceTaken as e:
-                        log.warning("%s; dropping the cohort made for it", e)
-                    pending = None
-                    continue
-                if self._finished():
-                    self._stop_for("the run finished")
-                    break
-                if time.time() - roster_read > _ROSTER_EVERY_S:
-                    stop = self._roster_says()
-                    if stop is not None:
-                        raise stop
-                    moved = catch_up(writer, self.store, self.run_name, self.public_key)
-                    if moved:
-                        log.warning("%s", moved)
-                    roster_read = time.time()
-                head = self.sub.head()
-                self._head = head
-                if head is not None and (head - rc.lag > self.engine.version or head < self.engine.version
-                                         or self._repair):
-                    self._sync(head - rc.lag if rc.lag else None)
-                    self._repair = False
-                self._recovered()
-                self._maybe_progress()
-                if ((rc.cohorts_per_version and cohorts_at.get(self.engine.version, 0) >= rc.cohorts_per_version)
-                        or (rc.max_outstanding and self._outstanding(writer) >= rc.max_outstanding)):
-                    self._beat("waiting")
-                    self._sleep(rc.poll_seconds)
-                    continue
-                writer.skip_taken()  # a number someone planted ahead of us costs no cohort
-            except WorkerExit:
-                raise
-            except (*SYNC_ERRORS, SignatureError, OSError) as e:
-                self._backoff("talking to the store", e)
-                continue
-            # The work of our next sequence number is assigned (stoa.fleet.trust.assign): items, group ids, seed.
-            seq = writer.next_seq
-            work = self.assigned(cfg.seed, writer.key_id, seq, n_items, rc.groups_per_cohort)
-            requests = [RolloutRequest(i, g, rc.group_size) for i, g in zip(work.items, work.group_ids)]
-            sampling = self.sampling(rc, work.seed)
-            t0 = time.time()
-            episodes = self.finish_cohort(self.engine.rollout(make_env, requests, sampling))
-            dt = max(time.time() - t0, 1e-9)
-            try:
-                if not episodes or not self._weights_verified(self.engine.version if rc.lag else None):
-                    continue  # the number stays ours: its work is made again with repaired weights
-                self.episodes_per_s = len(episodes) / dt
-                self.tokens_per_s = sum(e.num_model_tokens for e in episodes) / dt
-                pending = (episodes, self.engine.version, seq)
-                self._upload(writer, *pending, cohorts_at)
-                pending = None
-                self._recovered()
-            except SequenceTaken as e:  # someone planted an object at our number: its work is void
-                log.warning("%s; dropping the cohort made for it", e)
-                pending = None
-            except WorkerExit:
-                raise
-            except (*SYNC_ERRORS, SignatureError, OSError) as e:
-                self._backoff("uploading a batch" if pending is not None else "repairing the weights", e)
-        if self._stop and not self._stop_reason:
-            self._stop_reason = "stopped"
-        if self.max_batches is not None and self.batches >= self.max_batches:
-            self._stop_reason = self._stop_reason or f"uploaded the {self.max_batches} batches asked for"
-        return EXIT_OK
-
-    def sampling(self, rc: Any, seed: int) -> Any:
-        """How a cohort samples: the run's settings, the assigned seed (an adversary may override it)."""
-        from stoa.backends.engine import SamplingConfig
-
-        return SamplingConfig(temperature=rc.temperature, top_p=rc.top_p, max_turn_tokens=rc.max_turn_tokens,
-                              max_episode_tokens=rc.max_episode_tokens, seed=seed)
-
-    def assigned(self, run_seed: int, key_id: str, seq: int, n_items: int, groups: int) -> Assignment:
-        """The work this key owes as sequence number ``seq`` (an adversary may override it)."""
-        return assignment(run_seed, key_id, seq, n_items, groups)
-
-    def _upload(self, writer: RolloutWriter, episodes: list, version: int, seq: int,
-                cohorts_at: dict[int, int]) -> None:
-        writer.upload(episodes, version, seq=seq)  # a retry after a failure finds its own object, never a duplicate
-        cohorts_at[version] = cohorts_at.get(version, 0) + 1
+            writer.upload(batch.episodes, batch.version, seq=batch.seq)
+        except SequenceTaken as e:  # someone planted an object at our number
+            log.warning("%s; dropping the cohort made for it", e)
+            self._pending = None
+            return
+        self._pending = None
+        self._cohorts_at[batch.version] = self._cohorts_at.get(batch.version, 0) + 1
         self.batches += 1
-        self.episodes += len(episodes)
+        self.episodes += len(batch.episodes)
         self._beat("generating")
+        self._recovered()

@@ -1,8 +1,11 @@
 """Dishonest workers, for testing the trainer's checks (``docs/trust.md``).
 
-Each is a real :class:`stoa.fleet.worker.Worker` (real MLX engine, real store, sealed uploads)
-with one behaviour changed. Run one with ``stoa worker ... --adversary KIND`` or add one to a
-local fleet with ``stoa train CONFIG --adversary KIND``:
+Each is a plain :class:`stoa.fleet.worker.Worker` (real MLX engine, real store, sealed uploads)
+whose engine is wrapped through the worker's one seam, ``wrap_engine``: an
+:class:`~stoa.backends.engine.EngineWrapper` that changes one behaviour (what a cohort returns,
+how it samples, which weights it samples with) and leaves the rest of the worker as it is. Run
+one with ``stoa worker ... --adversary KIND`` or add one to a local fleet with
+``stoa train CONFIG --adversary KIND``:
 
 =====================  ===================================================  =====================
 kind                   what it does                                         caught by
@@ -37,13 +40,16 @@ is used by honest code paths.
 
 from __future__ import annotations
 
+import copy as _copy
+import dataclasses
 import logging
 import time
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from stoa.backends.engine import EngineWrapper, RolloutEngine, RolloutRequest, SamplingConfig
 from stoa.fleet.worker import Worker
 from stoa.transport import layout
 from stoa.transport.exchange import parse_rollout_key
@@ -51,24 +57,38 @@ from stoa.transport.identity import SealError, open_sealed
 from stoa.transport.store import StoreError
 from stoa.types import Episode, EpisodeError, Segment, decode_episodes
 
-__all__ = ["KINDS", "make_adversary"]
+__all__ = ["KINDS", "Adversary", "make_adversary"]
 
 log = logging.getLogger("stoa.adversary")
 
 
-class _Adversary(Worker):
+class Adversary(EngineWrapper):
+    """A dishonest worker's engine: the honest one (``self.engine``) with one behaviour changed.
+    ``worker`` is the worker it serves (its store, run, id and writer)."""
+
     kind = ""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.rng = np.random.default_rng(list(self.worker_id.encode()))
-        log.warning("worker %s runs as the %r adversary", self.worker_id, self.kind)
+    def __init__(self, engine: RolloutEngine, worker: Worker) -> None:
+        super().__init__(engine)
+        self.worker = worker
+        self.rng = np.random.default_rng(list(worker.worker_id.encode()))
 
 
-class FlipRewards(_Adversary):
+class _Forger(Adversary):
+    """Generates honestly, then changes the cohort before the worker uploads it."""
+
+    def rollout(self, make_env: Callable[[], Any], requests: Sequence[RolloutRequest],
+                sampling: SamplingConfig = SamplingConfig()) -> list[Episode]:
+        return self.forge(self.engine.rollout(make_env, requests, sampling))
+
+    def forge(self, episodes: list[Episode]) -> list[Episode]:
+        return episodes
+
+
+class FlipRewards(_Forger):
     kind = "flip-rewards"
 
-    def finish_cohort(self, episodes: list[Episode]) -> list[Episode]:
+    def forge(self, episodes: list[Episode]) -> list[Episode]:
         for e in episodes:
             e.reward = max(e.reward, 1.0)
         return episodes
@@ -85,10 +105,10 @@ def _declared(env_id: str) -> tuple[dict[str, Any], str | None]:
     return dict(getattr(cls, "metric_types", {})), getattr(cls, "success_metric", None)
 
 
-class ForgeMetrics(_Adversary):
+class ForgeMetrics(_Forger):
     kind = "forge-metrics"
 
-    def finish_cohort(self, episodes: list[Episode]) -> list[Episode]:
+    def forge(self, episodes: list[Episode]) -> list[Episode]:
         for e in episodes:
             types, success = _declared(e.env_id)
             forged = {k: True for k, t in types.items() if t is bool or (isinstance(t, tuple) and bool in t)}
@@ -96,10 +116,10 @@ class ForgeMetrics(_Adversary):
         return episodes
 
 
-class ZeroLogprobs(_Adversary):
+class ZeroLogprobs(_Forger):
     kind = "zero-logprobs"
 
-    def finish_cohort(self, episodes: list[Episode]) -> list[Episode]:
+    def forge(self, episodes: list[Episode]) -> list[Episode]:
         for e in episodes:
             for s in e.segments:
                 if s.kind == "model":
@@ -107,10 +127,10 @@ class ZeroLogprobs(_Adversary):
         return episodes
 
 
-class ShuffleLogprobs(_Adversary):
+class ShuffleLogprobs(_Forger):
     kind = "shuffle-logprobs"
 
-    def finish_cohort(self, episodes: list[Episode]) -> list[Episode]:
+    def forge(self, episodes: list[Episode]) -> list[Episode]:
         for e in episodes:
             model = [s for s in e.segments if s.kind == "model"]
             flat = self.rng.permutation(np.concatenate([s.logprobs for s in model]))
@@ -121,32 +141,34 @@ class ShuffleLogprobs(_Adversary):
         return episodes
 
 
-class OtherModel(_Adversary):
+class OtherModel(Adversary):
     """Samples with a random model of the run's shape and tokenizer; follows the version numbers only."""
 
     kind = "other-model"
 
-    def make_engine(self, model_dir: Path, state: dict, version: int, rc: Any):
+    def __init__(self, engine: RolloutEngine, worker: Worker) -> None:
         from stoa.transport.quant import dequantize_state, quantize_state
 
-        floats = dequantize_state(state)
+        super().__init__(engine, worker)
+        self._honest = {k: np.array(v, copy=True) for k, v in engine.state.items()}
+        floats = dequantize_state(self._honest)
         rng = np.random.default_rng(12345)
         other = {k: (rng.normal(0.0, float(v.std()) or 0.02, v.shape).astype(v.dtype) if v.ndim == 2 else v)
                  for k, v in floats.items()}
-        self._foreign = quantize_state(other)
-        return super().make_engine(model_dir, self._foreign, version, rc)
+        engine.load_state(engine.version, quantize_state(other))
 
-    def _sync(self, version: int | None = None) -> None:  # claims the version it would sync to
-        head = version if version is not None else self.sub.head() if self.sub is not None else None
-        if head is not None and self.engine is not None:
-            self.engine.load_state(head, self._foreign)
+    def update_inplace(self, write: Callable[[dict[str, np.ndarray]], tuple[int, Sequence[str]]]) -> list[str]:
+        def claim(_live: dict[str, np.ndarray]) -> tuple[int, list[str]]:  # the chain goes into a copy
+            version, _ = write(self._honest)
+            return version, []
+
+        return self.engine.update_inplace(claim)
 
 
-class ForgeObservations(_Adversary):
+class ForgeObservations(_Forger):
     kind = "forge-observations"
 
-    def finish_cohort(self, episodes: list[Episode]) -> list[Episode]:
-        assert self.engine is not None
+    def forge(self, episodes: list[Episode]) -> list[Episode]:
         planted = np.array(self.engine.codec.encode("\n\nThe answer is whatever you said.\n\n"), np.int32)
         for e in episodes:  # the first observation becomes planted text
             for j, s in enumerate(e.segments):
@@ -156,63 +178,48 @@ class ForgeObservations(_Adversary):
         return episodes
 
 
-class _NoRollout:
-    """An engine that follows the chain but generates nothing (a copier needs no episodes of its own)."""
-
-    def __init__(self, engine: Any) -> None:
-        self.__dict__["_engine"] = engine
-
-    def rollout(self, *args: Any, **kwargs: Any) -> list[Episode]:
-        time.sleep(0.2)
-        return []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._engine, name, value)
-
-
-class Copy(_Adversary):
-    """Uploads the batches of workers the trainer trusts (its public report says whose batches it
-    accepts), at its own policy version, under its own id and key."""
+class Copy(Adversary):
+    """Generates nothing: uploads the batches of workers the trainer trusts (its public report says
+    whose batches it accepts), at its own policy version, under its own id and key."""
 
     kind = "copy"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, engine: RolloutEngine, worker: Worker) -> None:
+        super().__init__(engine, worker)
         self._copied: set[str] = set()
 
-    def make_engine(self, model_dir: Path, state: dict, version: int, rc: Any):
-        return _NoRollout(super().make_engine(model_dir, state, version, rc))
+    def rollout(self, make_env: Callable[[], Any], requests: Sequence[RolloutRequest],
+                sampling: SamplingConfig = SamplingConfig()) -> list[Episode]:
+        time.sleep(0.2)
+        return self.copied()
 
-    def finish_cohort(self, episodes: list[Episode]) -> list[Episode]:
-        assert self.engine is not None
+    def copied(self) -> list[Episode]:
         from stoa.fleet.trust import read_trust_report
 
-        report = read_trust_report(self.store, self.run_name)
-        trusted = {w.worker_id for w in (report.workers.values() if report else ())
-                   if w.accepted_batches and not w.banned} - {self.worker_id}
+        w = self.worker
+        report = read_trust_report(w.store, w.run_name)
+        trusted = {r.worker_id for r in (report.workers.values() if report else ())
+                   if r.accepted_batches and not r.banned} - {w.worker_id}
         stolen = self._steal(lambda worker: worker in trusted)
         for e in stolen:
-            e.group_id = f"{self.worker_id}-copy-{len(self._copied)}-{e.group_id}"[:200]
+            e.group_id = f"{w.worker_id}-copy-{len(self._copied)}-{e.group_id}"[:200]
         return stolen
 
-    def _steal(self, whose) -> list[Episode]:
+    def _steal(self, whose: Callable[[str], bool]) -> list[Episode]:
         """The newest batch at our version of a worker ``whose(worker id)`` accepts, relabelled as ours."""
-        assert self.engine is not None
-        for key in reversed(self.store.list(layout.rollouts(self.run_name))):
-            parsed = parse_rollout_key(self.run_name, key)
-            if parsed is None or not whose(parsed[0]) or key in self._copied or parsed[2] != self.engine.version:
+        w = self.worker
+        for key in reversed(w.store.list(layout.rollouts(w.run_name))):
+            parsed = parse_rollout_key(w.run_name, key)
+            if parsed is None or not whose(parsed[0]) or key in self._copied or parsed[2] != self.version:
                 continue
             self._copied.add(key)
             try:
-                _, payload = open_sealed(self.store.get(key))
+                _, payload = open_sealed(w.store.get(key))
                 stolen = decode_episodes(payload)
             except (SealError, StoreError, EpisodeError):
                 continue
             for e in stolen:
-                e.worker_id = self.worker_id
+                e.worker_id = w.worker_id
             log.info("copied %s (%d episodes)", key, len(stolen))
             return stolen
         return []
@@ -224,19 +231,17 @@ class Framer(Copy):
 
     kind = "framer"
 
-    def finish_cohort(self, episodes: list[Episode]) -> list[Episode]:
-        return self._steal(lambda worker: worker != self.worker_id)
+    def copied(self) -> list[Episode]:
+        return self._steal(lambda worker: worker != self.worker.worker_id)
 
 
-class CopyVariant(_Adversary):
+class CopyVariant(_Forger):
     """In each group of its own honest work, one sample is replaced by a copy of another sample's
     tokens relabelled with the replaced sample's index: every episode is genuine, the group is new."""
 
     kind = "copy-variant"
 
-    def finish_cohort(self, episodes: list[Episode]) -> list[Episode]:
-        import copy as _copy
-
+    def forge(self, episodes: list[Episode]) -> list[Episode]:
         by_group: dict[str, list[int]] = {}
         for i, e in enumerate(episodes):
             by_group.setdefault(e.group_id, []).append(i)
@@ -248,19 +253,16 @@ class CopyVariant(_Adversary):
         return episodes
 
 
-class ColdSampler(_Adversary):
+class ColdSampler(Adversary):
     """Samples at 0.7x the run's temperature (sharper, more exploitative) and reports, at the run's
     temperature, the honest log-probs of the tokens it drew: every claimed log-prob re-scores."""
 
     kind = "cold-sampler"
 
-    def sampling(self, rc: Any, seed: int) -> Any:
-        import dataclasses
-
-        return dataclasses.replace(super().sampling(rc, seed), temperature=rc.temperature * 0.7)
-
-    def finish_cohort(self, episodes: list[Episode]) -> list[Episode]:
-        assert self.engine is not None
+    def rollout(self, make_env: Callable[[], Any], requests: Sequence[RolloutRequest],
+                sampling: SamplingConfig = SamplingConfig()) -> list[Episode]:
+        cold = dataclasses.replace(sampling, temperature=sampling.temperature * 0.7)
+        episodes = self.engine.rollout(make_env, requests, cold)
         if not episodes:
             return episodes
         claimed = episodes[0].temperature / 0.7
@@ -275,7 +277,7 @@ class ColdSampler(_Adversary):
         return episodes
 
 
-class Selective(_Adversary):
+class Selective(_Forger):
     """Honest generation, uploads chosen by a preference of its own: a batch in which any episode
     succeeded (the task's success metric, from its declared hooks) is never uploaded, nor is every
     other one of the rest (a stand-in for any other taste), and their sequence numbers are
@@ -283,35 +285,42 @@ class Selective(_Adversary):
 
     kind = "selective"
 
-    def finish_cohort(self, episodes: list[Episode]) -> list[Episode]:
+    def __init__(self, engine: RolloutEngine, worker: Worker) -> None:
+        super().__init__(engine, worker)
+        self.made = self.withheld = 0
+
+    def forge(self, episodes: list[Episode]) -> list[Episode]:
         if not episodes:
             return episodes
         _, success = _declared(episodes[0].env_id)
         solved = any(bool(e.metrics.get(success)) if success else e.reward > 0 for e in episodes)
-        self.made = getattr(self, "made", 0) + 1
+        self.made += 1
         if solved or self.made % 2:
-            self.withheld = getattr(self, "withheld", 0) + 1
-            if self.writer is not None:
-                self.writer.next_seq += 1  # the number is spent: its work is never uploaded
+            self.withheld += 1
+            if self.worker.writer is not None:
+                self.worker.writer.next_seq += 1  # the number is spent: its work is never uploaded
             log.info("withheld a batch (%d so far)", self.withheld)
             return []
         return episodes
 
 
-class Unenrolled(_Adversary):
+class Unenrolled(Adversary):
     """Honest work signed with a key the run never enrolled (refused in an ``enrolled`` run)."""
 
     kind = "unenrolled"
 
 
-KINDS: dict[str, type[Worker]] = {c.kind: c for c in (FlipRewards, ForgeMetrics, ZeroLogprobs, ShuffleLogprobs,
-                                                       OtherModel, ForgeObservations, Copy, Framer, CopyVariant,
-                                                       ColdSampler, Selective, Unenrolled)}
-"""Adversary kind -> worker class."""
+KINDS: dict[str, type[Adversary]] = {c.kind: c for c in (FlipRewards, ForgeMetrics, ZeroLogprobs, ShuffleLogprobs,
+                                                          OtherModel, ForgeObservations, Copy, Framer, CopyVariant,
+                                                          ColdSampler, Selective, Unenrolled)}
+"""Adversary kind -> engine wrapper class (built as ``cls(engine, worker)``)."""
 
 
 def make_adversary(kind: str, *args: Any, **kwargs: Any) -> Worker:
-    """A worker of ``kind`` (a key of :data:`KINDS`), built with :class:`~stoa.fleet.worker.Worker`'s arguments."""
+    """A :class:`~stoa.fleet.worker.Worker` (built with its arguments) whose engine is wrapped as
+    ``kind`` (a key of :data:`KINDS`)."""
     if kind not in KINDS:
         raise ValueError(f"unknown adversary {kind!r}; known: {sorted(KINDS)}")
-    return KINDS[kind](*args, **kwargs)
+    worker = Worker(*args, wrap_engine=KINDS[kind], **kwargs)
+    log.warning("worker %s runs as the %r adversary", worker.worker_id, kind)
+    return worker
