@@ -1,22 +1,27 @@
 """Run configuration: a TOML file resolved into frozen dataclasses, one per component.
 
-A run config has a top-level ``name`` and ``seed`` and one table per component::
+A run config has a top-level ``name`` and ``seed`` and one table per component; each table's
+dataclass lives beside the code that uses it, and this module assembles them::
 
     name = "papersearch-tiny"
     seed = 0
-    [model]      # which weights: a local HF folder, or a tiny model built for the task
+    [model]      # which weights: a local HF folder, or a tiny model (stoa.fleet.trainer.ModelConfig)
     [model.tiny] # the tiny model's shape (stoa.models.tiny.TinyConfig)
-    [env]        # gymnasium id and kwargs of the task
-    [rollout]    # how workers sample (engine, group size, cohort size, temperature, caps)
-    [trainer]    # batch, staleness gate, advantages, checkpoints, trust bounds
+    [env]        # gymnasium id and kwargs of the task (stoa.fleet.task.EnvConfig)
+    [rollout]    # how workers sample: engine, group and cohort size, temperature, caps
+                 # (stoa.fleet.worker.RolloutConfig)
+    [trainer]    # batch, staleness gate, advantages, checkpoints (stoa.fleet.trainer.TrainerConfig)
     [learner]    # backend and optimizer (stoa.backends.learner.LearnerConfig fields)
     [learner.megatron]  # kind = "megatron": parallel sizes, attention, collective timeout
+                        # (stoa.backends.megatron.options.MegatronOptions)
     [objective]  # kind = a stoa.algos objective, plus that objective's Config fields
     [warmstart]  # optional supervised steps on scripted demonstrations before RL
-    [pulse]      # weight channel (anchors, dtype)
-    [eval]       # held-out evaluation
-    [fleet]      # the local launcher (`stoa train`): how many workers
-    [trust]      # which worker keys may upload, and how their episodes are verified
+                 # (stoa.fleet.warmstart.WarmstartConfig)
+    [pulse]      # weight channel: anchors, export dtype (stoa.fleet.publishing.PulseConfig)
+    [eval]       # held-out evaluation (stoa.fleet.trainer.EvalConfig)
+    [fleet]      # the local launcher (`stoa train`): how many workers (stoa.fleet.local.FleetConfig)
+    [trust]      # which worker keys may upload, how their episodes are verified, the reward
+                 # range they may report (stoa.fleet.trust.gate.TrustConfig)
     [trust.audit]  # the log-prob audit and its spot-checks (stoa.fleet.trust.audit.AuditConfig)
 
 Every section is typed and checked when the file is read: an unknown key, a value of the wrong
@@ -34,156 +39,27 @@ import math
 import tomllib
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from stoa.algos import Objective
 from stoa.backends.learner import LearnerConfig
 from stoa.backends.megatron.options import MegatronOptions
+from stoa.fleet.local import FleetConfig
+from stoa.fleet.publishing import PulseConfig
+from stoa.fleet.sections import ConfigError, check
+from stoa.fleet.task import EnvConfig, import_env_module
+from stoa.fleet.trainer import EvalConfig, ModelConfig, TrainerConfig
 from stoa.fleet.trust.gate import TrustConfig
-from stoa.models.tiny import TinyConfig
-
-if TYPE_CHECKING:
-    from stoa.backends.engine import SamplingConfig
+from stoa.fleet.warmstart import WarmstartConfig
+from stoa.fleet.worker import RolloutConfig
 
 __all__ = [
     "ConfigError", "EnvConfig", "EvalConfig", "FleetConfig", "LearnerSection", "ModelConfig", "PulseConfig",
     "RolloutConfig", "RunConfig", "TrainerConfig", "TrustConfig", "UnresolvedObjective", "WarmstartConfig",
     "check_runnable", "import_env_module", "load_config",
 ]
-
-
-class ConfigError(ValueError):
-    """The run configuration is invalid; the message names the key."""
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Which weights the run starts from."""
-
-    path: str = ""
-    """A local Hugging Face folder (config.json + safetensors + tokenizer). Empty: build a tiny model
-    whose tokenizer is trained on the task's ``tokenizer_texts()``."""
-    tiny: TinyConfig = TinyConfig()
-    """Shape of the tiny model (used when ``path`` is empty); its ``seed`` is the run's seed."""
-
-
-@dataclass(frozen=True)
-class EnvConfig:
-    """The task."""
-
-    id: str = "stoa/SyntheticSearch-v0"
-    """gymnasium id of a registered ``stoa`` text environment."""
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments for ``gymnasium.make`` shared by train and eval (the task validates them)."""
-    module: str = ""
-    """Imported before the env is made, on the trainer and on every worker, so that it can register
-    ``id``: a module name, or a ``.py`` file path (a relative one is read from the config file's
-    folder and recorded absolute). For one machine; a fleet installs the env as a package."""
-    package: str = ""
-    """``"name==version"`` of the installed package that declares ``id`` (entry-point group
-    ``stoa.envs``): filled in when the config is loaded, checked where it is written, and a worker
-    with another version refuses the run. Empty for ids not from a package."""
-    train_split: str = "train"
-    """Split the workers draw prompts from."""
-    eval_split: str = "test"
-    """Held-out split for evaluation."""
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    """How workers generate."""
-
-    group_size: int = 8
-    """Samples per prompt (G); advantages are computed within a group."""
-    groups_per_cohort: int = 8
-    """Prompts per generation cohort (one upload); a cohort never spans a weight swap."""
-    cohorts_per_version: int = 0
-    """Cohorts a worker generates with one weight version before waiting for a newer one (0 = no limit)."""
-    max_outstanding: int = 2
-    """Batches a worker may have uploaded that the trainer has not taken yet; beyond that it waits
-    (backpressure: bounds staleness and wasted work; 0 = no limit)."""
-    temperature: float = 1.0
-    """Sampling temperature; behaviour log-probs are recorded under it."""
-    top_p: float = 1.0
-    """Nucleus sampling mass (1.0 = off, the default for training)."""
-    max_turn_tokens: int = 32
-    """Most tokens in one model turn."""
-    max_episode_tokens: int = 1024
-    """Most tokens in one episode (prompt included)."""
-    max_batch: int = 128
-    """Episodes in flight at once in the engine."""
-    engine: str = "mlx"
-    """Rollout engine backend (``stoa.backends.engine.BACKENDS``)."""
-    engine_mode: Literal["auto", "quantized", "dequantized"] = "auto"
-    """Engine compute mode (for MLX, see ``stoa.backends.mlx``)."""
-    poll_seconds: float = 0.5
-    """How often an idle worker checks the version pointer."""
-    lag: int = 0
-    """Forced staleness for studies: workers generate with the version ``lag`` behind the head
-    (reached through the same verified chain); 0 = the newest version, as a fleet normally runs."""
-
-    def __post_init__(self) -> None:
-        _check(self.group_size >= 2, "rollout.group_size must be >= 2 (group advantages need a group)")
-        _check(self.groups_per_cohort >= 1, "rollout.groups_per_cohort must be >= 1")
-        _check(self.cohorts_per_version >= 0 and self.max_outstanding >= 0,
-               "rollout.cohorts_per_version and max_outstanding must be >= 0 (0 = no limit)")
-        _check(self.temperature > 0 and 0 < self.top_p <= 1, "rollout.temperature > 0 and 0 < top_p <= 1")
-        _check(0 < self.max_turn_tokens <= self.max_episode_tokens, "0 < rollout.max_turn_tokens <= max_episode_tokens")
-        _check(self.max_batch >= 1 and self.poll_seconds > 0, "rollout.max_batch >= 1 and poll_seconds > 0")
-        _check(self.lag >= 0, "rollout.lag must be >= 0")
-        from stoa.backends.engine import BACKENDS
-
-        _check(self.engine in BACKENDS, f"rollout.engine {self.engine!r} is not one of {sorted(BACKENDS)}")
-
-    def sampling(self, seed: int) -> SamplingConfig:
-        """How a cohort samples: these settings and the seed its work was assigned."""
-        from stoa.backends.engine import SamplingConfig
-
-        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, max_turn_tokens=self.max_turn_tokens,
-                              max_episode_tokens=self.max_episode_tokens, seed=seed)
-
-
-@dataclass(frozen=True)
-class TrainerConfig:
-    """How the trainer turns episodes into optimizer steps."""
-
-    steps: int = 100
-    """Optimizer steps of RL (each publishes one weight version)."""
-    groups_per_step: int = 16
-    """Prompt groups per optimizer step."""
-    max_lag: int = 3
-    """Staleness gate: episodes more than this many versions behind are dropped (and counted)."""
-    advantage: Literal["grpo", "drgrpo", "rloo"] = "drgrpo"
-    """Group advantage estimator (``stoa.algos.advantages``)."""
-    skip_zero_variance_groups: bool = True
-    """Leave out groups whose rewards are all equal (they carry no signal)."""
-    checkpoint_every: int = 25
-    """Save a full training checkpoint every this many steps (and at the end)."""
-    threads: int = 0
-    """torch CPU threads (0: leave torch's default)."""
-    poll_seconds: float = 0.2
-    """How often the trainer lists new rollouts while waiting."""
-    mismatch_every: int = 0
-    """Every this many steps, split the behaviour/trainer mismatch into its int8 and staleness parts
-    (``stoa.fleet.mismatch``: one extra int8 prefill and one float scoring pass); 0 = never."""
-    int8_scorer: Literal["auto", "engine", "torch"] = "auto"
-    """What re-scores episodes under a version's int8 weights (spot-checks, sampling checks, the
-    mismatch split): ``engine`` (the rollout engine, on the host), ``torch`` (the int8 state
-    dequantized into a torch model on the learner's device), ``auto`` (torch when the learner
-    runs on CUDA, else the engine). Evaluation always runs on the engine."""
-
-    def __post_init__(self) -> None:
-        _check(self.steps >= 0 and self.groups_per_step >= 1, "trainer.steps >= 0 and groups_per_step >= 1")
-        _check(self.mismatch_every >= 0, "trainer.mismatch_every must be >= 0")
-        _check(self.max_lag >= 0, "trainer.max_lag must be >= 0")
-        _check(self.checkpoint_every >= 1 and self.threads >= 0, "trainer.checkpoint_every >= 1, threads >= 0")
 
 
 @dataclass(frozen=True)
@@ -199,7 +75,7 @@ class LearnerSection:
     (``stoa.backends.megatron.options.MegatronOptions``); only with ``kind = "megatron"``."""
 
     def __post_init__(self) -> None:
-        _check(self.kind == "megatron" or self.megatron == MegatronOptions(),
+        check(self.kind == "megatron" or self.megatron == MegatronOptions(),
                f"[learner.megatron] is set but learner.kind is {self.kind!r}; set learner.kind = \"megatron\"")
 
 
@@ -213,93 +89,6 @@ class UnresolvedObjective:
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, **self.options}
-
-
-@dataclass(frozen=True)
-class WarmstartConfig:
-    """Supervised steps on the task's scripted demonstrations, so RL starts from a realistic policy.
-
-    Two phases, both built from the environment's hooks (``demonstration_turns``, ``practice_kwargs``).
-    *Practice* (``practice_steps``): ``practice_style`` demonstrations in sibling tasks (so no item
-    of this run's task is seen); for the search tasks they search and answer from the retrieved
-    text, teaching the protocol and how to read (a base model's general skill). *Habit*
-    (``steps``): demonstrations of this run's task in the styles of ``mix`` (weights), plus
-    ``practice_answer_only`` practice demonstrations per batch trained on their last turn only
-    (earlier turns are context), so the skill is kept without teaching the rest. For the demo:
-    ``mix = {oracle = 0.22, guess = 0.78}``: RL starts from a policy that rarely searches.
-    """
-
-    practice_steps: int = 0
-    """Supervised steps of practice in sibling tasks (0 = none)."""
-    practice_worlds: int = 16
-    """Sibling tasks (``env.practice_kwargs(1..N)``) the practice draws from."""
-    practice_style: str = "oracle"
-    """Demonstration style of the practice (and of the held-out check)."""
-    steps: int = 0
-    """Supervised steps in this run's task with the ``mix`` of styles (0 = none)."""
-    mix: dict[str, float] = field(default_factory=lambda: {"oracle": 1.0})
-    """Demonstration style -> weight, for the habit steps (styles the env lists in ``demo_styles``)."""
-    practice_answer_only: int = 0
-    """Practice demonstrations added to each habit batch with only their last turn trained."""
-    batch_size: int = 64
-    """Demonstrations per step."""
-    lr: float = 2e-3
-    """Learning rate of the warm start (AdamW, its own optimizer state)."""
-    check_every: int = 0
-    """Report p(last turn) of held-out practice-style demonstrations every this many steps (0 = at the end)."""
-    threads: int = 0
-    """torch CPU threads during the warm start (workers are idle then); 0 = the trainer's setting."""
-
-    def __post_init__(self) -> None:
-        _check(self.steps >= 0 and self.batch_size >= 1, "warmstart.steps >= 0 and batch_size >= 1")
-        _check(self.practice_steps >= 0 and self.practice_worlds >= 1 and self.threads >= 0
-               and self.practice_answer_only >= 0,
-               "warmstart.practice_steps >= 0, practice_worlds >= 1, threads >= 0, practice_answer_only >= 0")
-        _check(bool(self.mix) and all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
-                                      and math.isfinite(v) and v >= 0 for k, v in self.mix.items())
-               and sum(self.mix.values()) > 0, "warmstart.mix must map style names to weights >= 0 (sum > 0)")
-        _check(math.isfinite(self.lr) and self.lr > 0 and self.check_every >= 0, "warmstart.lr > 0 and check_every >= 0")
-
-
-@dataclass(frozen=True)
-class PulseConfig:
-    """The weight channel."""
-
-    anchor_every: int = 50
-    """A full anchor every this many versions (deltas in between)."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """dtype the trainer exports before int8 quantization (scales/biases travel in it)."""
-
-    def __post_init__(self) -> None:
-        _check(self.anchor_every >= 1, "pulse.anchor_every must be >= 1")
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    """Held-out evaluation with the int8 policy the workers run."""
-
-    every: int = 25
-    """Evaluate every this many versions (and at the first and last)."""
-    num_questions: int = 200
-    """Held-out questions per evaluation."""
-    samples: int = 4
-    """Samples per question (pass@1 is their mean; pass@k uses all of them)."""
-
-    def __post_init__(self) -> None:
-        _check(self.every >= 1 and self.num_questions >= 1 and self.samples >= 1, "eval.every/num_questions/samples >= 1")
-
-
-@dataclass(frozen=True)
-class FleetConfig:
-    """The local launcher."""
-
-    workers: int = 2
-    """Worker processes started by ``stoa train``."""
-    worker_threads: int = 1
-    """CPU threads per worker (MLX/OpenBLAS)."""
-
-    def __post_init__(self) -> None:
-        _check(self.workers >= 0 and self.worker_threads >= 1, "fleet.workers >= 0 and worker_threads >= 1")
 
 
 @dataclass(frozen=True)
@@ -325,11 +114,11 @@ class RunConfig:
     trust: TrustConfig = TrustConfig()
 
     def __post_init__(self) -> None:
-        _check(bool(self.name) and all(c.isalnum() or c in "-_." for c in self.name) and self.name[0] != ".",
+        check(bool(self.name) and all(c.isalnum() or c in "-_." for c in self.name) and self.name[0] != ".",
                f"name {self.name!r} must be non-empty and use only letters, digits, '-', '_', '.'")
         if self.objective is None:
             object.__setattr__(self, "objective", _resolve_objective({"kind": "dppo"}))
-        _check(self.trainer.max_lag >= self.rollout.lag,
+        check(self.trainer.max_lag >= self.rollout.lag,
                f"trainer.max_lag ({self.trainer.max_lag}) must be >= rollout.lag ({self.rollout.lag}), "
                "or the staleness gate drops every forced-stale episode")
 
@@ -355,7 +144,7 @@ class RunConfig:
             objective = _resolve_objective(table)
         else:
             kind = table.get("kind", "dppo")
-            _check(isinstance(kind, str), "objective.kind must be a string")
+            check(isinstance(kind, str), "objective.kind must be a string")
             objective = UnresolvedObjective(kind, {k: v for k, v in table.items() if k != "kind"})
         return _build(cls, {**data, "objective": objective}, "")
 
@@ -463,37 +252,6 @@ def _build_value(cls: type, name: str, value: Any, where: str) -> Any:
     if why:
         raise ConfigError(f"{path} {why}")
     return value
-
-
-def import_env_module(env: EnvConfig) -> None:
-    """Make ``env.id`` available: check that the installed package is the version the run names
-    (``env.package``), then import ``env.module`` (a module name or a ``.py`` path), which
-    registers the id.
-
-    Raises:
-        ConfigError: the package is missing or another version, or the module is not there.
-    """
-    from stoa.plugins import import_module_or_file, installed_env
-
-    if env.package:
-        found = installed_env(env.id)
-        if found is None or found.requirement != env.package:
-            have = f"this machine has {found.requirement}" if found else "it is not installed here"
-            raise ConfigError(f"env {env.id!r} of this run comes from the package {env.package}, {have}: "
-                              f"pip install {env.package!r}")
-    spec = env.module
-    if not spec:
-        return
-    try:
-        import_module_or_file(spec)
-    except ModuleNotFoundError as e:
-        if spec.endswith(".py") and e.name == spec:
-            raise ConfigError(f"env.module {spec!r}: no such file (a relative path in a config file is read "
-                              "from the file's folder, one given with --set from the working directory)") from None
-        if e.name and spec.startswith(e.name):
-            raise ConfigError(f"env.module {spec!r}: no module named {e.name!r} (install its package, "
-                              "or give a .py file)") from None
-        raise
 
 
 def check_runnable(cfg: RunConfig) -> None:

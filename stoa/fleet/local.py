@@ -16,16 +16,34 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from stoa.fleet.config import RunConfig, load_config
 from stoa.fleet.metrics import read_metrics, write_plots
 from stoa.fleet.run import read_heartbeats
+from stoa.fleet.sections import check
 from stoa.fleet.status import clean
 from stoa.transport.store import LocalStore
 
-__all__ = ["FleetGone", "summarize", "train_local", "write_report"]
+if TYPE_CHECKING:
+    from stoa.fleet.config import RunConfig
+
+__all__ = ["FleetConfig", "FleetGone", "summarize", "train_local", "write_report"]
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """The local launcher (``[fleet]``)."""
+
+    workers: int = 2
+    """Worker processes started by ``stoa train``."""
+    worker_threads: int = 1
+    """CPU threads per worker (MLX/OpenBLAS)."""
+
+    def __post_init__(self) -> None:
+        check(self.workers >= 0 and self.worker_threads >= 1, "fleet.workers >= 0 and worker_threads >= 1")
+
 
 _WORKER_EXITS = {0: "stopped", 2: "configuration error", 3: "banned", 4: "no such run", 5: "store unreachable"}
 """What a worker's exit status means (``stoa.fleet.worker``'s ``EXIT_*``)."""
@@ -84,6 +102,7 @@ def train_local(config_path: str | Path, overrides: dict[str, Any] | None = None
     """
     from rich.console import Console
 
+    from stoa.fleet.config import load_config
     from stoa.transport.signing import generate_private_key, load_private_key, save_keypair
 
     console = console or Console()
@@ -167,6 +186,8 @@ def write_report(run_dir: str | Path, store: Any = None, wall_s: float | None = 
     ``wall_s`` defaults to the time between the first and last metrics row, ``workers`` to the
     most workers the trainer saw alive at once.
     """
+    from stoa.fleet.config import RunConfig
+
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "config.json").is_file():
         raise FileNotFoundError(f"{run_dir} is not a run folder (it needs metrics.jsonl and config.json, "

@@ -43,28 +43,95 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import numpy as np
 
-from stoa.fleet.config import RunConfig, import_env_module
 from stoa.fleet.intake import Intake, Taken
 from stoa.fleet.metrics import MetricsSink
 from stoa.fleet.parity import check_floor, check_trainer
 from stoa.fleet.policies import HeldPolicies
 from stoa.fleet.publishing import PublishedRecord, next_version, publish_once
 from stoa.fleet.run import publish_run, read_heartbeats
+from stoa.fleet.sections import check
+from stoa.fleet.task import import_env_module
 from stoa.fleet.trust import Ledger, episode_metric_means
 from stoa.transport import layout
 from stoa.transport.chain import PublishResult, WeightPublisher
 from stoa.transport.exchange import mark_finished
 from stoa.transport.signing import SignatureError, read_signed, sign_document
 from stoa.transport.store import ObjectStore
+from stoa.models.tiny import TinyConfig
 from stoa.types import Episode
 
-__all__ = ["StartRefused", "Trainer", "prepare_model", "eval_metrics"]
+if TYPE_CHECKING:
+    from stoa.fleet.config import RunConfig
+
+__all__ = ["EvalConfig", "ModelConfig", "StartRefused", "Trainer", "TrainerConfig", "eval_metrics", "prepare_model"]
 
 log = logging.getLogger("stoa.trainer")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights the run starts from (``[model]``; :func:`prepare_model` reads it)."""
+
+    path: str = ""
+    """A local Hugging Face folder (config.json + safetensors + tokenizer). Empty: build a tiny model
+    whose tokenizer is trained on the task's ``tokenizer_texts()``."""
+    tiny: TinyConfig = TinyConfig()
+    """Shape of the tiny model (used when ``path`` is empty); its ``seed`` is the run's seed."""
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """How the trainer turns episodes into optimizer steps (``[trainer]``)."""
+
+    steps: int = 100
+    """Optimizer steps of RL (each publishes one weight version)."""
+    groups_per_step: int = 16
+    """Prompt groups per optimizer step."""
+    max_lag: int = 3
+    """Staleness gate: episodes more than this many versions behind are dropped (and counted)."""
+    advantage: Literal["grpo", "drgrpo", "rloo"] = "drgrpo"
+    """Group advantage estimator (``stoa.algos.advantages``)."""
+    skip_zero_variance_groups: bool = True
+    """Leave out groups whose rewards are all equal (they carry no signal)."""
+    checkpoint_every: int = 25
+    """Save a full training checkpoint every this many steps (and at the end)."""
+    threads: int = 0
+    """torch CPU threads (0: leave torch's default)."""
+    poll_seconds: float = 0.2
+    """How often the trainer lists new rollouts while waiting."""
+    mismatch_every: int = 0
+    """Every this many steps, split the behaviour/trainer mismatch into its int8 and staleness parts
+    (``stoa.fleet.mismatch``: one extra int8 prefill and one float scoring pass); 0 = never."""
+    int8_scorer: Literal["auto", "engine", "torch"] = "auto"
+    """What re-scores episodes under a version's int8 weights (spot-checks, sampling checks, the
+    mismatch split): ``engine`` (the rollout engine, on the host), ``torch`` (the int8 state
+    dequantized into a torch model on the learner's device), ``auto`` (torch when the learner
+    runs on CUDA, else the engine). Evaluation always runs on the engine."""
+
+    def __post_init__(self) -> None:
+        check(self.steps >= 0 and self.groups_per_step >= 1, "trainer.steps >= 0 and groups_per_step >= 1")
+        check(self.mismatch_every >= 0, "trainer.mismatch_every must be >= 0")
+        check(self.max_lag >= 0, "trainer.max_lag must be >= 0")
+        check(self.checkpoint_every >= 1 and self.threads >= 0, "trainer.checkpoint_every >= 1, threads >= 0")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation with the int8 policy the workers run (``[eval]``)."""
+
+    every: int = 25
+    """Evaluate every this many versions (and at the first and last)."""
+    num_questions: int = 200
+    """Held-out questions per evaluation."""
+    samples: int = 4
+    """Samples per question (pass@1 is their mean; pass@k uses all of them)."""
+
+    def __post_init__(self) -> None:
+        check(self.every >= 1 and self.num_questions >= 1 and self.samples >= 1, "eval.every/num_questions/samples >= 1")
 
 
 class StartRefused(RuntimeError):
@@ -86,11 +153,10 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
     out = run_dir / "model"
     if (out / "model.safetensors").exists():
         return out
-    import stoa.envs
     from stoa.models.tiny import build_tiny
 
     import_env_module(cfg.env)
-    env = stoa.envs.make(cfg.env.id, split=cfg.env.train_split, **cfg.env.kwargs).unwrapped
+    env = cfg.env.make(cfg.env.train_split).unwrapped
     texts = env.tokenizer_texts()
     if texts is None:
         raise ValueError(f"{cfg.env.id} supplies no tokenizer_texts(), so no tiny model can be built for it; "
@@ -187,9 +253,7 @@ class Trainer:
         return row
 
     def _make_env(self, split: str, **over: Any):
-        import stoa.envs
-
-        return stoa.envs.make(self.cfg.env.id, split=split, **{**self.cfg.env.kwargs, **over})
+        return self.cfg.env.make(split, **over)
 
     def _learner_config(self, **over: Any):
         lc = self.cfg.learner.config

@@ -1,16 +1,22 @@
 """The worker process: int8 rollouts from the newest weights, uploaded as write-once batches.
 
-Loop (``stoa worker --invite FILE``, or ``--store URL --run NAME --public-key KEY``)::
+:meth:`Worker.run` (``stoa worker --invite FILE``, or ``--store URL --run NAME --public-key KEY``)::
 
-    verify and read the run (signed config + model files); join from the weights kept in the
-    cache by the last session (caught up by deltas), else from the newest anchor + deltas
+    fetch and verify the run (signed config + model files); import the code of its task
+    join the weights (stoa.fleet.follower.LiveWeights): those the last session kept in the cache,
+        caught up by deltas, else the newest anchor + deltas (waiting for the first publish)
+    start the int8 engine on them (checked against the run's model, wrapped by wrap_engine)
     until the run is finished, the worker is banned, a limit is reached or the user stops it:
-        between cohorts: if the pointer moved, catch up (deltas applied live, or a newer anchor)
-        if this version already got rollout.cohorts_per_version cohorts from us, or too many of
-        our batches wait for the trainer: wait
-        make the work assigned to its next sequence number (stoa.fleet.trust.assign): its prompts,
+        a batch whose upload failed is retried first
+        between cohorts: heed the roster; if the pointer moved, catch the weights up (deltas
+            written live, their hash checked beside); if this version already got
+            rollout.cohorts_per_version cohorts from us, or too many of our batches wait for the
+            trainer: wait
+        make the work assigned to the next sequence number (stoa.fleet.trust.assign): its prompts,
             group ids and sampling seed follow from the run seed, its key and the number
-        play group_size samples of each with the int8 engine; upload them as one batch
+        play group_size samples of each with the engine
+        once the weights they were made with passed their check, upload them as one batch (else
+            the weights are repaired, the cohort dropped, and the number's work made again)
         heartbeat; every ~30 s a progress line
 
 A cohort never spans a weight swap, so every episode of a batch carries one policy version.
@@ -50,12 +56,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from stoa.fleet.config import import_env_module
 from stoa.fleet.follower import LayoutChanged, LiveWeights
 from stoa.fleet.parity import join_check
 from stoa.fleet.run import Heartbeat, fetch_run, write_heartbeat
+from stoa.fleet.sections import check
+from stoa.fleet.task import EnvConfig, import_env_module
 from stoa.fleet.trust.assign import assignment
 from stoa.transport.chain import SYNC_ERRORS, PointerError, SyncResult
 from stoa.transport.exchange import RolloutWriter, SequenceTaken, is_finished, read_progress
@@ -68,8 +75,8 @@ if TYPE_CHECKING:
     from stoa.backends.engine import RolloutEngine, RolloutRequest, SamplingConfig
     from stoa.types import Episode
 
-__all__ = ["EXIT_BANNED", "EXIT_CONFIG", "EXIT_NO_RUN", "EXIT_OK", "EXIT_UNREACHABLE", "Worker", "WorkerExit",
-           "find_runs"]
+__all__ = ["EXIT_BANNED", "EXIT_CONFIG", "EXIT_NO_RUN", "EXIT_OK", "EXIT_UNREACHABLE", "Cohort", "RolloutConfig", "Worker",
+           "WorkerExit", "find_runs"]
 
 log = logging.getLogger("stoa.worker")
 
@@ -86,6 +93,60 @@ _T = TypeVar("_T")
 
 WrapEngine = Callable[["RolloutEngine", "Worker"], "RolloutEngine"]
 """``wrap_engine(engine, worker) -> engine``: see :class:`Worker`."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How workers generate (``[rollout]``)."""
+
+    group_size: int = 8
+    """Samples per prompt (G); advantages are computed within a group."""
+    groups_per_cohort: int = 8
+    """Prompts per generation cohort (one upload); a cohort never spans a weight swap."""
+    cohorts_per_version: int = 0
+    """Cohorts a worker generates with one weight version before waiting for a newer one (0 = no limit)."""
+    max_outstanding: int = 2
+    """Batches a worker may have uploaded that the trainer has not taken yet; beyond that it waits
+    (backpressure: bounds staleness and wasted work; 0 = no limit)."""
+    temperature: float = 1.0
+    """Sampling temperature; behaviour log-probs are recorded under it."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off, the default for training)."""
+    max_turn_tokens: int = 32
+    """Most tokens in one model turn."""
+    max_episode_tokens: int = 1024
+    """Most tokens in one episode (prompt included)."""
+    max_batch: int = 128
+    """Episodes in flight at once in the engine."""
+    engine: str = "mlx"
+    """Rollout engine backend (``stoa.backends.engine.BACKENDS``)."""
+    engine_mode: Literal["auto", "quantized", "dequantized"] = "auto"
+    """Engine compute mode (for MLX, see ``stoa.backends.mlx``)."""
+    poll_seconds: float = 0.5
+    """How often an idle worker checks the version pointer."""
+    lag: int = 0
+    """Forced staleness for studies: workers generate with the version ``lag`` behind the head
+    (reached through the same verified chain); 0 = the newest version, as a fleet normally runs."""
+
+    def __post_init__(self) -> None:
+        check(self.group_size >= 2, "rollout.group_size must be >= 2 (group advantages need a group)")
+        check(self.groups_per_cohort >= 1, "rollout.groups_per_cohort must be >= 1")
+        check(self.cohorts_per_version >= 0 and self.max_outstanding >= 0,
+               "rollout.cohorts_per_version and max_outstanding must be >= 0 (0 = no limit)")
+        check(self.temperature > 0 and 0 < self.top_p <= 1, "rollout.temperature > 0 and 0 < top_p <= 1")
+        check(0 < self.max_turn_tokens <= self.max_episode_tokens, "0 < rollout.max_turn_tokens <= max_episode_tokens")
+        check(self.max_batch >= 1 and self.poll_seconds > 0, "rollout.max_batch >= 1 and poll_seconds > 0")
+        check(self.lag >= 0, "rollout.lag must be >= 0")
+        from stoa.backends.engine import BACKENDS
+
+        check(self.engine in BACKENDS, f"rollout.engine {self.engine!r} is not one of {sorted(BACKENDS)}")
+
+    def sampling(self, seed: int) -> SamplingConfig:
+        """How a cohort samples: these settings and the seed its work was assigned."""
+        from stoa.backends.engine import SamplingConfig
+
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, max_turn_tokens=self.max_turn_tokens,
+                              max_episode_tokens=self.max_episode_tokens, seed=seed)
 
 
 class WorkerExit(Exception):
@@ -208,7 +269,7 @@ class Worker:
             if first is None:
                 return self.exit_code
             self.engine = self._start_engine(model_dir, first, rc)
-            make_env, n_items = self._task(cfg)
+            make_env, n_items = self._task(cfg.env)
             self._last_progress = time.time()
             while self._more_to_do():
                 if self._pending is not None:  # a batch whose upload failed goes first
@@ -453,11 +514,9 @@ class Worker:
                  self.progress_every)
         return engine
 
-    def _task(self, cfg: Any) -> tuple[Callable[[], Any], int]:
+    def _task(self, env: EnvConfig) -> tuple[Callable[[], Any], int]:
         """The factory of the run's training environment, and how many items it has."""
-        import stoa.envs
-
-        make_env = lambda: stoa.envs.make(cfg.env.id, split=cfg.env.train_split, **cfg.env.kwargs)  # noqa: E731
+        make_env = lambda: env.make(env.train_split)  # noqa: E731
         return make_env, len(make_env().unwrapped)
 
     # -- between cohorts --------------------------------------------------------------------------
