@@ -52,6 +52,22 @@ def test_a_bad_key_or_value_fails_at_load_naming_it(override, needle):
     assert needle in str(e.value)
 
 
+def test_a_key_that_moved_names_its_new_place():
+    with pytest.raises(ConfigError, match=r"trainer\.reward_range is now trust\.reward_range"):
+        load_config(DEMO, {"trainer.reward_range": [0.0, 1.0]})
+    assert load_config(DEMO, {"trust.reward_range": [0.0, 1.0]}).trust.reward_range == (0.0, 1.0)
+
+
+def test_each_section_lives_beside_the_code_that_uses_it():
+    from stoa.fleet import config, local, publishing, task, trainer, warmstart, worker
+
+    homes = {"rollout": worker, "trainer": trainer, "eval": trainer, "model": trainer, "env": task,
+             "warmstart": warmstart, "pulse": publishing, "fleet": local}
+    for section, home in homes.items():
+        cls = type(getattr(RunConfig(), section))
+        assert cls.__module__ == home.__name__ and getattr(config, cls.__name__) is cls, section
+
+
 def test_the_objective_is_resolved_once_with_its_own_config(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('[objective]\nkind = "ppo"\nclip_low = 0.1\n')

@@ -149,6 +149,10 @@ class RunConfig:
         return _build(cls, {**data, "objective": objective}, "")
 
 
+MOVED = {"trainer.reward_range": "trust.reward_range"}
+"""Keys that moved to another section: the old place is refused with the new one named."""
+
+
 def _resolve_objective(table: dict[str, Any]) -> Any:
     from stoa.algos import resolve_objective
 
@@ -229,6 +233,9 @@ def _build(cls: type, data: Any, where: str) -> Any:
     if unknown:
         section = where.strip("[]")
         path = ", ".join(f"{section}.{k}" if section else k for k in unknown)
+        moved = [f"{section}.{k} is now {MOVED[f'{section}.{k}']}" for k in unknown if f"{section}.{k}" in MOVED]
+        if moved:
+            raise ConfigError(f"{'; '.join(moved)} (the key moved to the section that uses it)")
         raise ConfigError(f"unknown key(s) {path} in {where or 'the top level'}; valid: {', '.join(sorted(fields))}")
     kwargs = {name: _build_value(cls, name, value, where) for name, value in data.items()}
     try:
