@@ -94,3 +94,28 @@ def test_openblas_is_loaded_for_mlx_before_mlx_itself():
                        timeout=120)
     if __import__("stoa.blas", fromlist=["x"]).openblas_path():
         assert r.returncode != 0 and "reference BLAS" in r.stderr  # too late: said clearly, not silently
+
+
+def test_no_module_imports_or_reaches_into_anothers_private_names():
+    """An AST scan of stoa/: no ``from stoa.x import _y`` and no ``m._y`` on a stoa module bound by
+    an import (a second file that needs a private name merges with the first or gets a public one)."""
+    import ast
+    from pathlib import Path
+
+    private = lambda n: n.startswith("_") and not n.startswith("__")  # noqa: E731
+    found = []
+    for path in sorted((Path(__file__).resolve().parents[1] / "stoa").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        modules = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("stoa"):
+                found += [f"{path.name}:{node.lineno} from {node.module} import {a.name}" for a in node.names
+                          if private(a.name)]
+                modules.update({a.asname or a.name: node.module for a in node.names})
+            elif isinstance(node, ast.Import):
+                modules.update({(a.asname or a.name).split(".")[0]: a.name for a in node.names
+                                if a.name.startswith("stoa")})
+        found += [f"{path.name}:{node.lineno} {node.value.id}.{node.attr}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and private(node.attr) and isinstance(node.value, ast.Name)
+                  and node.value.id in modules]
+    assert not found, found
