@@ -15,7 +15,7 @@ from stoa.fleet.intake import Intake
 from stoa.fleet.trust import Ledger
 from stoa.fleet.trust.assign import assignment
 from stoa.transport.exchange import PollLimits, RolloutWriter, rollout_key
-from stoa.transport.identity import enroll_worker, seal_batch
+from stoa.transport.identity import assignment_salt, enroll_worker, seal_batch
 from stoa.transport.signing import generate_private_key, key_id
 from stoa.transport.store import LocalStore
 from stoa.types import Episode, Segment, encode_episodes
@@ -75,9 +75,12 @@ class _Run:
         return out
 
 
-def _work(run: _Run, writer: RolloutWriter, seq: int, version: int = 0, tag: int = 0, **over) -> list[Episode]:
-    """The episodes a writer's key owes as its ``seq``-th batch (:func:`assignment`)."""
-    a = assignment(run.cfg.seed, writer.key_id, seq, run.intake.n_items, run.cfg.rollout.groups_per_cohort)
+def _work(run: _Run, writer: RolloutWriter, seq: int, version: int = 0, tag: int = 0, probation: bool = False,
+          **over) -> list[Episode]:
+    """The episodes a writer's key owes as its ``seq``-th batch (:func:`assignment`): salted with
+    the key's salt (as once the run publishes it), or its probation work."""
+    salt = None if probation else assignment_salt(run.key, RUN, writer.key_id)
+    a = assignment(run.cfg.seed, writer.key_id, seq, run.intake.n_items, run.cfg.rollout.groups_per_cohort, salt)
     rng = np.random.default_rng(1000 * seq + tag)
     out = []
     for gid, item in zip(a.group_ids, a.items):

@@ -57,7 +57,7 @@ from stoa.fleet.run import Heartbeat, fetch_run, write_heartbeat
 from stoa.fleet.trust.assign import Assignment, assignment
 from stoa.transport.chain import SYNC_ERRORS, PointerError, StateCheck, WeightSubscriber
 from stoa.transport.exchange import RolloutWriter, SequenceTaken, is_finished, read_progress
-from stoa.transport.identity import load_or_create_worker_key, read_roster
+from stoa.transport.identity import load_or_create_worker_key, read_ban, read_roster, read_salt
 from stoa.transport.sequence import RememberingWriter, SequenceFile, catch_up
 from stoa.transport.signing import SignatureError, key_id, load_public_key
 from stoa.transport.store import KeyNotFound, ObjectStore, StoreError
@@ -127,9 +127,11 @@ class Worker:
     def __init__(self, store: ObjectStore, run: str, public_key: Any, worker_id: str, cache_dir: Path,
                  max_batches: int | None = None, wait_seconds: float = 600.0, private_key: Any = None,
                  max_seconds: float | None = None, progress_every: float = 30.0, keep_weights: bool = True):
+        from stoa.fleet.invite import check_worker_id  # before anything is written under a path it names
+
         self.store, self.run_name = store, run
         self.public_key = load_public_key(public_key)
-        self.worker_id, self.cache_dir = worker_id, Path(cache_dir)
+        self.worker_id, self.cache_dir = check_worker_id(worker_id), Path(cache_dir)
         self.private_key = load_or_create_worker_key(self.cache_dir / "worker.key") if private_key is None else private_key
         if isinstance(self.private_key, (str, os.PathLike)):
             self.private_key = load_or_create_worker_key(self.private_key)
@@ -154,6 +156,8 @@ class Worker:
         self._repair = False  # the live weights failed their check and are not repaired yet
         self._started = time.time()
         self._signals = 0
+        self._salt: str | None = None  # this key's assignment salt, once the run publishes it (trust.assign)
+        self._salt_read = 0.0
 
     # -- stopping ---------------------------------------------------------------------------------
     def request_stop(self, signum: Any = None, *_: Any) -> None:
@@ -256,7 +260,11 @@ class Worker:
         except SignatureError as e:
             log.warning("workers.json does not verify (%s); ignoring it", e)
             return None
-        ban = roster.banned.get(self.key_id)
+        try:  # bans are one document per key (stoa.transport.identity), not roster entries
+            ban = read_ban(self.store, self.run_name, self.key_id, self.public_key)
+        except SignatureError as e:
+            log.warning("this key's ban document does not verify (%s); ignoring it", e)
+            ban = None
         if ban is not None:
             log.error("this worker's key %s is banned from run %s: %s", self.key_id, self.run_name, ban.reason)
             return WorkerExit(EXIT_BANNED, f"this worker's key {self.key_id} is banned from run {self.run_name!r}; "
@@ -588,8 +596,15 @@ class Worker:
                               max_episode_tokens=rc.max_episode_tokens, seed=seed)
 
     def assigned(self, run_seed: int, key_id: str, seq: int, n_items: int, groups: int) -> Assignment:
-        """The work this key owes as sequence number ``seq`` (an adversary may override it)."""
-        return assignment(run_seed, key_id, seq, n_items, groups)
+        """The work this key owes as sequence number ``seq`` (an adversary may override it): salted
+        once the run has published this key's salt, probation work until then (trust.assign)."""
+        if self._salt is None and time.time() - self._salt_read > 2.0:
+            self._salt_read = time.time()
+            try:
+                self._salt = read_salt(self.store, self.run_name, key_id, self.public_key)
+            except (SignatureError, StoreError) as e:  # probation work meanwhile: checked, never trained on
+                log.warning("this key's assignment salt does not read (%s); making probation work", e)
+        return assignment(run_seed, key_id, seq, n_items, groups, self._salt)
 
     def _upload(self, writer: RolloutWriter, episodes: list, version: int, seq: int,
                 cohorts_at: dict[int, int]) -> None:
