@@ -520,12 +520,14 @@ def invite_cmd(
 def status(
     store: Annotated[str, typer.Option(help="Object store: a path, file://..., or s3://bucket/prefix.")],
     run: Annotated[str, typer.Option(help="Run name.")],
-    public_key: Annotated[Optional[str], typer.Option(help="The run's public key, to verify eval results.")] = None,
+    public_key: Annotated[Optional[str], typer.Option(help="The run's public key: every document shown is verified (without it they are shown marked unverified).")] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print everything known as JSON (per worker: heartbeat and trust record, full reasons).")] = False,
     watch: Annotated[bool, typer.Option("--watch", help="Refresh until the run finishes (with --json: one JSON object per line).")] = False,
     every: Annotated[float, typer.Option(help="Seconds between refreshes with --watch.")] = 5.0,
 ) -> None:
-    """Show the fleet: workers and their last heartbeat, versions, lag, throughput, trust, evaluations."""
+    """Show the fleet: workers and their last heartbeat, versions, lag, throughput, trust, evaluations.
+
+    Give --public-key to verify what the trainer signed; without it, those documents are marked unverified."""
     from stoa.fleet.status import show_status
     from stoa.transport.store import open_store
 
@@ -541,7 +543,8 @@ def status(
 @app.command("report")
 def report(
     run_dir: Annotated[Path, typer.Argument(help="A run folder: runs/<name> of `stoa train`, or a `stoa trainer` --run-dir.")],
-    store: Annotated[Optional[str], typer.Option(help="The run's object store, for the trust section (default: <run_dir>/store if there).")] = None,
+    store: Annotated[Optional[str], typer.Option(help="The run's object store, for the trust section when the run folder has no copy of the trainer's report (default: <run_dir>/store if there).")] = None,
+    public_key: Annotated[Optional[str], typer.Option(help="The run's public key, to verify the store's trust report (default: <run_dir>/keys/run.pub if there; without one it is shown marked unverified).")] = None,
 ) -> None:
     """Write plots, summary.json and summary.md for a run folder (also a trainer-only run's) and print the summary."""
     from stoa.fleet.local import write_report
@@ -549,8 +552,9 @@ def report(
 
     if store is None and (run_dir / "store").is_dir():
         store = str(run_dir / "store")
+    key = _public_key(public_key) if public_key else None
     try:
-        write_report(run_dir, open_store(store, create=False) if store else None)
+        write_report(run_dir, open_store(store, create=False) if store else None, public_key=key)
     except FileNotFoundError as e:
         raise UserError(str(e), 2) from None
     typer.echo((run_dir / "summary.md").read_text(), nl=False)

@@ -16,6 +16,7 @@ trainer writes the whole report, means and floor included, to its own run folder
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -248,8 +249,9 @@ class WorkerReport:
 
 
 def _fits(v: Any, default: Any) -> bool:
-    """Whether ``v`` has the type of ``default`` (None: a number or None; float admits int, never bool)."""
-    number = isinstance(v, (int, float)) and not isinstance(v, bool)
+    """Whether ``v`` has the type of ``default`` (None: a number or None; float admits int, never bool;
+    a number must be finite)."""
+    number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     if default is None:
         return v is None or number
     if type(default) is float:
@@ -308,6 +310,9 @@ class TrustReport:
             one = _typed(WorkerReport, w, f"trust report worker {str(kid)[:20]!r}")
             if "rejected" in one:
                 one["rejected"] = _counts(one["rejected"], "rejected")
+            if "audit" in one and not all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                                          and math.isfinite(v) for k, v in one["audit"].items()):
+                raise ValueError("audit is not a map of finite numbers")
             workers[str(kid)] = WorkerReport(**one)
         anonymous = {str(w): _counts(d, "anonymous") for w, d in (top.pop("anonymous", None) or {}).items()}
         return cls(**top, workers=workers, anonymous=anonymous)
