@@ -220,7 +220,7 @@ def ban(
     store: Annotated[str, typer.Option(help="Object store: a path, file://..., or s3://bucket/prefix.")],
     run: Annotated[str, typer.Option(help="Run name.")],
     key: Annotated[Path, typer.Option(help="The run's private key (the roster is signed with it).")],
-    reason: Annotated[str, typer.Option(help="Why (kept in the key's ban document, at most 160 characters, and shown by stoa status).")] = "banned by hand",
+    reason: Annotated[str, typer.Option(help="Why (kept in the key's ban document, at most 240 characters, and shown by stoa status).")] = "banned by hand",
 ) -> None:
     """Ban a worker key: the trainer drops its queued batches and refuses the rest; the worker stops."""
     from stoa.transport.identity import ban_worker

@@ -148,7 +148,7 @@ def test_bans_are_compact_and_one_small_write_each_whatever_their_number(tmp_pat
     gate.write_report(1, force=True)
     assert len(store.get(f"{RUN}/trust.json")) < 1 << 20
     report = read_trust_report(store, RUN, run_key.public_key(), max_bytes=1 << 20)  # what stoa status reads
-    assert report.banned_keys == 300 and all(len(w.banned) <= 200 for w in report.workers.values())
+    assert report.banned_keys == 300 and all(len(w.banned) <= 260 for w in report.workers.values())
     enroll_worker(store, RUN, run_key, generate_private_key(), "bob")  # the roster stays readable and editable
     restarted = TrustGate(TrustConfig(), store, RUN, run_key, roster_copy=tmp_path / "run" / "roster")
     restarted.refresh(force=True)

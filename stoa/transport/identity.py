@@ -38,7 +38,7 @@ Bans (``<run>/bans/<KEY_ID>.json``, kind ``"ban"``, signed by the run's key)
 --------------------------------------------------------------------------
 One small document per banned key, written once and never dropped: ``{"format": "stoa.ban/1",
 "run", "key_id", "worker_id", "code", "detail", "time", "version"}``. ``code`` says why in one
-word (``audit``, ``sampling``, ``strikes``, ``by-hand``, ...); ``detail`` is at most 160
+word (``audit``, ``sampling``, ``strikes``, ``by-hand``, ...); ``detail`` is at most 240
 printable ASCII characters (nothing a worker wrote reaches it unbounded). A ban costs one small
 write whatever the number of bans; a worker reads only its own (:func:`read_ban`); the trainer
 keeps every ban it made in its run folder too, so a restart (from any checkpoint) forgets none.
@@ -117,7 +117,7 @@ _LEGACY_ROSTER_FORMAT = "stoa.workers/1"  # bans inline; read, never written
 _ROSTER_KIND = "workers"
 _BAN_FORMAT, _BAN_KIND = "stoa.ban/1", "ban"
 _SALT_FORMAT, _SALT_KIND = "stoa.salt/1", "assignment-salt"
-_MAX_DETAIL = 160
+_MAX_DETAIL = 240
 _CODE_RE = re.compile(r"[a-z][a-z0-9-]{0,23}")
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _MAX_ROSTER = 4096
@@ -269,7 +269,7 @@ class Ban:
     code: str
     """``audit``, ``sampling``, ``strikes``, ``by-hand``, ... (lower case, at most 24 characters)."""
     detail: str = ""
-    """At most 160 printable ASCII characters."""
+    """At most 240 printable ASCII characters."""
     time: float = 0.0
     version: int = -1
     """The trainer's policy version when it banned the key (-1: banned by hand)."""

@@ -43,13 +43,13 @@ forgotten (a throwaway key's record is a few hundred bytes; a flood of them must
 _MAX_REPORT_WORKERS = 1024
 """Keys in the report (those seen most recently): with every string bounded, it stays under 1 MiB."""
 _RIPE_SEQS = 8  # sequence numbers a key shows before its withholding rate is judged
-_MAX_REASON = 160
+_MAX_REASON = 240
 _MAX_ANONYMOUS = 4096  # worker ids with refusals of unknown sender counted apart; the rest count under "?"
 
 
 def public_reason(category: str, reason: str) -> str:
     """What may be published of a refusal's ``reason`` (in the store's report, quarantine and ban
-    documents): at most 160 printable ASCII characters, and for a spot-check or sampling verdict
+    documents): at most 240 printable ASCII characters, and for a spot-check or sampling verdict
     only the evidence, not the audit's suspicion that chose the batch (its figures would tell a
     forger how far below the fleet's range to stay)."""
     if category in ("audit", "sampling") and reason.startswith("log-prob audit:"):
