@@ -404,6 +404,24 @@ def test_a_key_cannot_go_back_to_a_version_it_prefers_and_an_honest_stale_batch_
     behind = [e for e in run.lines() if "behind" in e.get("dropped", {})]
     assert {e["batch"] for e in behind} == {preferred, older}
 
+    # Read before its predecessor (its version is older) and pooled: dropped once the predecessor is read.
+    run = _Run(tmp_path / "late", groups_per_step=64)
+    late = RolloutWriter(run.store, RUN, "late", private_key=generate_private_key())
+    run.intake.take(1)
+    late.upload(_work(run, late, 0, 1), 1)
+    for v in (1, 2, 3):
+        run.intake.take(v)
+    run.intake.reader.poll_limits = PollLimits(max_batches=1)
+    first, second = late.upload(_work(run, late, 1, 3), 3), late.upload(_work(run, late, 2, 2), 2)
+    run.intake.take(3)
+    assert second in {b.key for b in run.intake.pool.batches()}  # its floor so far (version 1) lets it in
+    run.intake.take(3)
+    late.upload(_work(run, late, 3, 3), 3)
+    run.intake.take(3)
+    kept = {b.key for b in run.intake.pool.batches()}
+    assert first in kept and second not in kept and run.intake.gate.records[late.key_id].withheld == 1
+    assert [e["batch"] for e in run.lines() if "behind" in e.get("dropped", {})] == [second]
+
 
 def test_ground_keys_choose_no_trained_items(tmp_path):
     """Attack (key grinding): keys cost nothing, and a key's work was a public function of the key,

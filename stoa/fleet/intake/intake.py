@@ -321,6 +321,7 @@ class Intake:
         for later in self.pool.of_key(batch.key_id):
             if later.seq > batch.seq and later.version < mine:
                 self.pool.remove(later.key)
+                self.gate.records[batch.key_id].batches_seen -= 1  # it was counted as delivered: now a gap
                 self._drop(later, "behind", f"version {later.version} is below {mine}, which its key held already")
         return floor
 
