@@ -205,14 +205,15 @@ class Membership:
                 log.warning("could not write the roster (%s); will retry", e)
                 self.roster = merged
                 return by_hand
-        self.roster, self.dirty = merged, False
+        known, self.roster, self.dirty = self.roster.enrolled, merged, False
         if self.copy is not None:  # the newest roster seen, kept beside the trainer (restarts start from it)
             try:
                 write_roster(self.copy, self.run, merged, self.key)
             except (StoreError, OSError) as e:
                 log.warning("could not keep a copy of the roster (%s)", e)
-        for kid in merged.enrolled:  # every key in the roster has standing: its worker needs its salt
-            self.publish_salt(kid)
+        for kid in merged.enrolled:  # a key new in the roster has standing: its worker needs its salt
+            if kid not in known:  # (stoa enroll publishes it too; an accepted batch's key gets it at review)
+                self.publish_salt(kid)
         return by_hand
 
     def publish_salt(self, kid: str) -> None:
