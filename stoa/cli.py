@@ -211,8 +211,7 @@ def enroll(
     except (ValueError, OSError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
-    typer.echo(f"enrolled {worker_id} (roster revision {roster.revision}: {len(roster.enrolled)} enrolled, "
-               f"{len(roster.banned)} banned)")
+    typer.echo(f"enrolled {worker_id} (roster revision {roster.revision}: {len(roster.enrolled)} enrolled)")
 
 
 @app.command("ban")
@@ -221,7 +220,7 @@ def ban(
     store: Annotated[str, typer.Option(help="Object store: a path, file://..., or s3://bucket/prefix.")],
     run: Annotated[str, typer.Option(help="Run name.")],
     key: Annotated[Path, typer.Option(help="The run's private key (the roster is signed with it).")],
-    reason: Annotated[str, typer.Option(help="Why (kept in the roster and shown by stoa status).")] = "banned by hand",
+    reason: Annotated[str, typer.Option(help="Why (kept in the key's ban document, at most 240 characters, and shown by stoa status).")] = "banned by hand",
 ) -> None:
     """Ban a worker key: the trainer drops its queued batches and refuses the rest; the worker stops."""
     from stoa.transport.identity import ban_worker
@@ -229,11 +228,11 @@ def ban(
 
     run_key = _private_key(key)
     try:
-        roster = ban_worker(open_store(store, create=False), run, run_key, who, reason)
+        done = ban_worker(open_store(store, create=False), run, run_key, who, reason)
     except (KeyError, ValueError, OSError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
-    typer.echo(f"banned {who} (roster revision {roster.revision}: {len(roster.banned)} banned)")
+    typer.echo(f"banned {who} ({done.reason})")
 
 
 def _parse_sets(sets: list[str] | None) -> dict:
@@ -400,7 +399,14 @@ def worker(
 
     Exit status: 0 run finished / limit reached / stopped; 2 configuration error; 3 banned;
     4 no such run; 5 store unreachable (see docs/volunteer.md)."""
-    from stoa.fleet.invite import default_cache_dir, default_key_path, default_worker_id, read_invite
+    from stoa.fleet.invite import (
+        check_run,
+        check_worker_id,
+        default_cache_dir,
+        default_key_path,
+        default_worker_id,
+        read_invite,
+    )
     from stoa.fleet.worker import EXIT_CONFIG, Worker
     from stoa.transport.identity import load_or_create_worker_key
     from stoa.transport.signing import load_private_key, load_public_key
@@ -420,6 +426,12 @@ def worker(
     missing = [f"--{n}" for n, v in (("store", store), ("run", run), ("public-key", public_key)) if not v]
     if missing:
         _worker_fail(EXIT_CONFIG, f"give --invite FILE, or all of --store, --run and --public-key (missing {', '.join(missing)})")
+    try:  # before anything is written under a folder they name
+        check_run(run)
+        if id is not None:
+            check_worker_id(id)
+    except ValueError as e:
+        _worker_fail(EXIT_CONFIG, str(e))
     try:
         load_public_key(public_key)
     except (OSError, ValueError, TypeError) as e:
@@ -508,12 +520,14 @@ def invite_cmd(
 def status(
     store: Annotated[str, typer.Option(help="Object store: a path, file://..., or s3://bucket/prefix.")],
     run: Annotated[str, typer.Option(help="Run name.")],
-    public_key: Annotated[Optional[str], typer.Option(help="The run's public key, to verify eval results.")] = None,
+    public_key: Annotated[Optional[str], typer.Option(help="The run's public key: every document shown is verified (without it they are shown marked unverified).")] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print everything known as JSON (per worker: heartbeat and trust record, full reasons).")] = False,
     watch: Annotated[bool, typer.Option("--watch", help="Refresh until the run finishes (with --json: one JSON object per line).")] = False,
     every: Annotated[float, typer.Option(help="Seconds between refreshes with --watch.")] = 5.0,
 ) -> None:
-    """Show the fleet: workers and their last heartbeat, versions, lag, throughput, trust, evaluations."""
+    """Show the fleet: workers and their last heartbeat, versions, lag, throughput, trust, evaluations.
+
+    Give --public-key to verify what the trainer signed; without it, those documents are marked unverified."""
     from stoa.fleet.status import show_status
     from stoa.transport.store import open_store
 
@@ -529,7 +543,8 @@ def status(
 @app.command("report")
 def report(
     run_dir: Annotated[Path, typer.Argument(help="A run folder: runs/<name> of `stoa train`, or a `stoa trainer` --run-dir.")],
-    store: Annotated[Optional[str], typer.Option(help="The run's object store, for the trust section (default: <run_dir>/store if there).")] = None,
+    store: Annotated[Optional[str], typer.Option(help="The run's object store, for the trust section when the run folder has no copy of the trainer's report (default: <run_dir>/store if there).")] = None,
+    public_key: Annotated[Optional[str], typer.Option(help="The run's public key, to verify the store's trust report (default: <run_dir>/keys/run.pub if there; without one it is shown marked unverified).")] = None,
 ) -> None:
     """Write plots, summary.json and summary.md for a run folder (also a trainer-only run's) and print the summary."""
     from stoa.fleet.local import write_report
@@ -537,8 +552,9 @@ def report(
 
     if store is None and (run_dir / "store").is_dir():
         store = str(run_dir / "store")
+    key = _public_key(public_key) if public_key else None
     try:
-        write_report(run_dir, open_store(store, create=False) if store else None)
+        write_report(run_dir, open_store(store, create=False) if store else None, public_key=key)
     except FileNotFoundError as e:
         raise UserError(str(e), 2) from None
     typer.echo((run_dir / "summary.md").read_text(), nl=False)

@@ -8,7 +8,17 @@ import json
 import pytest
 
 from stoa.transport.exchange import RolloutReader, RolloutWriter, rollout_key
-from stoa.transport.identity import SealError, ban_worker, enroll_worker, open_sealed, read_roster, roster_key, seal_batch
+from stoa.transport.identity import (
+    SealError,
+    ban_worker,
+    enroll_worker,
+    open_sealed,
+    read_ban,
+    read_roster,
+    read_salt,
+    roster_key,
+    seal_batch,
+)
 from stoa.transport.signing import SignatureError, generate_private_key, key_id
 from stoa.types import encode_episodes
 
@@ -66,15 +76,21 @@ def test_enroll_and_ban_edit_the_signed_roster(tmp_path):
     assert r.revision == 2 and r.key_for("bob") == key_id(b.public_key()) and r.enrolled[r.key_for("bob")].note == "lab mac"
     with pytest.raises(ValueError, match="already bound"):
         enroll_worker(store, RUN, run_key, generate_private_key(), "alice")
+    assert read_salt(store, RUN, key_id(a.public_key()), run_key.public_key()) is not None  # its worker's work
     ban_worker(store, RUN, run_key, "alice", "forged rewards")
-    r = read_roster(store, RUN, run_key.public_key())
-    assert r.banned[key_id(a.public_key())].reason == "forged rewards" and r.banned[key_id(a.public_key())].worker_id == "alice"
+    ban = read_ban(store, RUN, key_id(a.public_key()), run_key.public_key())
+    assert (ban.code, ban.detail, ban.worker_id) == ("by-hand", "forged rewards", "alice")
+    assert read_roster(store, RUN, run_key.public_key()).revision == 3  # the trainer re-reads the bans
     with pytest.raises(ValueError, match="banned"):
         enroll_worker(store, RUN, run_key, a, "alice2")
     blob = store.get(roster_key(RUN))
-    store.put(roster_key(RUN), blob.replace(b"forged rewards", b"just kidding!!"))
+    store.put(roster_key(RUN), blob.replace(b"lab mac", b"lab pc!"))
     with pytest.raises(SignatureError):
         read_roster(store, RUN, run_key.public_key())
+    where = f"{RUN}/bans/{key_id(a.public_key())}.json"
+    store.put(where, store.get(where).replace(b"forged rewards", b"just kidding!!"))
+    with pytest.raises(SignatureError):
+        read_ban(store, RUN, key_id(a.public_key()), run_key.public_key())
 
 
 def test_keygen_enroll_and_ban_from_the_command_line(tmp_path):
@@ -97,4 +113,5 @@ def test_keygen_enroll_and_ban_from_the_command_line(tmp_path):
     assert "banned alice" in stoa("ban", "alice", *common, "--reason", "forged rewards")
     roster = read_roster(LocalStore(store), RUN, load_private_key(keys / "run.key").public_key())
     kid = key_id(load_private_key(keys / "alice.key").public_key())
-    assert roster.enrolled[kid].worker_id == "alice" and roster.banned[kid].reason == "forged rewards"
+    ban = read_ban(LocalStore(store), RUN, kid, load_private_key(keys / "run.key").public_key())
+    assert roster.enrolled[kid].worker_id == "alice" and ban.reason == "by-hand: forged rewards"

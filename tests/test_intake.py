@@ -14,7 +14,7 @@ from stoa.fleet.config import RunConfig
 from stoa.fleet.intake import Intake
 from stoa.fleet.trust import Ledger
 from stoa.fleet.trust.assign import assignment
-from stoa.transport.exchange import PollLimits, RolloutWriter, rollout_key
+from stoa.transport.exchange import Batch, PollLimits, RolloutWriter, rollout_key
 from stoa.transport.identity import enroll_worker, seal_batch
 from stoa.transport.signing import generate_private_key, key_id
 from stoa.transport.store import LocalStore
@@ -75,9 +75,15 @@ class _Run:
         return out
 
 
-def _work(run: _Run, writer: RolloutWriter, seq: int, version: int = 0, tag: int = 0, **over) -> list[Episode]:
-    """The episodes a writer's key owes as its ``seq``-th batch (:func:`assignment`)."""
-    a = assignment(run.cfg.seed, writer.key_id, seq, run.intake.n_items, run.cfg.rollout.groups_per_cohort)
+def _work(run: _Run, writer: RolloutWriter, seq: int, version: int = 0, tag: int = 0, probation: bool = False,
+          **over) -> list[Episode]:
+    """The episodes a writer's key owes as its ``seq``-th batch: the work the intake assigns it
+    (salted, as once the run publishes the key's salt), or with ``probation`` the work a key can
+    compute without its salt (:func:`assignment`)."""
+    if probation:
+        a = assignment(run.cfg.seed, writer.key_id, seq, run.intake.n_items, run.cfg.rollout.groups_per_cohort)
+    else:
+        a = run.intake.assigned(Batch("", writer.worker_id, version, [], seq, writer.key_id))
     rng = np.random.default_rng(1000 * seq + tag)
     out = []
     for gid, item in zip(a.group_ids, a.items):
@@ -318,3 +324,151 @@ def test_junk_planted_at_a_workers_next_numbers_is_not_counted_as_its_gaps(tmp_p
     assert rec.withheld == 0 and run.intake.gate.withholding()[w.key_id] == (0.0, False)
     assert rec.taken_by_others == 7  # reported as what it is
     assert sorted(line["category"] for line in run.lines() if "rejected" in line) == ["unsigned"] * 7
+
+
+def _junk(writer: RolloutWriter, version: int, token: int = 0) -> list[Episode]:
+    """One episode of one token: nothing anyone would train on."""
+    return [Episode(np.zeros(1, np.int32), [Segment("model", np.full(1, token, np.int32), np.zeros(1, np.float32))], 0.0,
+                    policy_version=version, worker_id=writer.worker_id, env_id=ENV["id"], group_id="j",
+                    sample_index=0)]
+
+
+def test_stale_junk_at_withheld_numbers_counts_as_withheld(tmp_path):
+    """Attack: withhold batches and fill each withheld number with a one-token junk batch claiming
+    a stale version. The intake counted a number as delivered before it dropped the stale batch
+    (no strike), so 13 withheld numbers of 15 were hidden; plain gaps (the control) are flagged."""
+    run = _Run(tmp_path, groups_per_step=64)
+    version = 5  # the trainer's; version 0 is past max_lag (3)
+    writers = {name: RolloutWriter(run.store, RUN, name, private_key=generate_private_key())
+               for name in ("h0", "h1", "h2", "launder", "gaps")}
+    for seq in range(15):
+        for name in ("h0", "h1", "h2"):
+            writers[name].upload(_work(run, writers[name], seq, version), version)
+        for name in ("launder", "gaps"):
+            w = writers[name]
+            w.next_seq = seq
+            if seq in (0, 7, 14):  # the two it keeps, and the last
+                w.upload(_work(run, w, seq, version), version, seq=seq)
+            elif name == "launder":
+                w.upload(_junk(w, 0, token=seq), 0, seq=seq)
+        run.intake.take(version)
+    flags = run.intake.gate.withholding()
+    recs = run.intake.gate.records
+    assert recs[writers["gaps"].key_id].withheld == 12 and flags[writers["gaps"].key_id][1]  # the control
+    assert recs[writers["launder"].key_id].withheld == 12 and flags[writers["launder"].key_id][1]
+    assert not any(flags[writers[h].key_id][1] or recs[writers[h].key_id].withheld for h in ("h0", "h1", "h2"))
+    assert recs[writers["launder"].key_id].strikes == 0  # stale is still no fault of its own
+
+
+def test_a_key_cannot_go_back_to_a_version_it_prefers_and_an_honest_stale_batch_is_taken(tmp_path):
+    """Attack (version shopping): a worker holding several versions makes its assigned batch under
+    each and uploads the one it prefers; every pick was accepted, most not the newest version's.
+    Now a key's batch may not claim a version below one it already claimed, nor below the version
+    published before its previous batch appeared in the store. An honest worker whose batch
+    comes a few versions stale (it started before the trainer published) is still taken."""
+    run = _Run(tmp_path, groups_per_step=64)
+    intake = run.intake
+    honest = RolloutWriter(run.store, RUN, "honest", private_key=generate_private_key())
+    shopper = RolloutWriter(run.store, RUN, "shopper", private_key=generate_private_key())
+    intake.take(0)
+    honest.upload(_work(run, honest, 0, 0), 0)  # uploaded while the trainer is at version 0
+    intake.take(0)
+    intake.take(1)
+    intake.take(2)  # versions 1 and 2 published meanwhile
+    stale = honest.upload(_work(run, honest, 1, 0), 0)  # its next batch, begun before version 1 came out
+    intake.take(3)
+    kept = {b.key for b in intake.pool.batches()}
+    assert stale in kept  # three versions behind, within max_lag: taken
+
+    shopper.upload(_work(run, shopper, 0, 3), 3)
+    intake.take(3)
+    picks = {v: _work(run, shopper, 1, v, tag=v) for v in range(4)}  # its batch 1 under each version it holds
+    preferred = shopper.upload(picks[1], 1)  # the one it likes best, not the newest
+    intake.take(3)
+    assert preferred not in {b.key for b in intake.pool.batches()}
+    assert shopper.upload(_work(run, shopper, 2, 3), 3) and intake.take(3) is None
+    # Two batches at once, the later one at the older version: read in one poll, or (under a poll's
+    # caps) the older version first, the later batch is dropped once its predecessor is read.
+    from stoa.transport.exchange import PollLimits
+
+    intake.reader.poll_limits = PollLimits(max_batches=1)
+    newer, older = shopper.upload(_work(run, shopper, 3, 3), 3), shopper.upload(_work(run, shopper, 4, 2), 2)
+    intake.take(3)
+    intake.take(3)
+    shopper.upload(_work(run, shopper, 5, 3), 3)
+    intake.take(3)
+    kept = {b.key for b in intake.pool.batches()}
+    assert newer in kept and older not in kept and preferred not in kept
+    rec = intake.gate.records[shopper.key_id]
+    assert rec.strikes == 0 and rec.withheld == 2  # dropped, not struck: counted as withheld numbers
+    behind = [e for e in run.lines() if "behind" in e.get("dropped", {})]
+    assert {e["batch"] for e in behind} == {preferred, older}
+
+    # Read before its predecessor (its version is older) and pooled: dropped once the predecessor is read.
+    run = _Run(tmp_path / "late", groups_per_step=64)
+    late = RolloutWriter(run.store, RUN, "late", private_key=generate_private_key())
+    run.intake.take(1)
+    late.upload(_work(run, late, 0, 1), 1)
+    for v in (1, 2, 3):
+        run.intake.take(v)
+    run.intake.reader.poll_limits = PollLimits(max_batches=1)
+    first, second = late.upload(_work(run, late, 1, 3), 3), late.upload(_work(run, late, 2, 2), 2)
+    run.intake.take(3)
+    assert second in {b.key for b in run.intake.pool.batches()}  # its floor so far (version 1) lets it in
+    run.intake.take(3)
+    late.upload(_work(run, late, 3, 3), 3)
+    run.intake.take(3)
+    kept = {b.key for b in run.intake.pool.batches()}
+    assert first in kept and second not in kept and run.intake.gate.records[late.key_id].withheld == 1
+    assert [e["batch"] for e in run.lines() if "behind" in e.get("dropped", {})] == [second]
+
+
+def test_ground_keys_choose_no_trained_items(tmp_path):
+    """Attack (key grinding): keys cost nothing, and a key's work was a public function of the key,
+    so a Sybil made keys until their first batch fell on items of its choosing (100 keys per usable
+    one here) and uploaded only that batch from each. Now the work a key can compute before the run
+    publishes its salt is probation work, checked and never trained; an honest newcomer's next
+    batches, made with its published salt, are trained."""
+    from stoa.transport.signing import key_id
+
+    run = _Run(tmp_path, groups_per_step=2)
+    n, groups = run.intake.n_items, run.cfg.rollout.groups_per_cohort
+    chosen = set(range(0, n, 10))  # a tenth of the items
+    usable, tried = [], 0
+    while len(usable) < 4:
+        key = generate_private_key()
+        tried += 1
+        if set(assignment(run.cfg.seed, key_id(key.public_key()), 0, n, groups).items) <= chosen:
+            usable.append(key)
+    sybils = [RolloutWriter(run.store, RUN, f"s{i}", private_key=k) for i, k in enumerate(usable)]
+    for w in sybils:
+        w.upload(_work(run, w, 0, probation=True), 0)  # the work it computed for its key: what it chose
+    newcomer = RolloutWriter(run.store, RUN, "new", private_key=generate_private_key())
+    newcomer.upload(_work(run, newcomer, 0, probation=True), 0)  # an honest newcomer: no salt yet
+    trained = []
+    for _ in range(4):
+        taken = run.intake.take(0)
+        if taken is not None:
+            trained += [g[0].group_id for g in taken.groups]
+            run.intake.settle(taken)
+    sybil_keys = {w.key_id for w in sybils}
+    assert not [g for g in trained if g.split("/")[0] in sybil_keys], (tried, trained)
+    assert not [b for b in run.intake.pool.batches() if b.key_id in sybil_keys]
+    assert all(run.intake.gate.records[k].probation_batches == 1 for k in sybil_keys)  # checked and credited
+    assert run.intake.counters.probation_batches == 5
+    from stoa.transport.identity import read_salt
+
+    salt = read_salt(run.store, RUN, newcomer.key_id, run.key.public_key())  # published once it had accepted work
+    assert salt is not None
+    ids = assignment(run.cfg.seed, newcomer.key_id, 1, n, groups, salt).group_ids
+    assert ids == run.intake.assigned(Batch("", "new", 0, [], 1, newcomer.key_id)).group_ids
+    newcomer.upload(_work(run, newcomer, 1), 0)
+    taken = run.intake.take(0)
+    assert taken is not None and {g[0].group_id.split("/")[0] for g in taken.groups} == {newcomer.key_id}
+    forged = sybils[0]  # the public items under the salted ids: not the key's work (a strike)
+    work = _work(run, forged, 1, probation=True)
+    for e in work:
+        e.group_id = e.group_id.replace("-p1-", "-s1-")
+    refused = forged.upload(work, 0)
+    run.intake.take(0)
+    assert [e["category"] for e in run.lines() if e.get("rejected") == refused] == ["assignment"]

@@ -104,3 +104,38 @@ def test_metrics_without_wandb_project_stay_local(tmp_path, monkeypatch):
     sink.log("train", 1, **{"reward/mean": 0.5, "t": time.time()})
     sink.close()
     assert not (tmp_path / "run" / "wandb").exists()
+
+
+def test_report_verifies_the_stores_trust_report_or_says_it_is_unverified(tmp_path):
+    """`stoa report` showed an unsigned trust.json as the trainer's: a banned cheater shown clean.
+    Now it reads the trainer's own copy in the run folder, else verifies the store's with the run's
+    key (keys/run.pub, or --public-key), and without a key says plainly the report is unverified."""
+    from stoa.transport.signing import save_keypair
+
+    run_dir = _trainer_only_run(tmp_path)
+    store = LocalStore(tmp_path / "store")
+    forged = {"run": "solo", "version": 10, "mode": "open", "workers": {
+        "c" * 16: {"worker_id": "cheater", "accepted_batches": 50, "trained_episodes": 800, "rejected": {},
+                   "banned": ""}}}
+    store.put("solo/trust.json", json.dumps({"body": json.dumps(forged)}).encode())
+
+    def report(*extra: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "stoa", "report", str(run_dir), "--store", str(store.root), *extra],
+                           capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stderr
+        json.loads((run_dir / "summary.json").read_text(), parse_constant=lambda c: 1 / 0)  # strict JSON
+        return (run_dir / "summary.md").read_text()
+
+    assert "**Unverified**: read from the store without the run's public key" in report()
+    key, pub = save_keypair(generate_private_key(), run_dir / "keys", "run")
+    md = report()  # keys/run.pub in the run folder: the forgery does not verify, and is not shown
+    assert "does not verify" in md and "cheater" not in md
+    real = {"run": "solo", "version": 10, "mode": "open", "workers": {
+        "c" * 16: {"worker_id": "cheater", "accepted_batches": 0, "trained_episodes": 0, "rejected": {"audit": 1},
+                   "banned": "audit: spot-check: forged <img src=x>"}}}
+    store.put("solo/trust.json", sign_document("trust-report", real, key))
+    md = report("--public-key", str(pub))
+    assert "| cheater | 0 | 0 | audit 1 | audit: spot-check: forged &lt;img src=x&gt; |" in md and "Unverified" not in md
+    (run_dir / "roster").mkdir()
+    (run_dir / "roster" / "trust.json").write_text(json.dumps({**real, "workers": {}, "operator": True}))
+    assert "0 worker keys" in report()  # the trainer's own copy comes first

@@ -101,3 +101,48 @@ def test_watch_streams_json_lines_until_the_run_finishes(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["state"] == "finished"
+
+
+def _no_nan(text: str):
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_unsigned_documents_are_marked_unverified_and_a_forged_report_never_passes_the_key(tmp_path):
+    """Without --public-key, status showed an unsigned trust.json and evaluations as facts: a banned
+    cheater shown clean, ESC bytes and rich markup from eval names reaching the screen, and --json
+    emitting NaN. Now every store document is verified with the key (a forgery is not shown), and
+    without one it is marked unverified; the JSON is strict and every string escaped."""
+    store, run = _run(tmp_path)
+    run_key = generate_private_key()
+    real = {"run": run, "version": 9, "mode": "enrolled", "workers": {
+        "c" * 16: {"worker_id": "cheater", "accepted_batches": 0, "banned": "audit: spot-check: forged"}}}
+    store.put(f"{run}/trust.json", sign_document("trust-report", real, run_key))
+    forged = {"run": run, "version": 9, "mode": "enrolled", "workers": {
+        "c" * 16: {"worker_id": "cheater", "accepted_batches": 50, "banned": ""}}}
+    store.put(f"{run}/trust.json", json.dumps({"body": json.dumps(forged)}).encode())  # unsigned: the cheater clean
+    store.put(f"{run}/eval/v000000000009.json", json.dumps({"body": json.dumps(
+        {"version": 9, "metrics": {"eval/pass@1": float("nan"), "eval/[link=http://x]click[/link]\x1b[2J": 0.5,
+                                   "eval/searched": "\x1b]0;pwned\x07"}})}).encode())
+    store.put(f"{run}/current.json", json.dumps({"body": json.dumps({"version": "9\x1b[2J[blink]"})}).encode())
+
+    r = _stoa("status", "--store", str(store.root), "--run", run, "--json")
+    assert r.returncode == 0, r.stderr
+    s = _no_nan(r.stdout)
+    assert s["verified"] is False and set(s["unverified"]) >= {"trust", "evals"} and "public key" in s["unverified_why"]
+    assert s["head"] is None and s["evals"][0]["eval/pass@1"] is None and "eval/searched" not in s["evals"][0]
+    assert "\x1b" not in r.stdout and "\x07" not in r.stdout
+    r = _stoa("status", "--store", str(store.root), "--run", run)
+    assert r.returncode == 0 and "UNVERIFIED" in r.stdout and "unverified: read without the run's public key" in r.stdout
+    assert "\x1b" not in r.stdout and "[link=http://x]click" in r.stdout  # shown as text, not obeyed
+    pub = run_key.public_key().public_bytes_raw().hex()
+    store.delete(f"{run}/current.json")  # (a pointer that does not verify stops a verified status, as it should)
+    r = _stoa("status", "--store", str(store.root), "--run", run, "--public-key", pub, "--json")
+    assert r.returncode == 0, r.stderr
+    s = _no_nan(r.stdout)
+    assert s["verified"] is True and s["unverified"] == [] and s["trust"] is None and s["evals"] == []  # forgeries not shown
+    store.put(f"{run}/trust.json", sign_document("trust-report", real, run_key))
+    s = _no_nan(_stoa("status", "--store", str(store.root), "--run", run, "--public-key", pub, "--json").stdout)
+    assert s["trust"]["workers"]["c" * 16]["banned"] == "audit: spot-check: forged"

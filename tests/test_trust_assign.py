@@ -28,3 +28,24 @@ def test_a_batch_is_its_keys_assignment_and_nobody_elses():
     twice = copy.deepcopy(eps)
     twice[1].sample_index = 0
     assert "appears twice" in assignment_problem(twice, a, 4)
+
+
+def test_salted_work_is_not_the_probation_work_and_needs_the_runs_key():
+    """A key's real work depends on its salt (a keyed hash under the run's private key); without
+    it a worker can compute only its probation work, whose group ids say so."""
+    from stoa.fleet.trust.assign import assignment, is_probation
+    from stoa.transport.identity import assignment_salt
+    from stoa.transport.signing import generate_private_key
+
+    run_key, other = generate_private_key(), generate_private_key()
+    kid = "0123456789abcdef"
+    salt = assignment_salt(run_key, "runs/t", kid)
+    assert salt == assignment_salt(run_key, "runs/t", kid) != assignment_salt(other, "runs/t", kid)
+    assert salt != assignment_salt(run_key, "runs/other", kid)
+    real, probation = assignment(7, kid, 3, 100, 2, salt), assignment(7, kid, 3, 100, 2)
+    assert real.group_ids == (f"{kid}-s3-g0", f"{kid}-s3-g1") and not real.probation
+    assert probation.group_ids == (f"{kid}-p3-g0", f"{kid}-p3-g1") and probation.probation
+    assert real.seed != probation.seed and real != assignment(7, kid, 3, 100, 2, assignment_salt(other, "runs/t", kid))
+    eps = [Episode(np.arange(5), [Segment("model", np.arange(3), -np.ones(3))], 0.0, group_id=g, sample_index=0)
+           for g in probation.group_ids]
+    assert is_probation(eps, kid, 3) and not is_probation(eps, kid, 4) and not is_probation([], kid, 3)

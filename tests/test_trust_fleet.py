@@ -21,7 +21,7 @@ import pytest
 
 from stoa.fleet.metrics import read_metrics
 from stoa.testing.adversaries import KINDS
-from stoa.transport.identity import enroll_worker, load_or_create_worker_key, read_roster
+from stoa.transport.identity import enroll_worker, list_bans, load_or_create_worker_key
 from stoa.transport.signing import generate_private_key, key_id, save_keypair
 from stoa.transport.store import LocalStore
 
@@ -110,7 +110,7 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
         while procs["trainer"].poll() is None and time.monotonic() < deadline:
             steps, banned = _trained(run_dir)
             if steps >= MIN_STEPS and banned >= len(must_ban) and store.list(f"{run}/quarantine/adv-unenrolled/") \
-                    and must_ban <= set(read_roster(store, run, run_pub).banned):
+                    and must_ban <= set(list_bans(store, run, run_pub)[0]):
                 procs["trainer"].send_signal(signal.SIGTERM)
                 break
             time.sleep(1.0)
@@ -126,7 +126,7 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
 
     stopped = [row for row in read_metrics(run_dir / "metrics.jsonl") if row.get("event") == "stopped"]
     assert stopped and stopped[-1]["rl_step"] >= MIN_STEPS, "the trainer was not stopped by the test"
-    roster = read_roster(store, run, run_pub)
+    bans, _ = list_bans(store, run, run_pub)
     report = json.loads(json.loads(store.get(f"{run}/trust.json"))["body"])
     by_name = {rec["worker_id"]: (kid, rec) for kid, rec in report["workers"].items()}
     ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
@@ -159,9 +159,8 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
         if kind == "unenrolled":
             assert rec["accepted_batches"] == 0 and set(rec["rejected"]) == {"refused"}, rec
             continue
-        assert rec["banned"] and kid in roster.banned, (w, rec)
-        assert roster.banned[kid].version - first_rejected[w] <= BAN_WITHIN_VERSIONS, (w, first_rejected[w],
-                                                                                        roster.banned[kid])
+        assert rec["banned"] and kid in bans, (w, rec)
+        assert bans[kid].version - first_rejected[w] <= BAN_WITHIN_VERSIONS, (w, first_rejected[w], bans[kid])
         assert NEEDLES[kind] in rec["banned"] or NEEDLES[kind] in rec["last_reason"], (w, rec)
         assert any(e.get("banned") == kid for e in ledger)
     for w in ("honest-0", "honest-1"):
@@ -188,8 +187,8 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
           f"{last['trust/sampled_tokens_checked']:.0f} sampled tokens re-derived, "
           f"{last['trust/sampled_tokens_ambiguous']:.0f} ambiguous")
     print("banned at version (first rejected batch at): " + ", ".join(
-        f"{kind} v{roster.banned[kid_of[w]].version} ({first_rejected[w]})"
-        for w, kind in workers.items() if kid_of.get(w) in roster.banned))
+        f"{kind} v{bans[kid_of[w]].version} ({first_rejected[w]})"
+        for w, kind in workers.items() if kid_of.get(w) in bans))
     r = subprocess.run([sys.executable, "-m", "stoa", "status", "--store", str(store_dir), "--run", run,
                         "--public-key", str(run_pub)], env={**_env(), "COLUMNS": "250"}, capture_output=True,
                        text=True, timeout=120)

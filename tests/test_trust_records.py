@@ -58,3 +58,33 @@ def test_gaps_in_a_keys_sequence_numbers_are_counted_and_a_withholder_flagged():
     assert gate.records["sel"].withheld == 12 and held["sel"][1]
     assert all(gate.records[k].withheld == 0 and not held[k][1] for k in ("h1", "h2", "h3"))
     assert gate.metrics()["trust/withheld_batches"] == 12 and gate.metrics()["trust/withholding_flagged"] == 1
+
+
+def test_the_public_report_publishes_nothing_that_decides_whether_a_batch_is_checked(tmp_path):
+    """The store's trust.json (which every worker reads) published the audit floor and each key's
+    mean |log pi - log mu| per staleness bucket, and reasons quoting the fleet's median and limit:
+    a forger sized its forgeries below the thresholds they give (18 forged batches accepted, none
+    spot-checked). Now it says how much was audited, not what was measured; the operator's copy,
+    in the trainer's own folder, has it all."""
+    from stoa.fleet.trust.audit import TokenStats
+    from stoa.transport.store import LocalStore
+
+    store, key = LocalStore(tmp_path / "store"), generate_private_key()
+    gate = TrustGate(TrustConfig(), store, RUN, key, roster_copy=tmp_path / "run" / "roster")
+    gate.audit.floor = 0.0123
+    for kid in ("h1", "h2", "h3"):
+        gate.records.touch(kid, kid)
+        gate.audit.observe(kid, 0, TokenStats(tokens=500, abs_sum=500 * 0.0456, implausible=1))
+    suspicion = ("log-prob audit: running mean |log pi - log mu| 0.300 at staleness 0 leaves the fleet's honest range "
+                 "(median 0.046, limit 0.120); spot-check: episode 2: 3 of 10 model tokens off the int8 re-score")
+    gate.reject("h3", "h3", "audit", suspicion)
+    gate.write_report(4, force=True)
+    public = json.loads(json.loads(store.get(f"{RUN}/trust.json"))["body"])
+    text = json.dumps(public)
+    assert public["floor"] is None and "0.0123" not in text and "0.0456" not in text and "0.046" not in text
+    assert all(set(w["audit"]) == {"tokens_s0"} and w["audit"]["tokens_s0"] == 500
+               for k, w in public["workers"].items() if k.startswith("h"))
+    assert "median" not in text and "limit" not in text and "3 of 10 model tokens" in public["workers"]["h3"]["last_reason"]
+    assert read_trust_report(store, RUN, key.public_key()).floor is None
+    own = json.loads((tmp_path / "run" / "roster" / "trust.json").read_text())  # the operator's copy
+    assert own["operator"] and own["floor"] == 0.0123 and own["workers"]["h1"]["audit"]["abs_s0"] == 0.0456

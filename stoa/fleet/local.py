@@ -11,6 +11,7 @@ the trainer and says why (:class:`FleetGone`) instead of waiting for rollouts th
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from stoa.fleet.metrics import read_metrics, write_plots
 from stoa.fleet.run import read_heartbeats
 from stoa.fleet.sections import check
-from stoa.fleet.status import clean
+from stoa.fleet.status import clean, strict
 from stoa.transport.store import LocalStore
 
 if TYPE_CHECKING:
@@ -44,6 +45,8 @@ class FleetConfig:
     def __post_init__(self) -> None:
         check(self.workers >= 0 and self.worker_threads >= 1, "fleet.workers >= 0 and worker_threads >= 1")
 
+
+log = logging.getLogger("stoa.report")
 
 _WORKER_EXITS = {0: "stopped", 2: "configuration error", 3: "banned", 4: "no such run", 5: "store unreachable"}
 """What a worker's exit status means (``stoa.fleet.worker``'s ``EXIT_*``)."""
@@ -149,7 +152,8 @@ def train_local(config_path: str | Path, overrides: dict[str, Any] | None = None
     run_public = load_private_key(key_file).public_key()
     gone = None
     try:
-        _watch(cfg, run_dir, the_store, procs, console, t0, lambda: is_finished(the_store, cfg.name, run_public))
+        _watch(cfg, run_dir, the_store, procs, console, t0, lambda: is_finished(the_store, cfg.name, run_public),
+               run_public)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping the fleet (resume with --resume)[/yellow]")
         raise
@@ -178,10 +182,14 @@ def train_local(config_path: str | Path, overrides: dict[str, Any] | None = None
 
 
 def write_report(run_dir: str | Path, store: Any = None, wall_s: float | None = None,
-                 workers: int | None = None) -> dict[str, Any]:
+                 workers: int | None = None, public_key: Any = None) -> dict[str, Any]:
     """Plots, ``summary.json`` and ``summary.md`` of any run folder (``stoa train``'s or a lone
-    ``stoa trainer``'s), from its ``metrics.jsonl`` and ``config.json``; the trust section comes
-    from the trainer's report in ``store`` when given. Returns the summary.
+    ``stoa trainer``'s), from its ``metrics.jsonl`` and ``config.json``. Returns the summary.
+
+    The trust section comes from the trainer's own copy of its report in the run folder
+    (``roster/trust.json``) when there is one; else from ``store``'s ``trust.json``, verified
+    under ``public_key`` (default: ``keys/run.pub`` in the run folder, if there), and without a
+    key read as it is and marked unverified in the summary.
 
     ``wall_s`` defaults to the time between the first and last metrics row, ``workers`` to the
     most workers the trainer saw alive at once.
@@ -202,23 +210,41 @@ def write_report(run_dir: str | Path, store: Any = None, wall_s: float | None = 
     plots = write_plots(rows, run_dir / "plots")
     summary = summarize(rows, wall_s=wall_s, workers=workers)
     summary["plots"] = [str(p) for p in plots]
-    summary["trust"] = _trust_summary(store, cfg.name) if store is not None else None
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    summary["trust"] = _trust_summary(run_dir, store, cfg.name, public_key)
+    (run_dir / "summary.json").write_text(json.dumps(strict(summary), indent=2, allow_nan=False) + "\n")
     (run_dir / "summary.md").write_text(_summary_md(cfg, summary))
     return summary
 
 
-def _trust_summary(store: Any, run: str) -> dict[str, Any] | None:
-    """Per worker: accepted and rejected batches, trained episodes, ban reason (the trainer's report)."""
-    from stoa.fleet.trust import read_trust_report
+def _trust_summary(run_dir: Path, store: Any, run: str, public_key: Any) -> dict[str, Any] | None:
+    """Per worker: accepted and rejected batches, trained episodes, ban reason (the trainer's
+    report; see :func:`write_report` for which copy, and ``verified``/``source`` for how it was read)."""
+    from stoa.fleet.trust import TrustReport, read_trust_report
+    from stoa.transport.signing import SignatureError, load_public_key
 
-    tr = read_trust_report(store, run)
+    own = run_dir / "roster" / "trust.json"  # the trainer's copy (its roster_copy folder): no one else writes it
+    tr, source, verified = None, "", False
+    if own.is_file():
+        try:
+            tr, source, verified = TrustReport.parse(json.loads(own.read_text())), "the trainer's run folder", True
+        except (ValueError, OSError) as e:
+            log.warning("ignoring %s: %s", own, e)
+    if tr is None and store is not None:
+        if public_key is None and (run_dir / "keys" / "run.pub").is_file():
+            public_key = run_dir / "keys" / "run.pub"
+        try:
+            tr = read_trust_report(store, run, None if public_key is None else load_public_key(public_key))
+        except SignatureError as e:
+            return {"error": f"the store's trust report does not verify under the run's key: {e}"}
+        source, verified = "the store", public_key is not None
     if tr is None:
         return None
     workers = [{"worker_id": w.worker_id, "key": kid, "accepted_batches": w.accepted_batches,
                 "trained_episodes": w.trained_episodes, "rejected": w.rejected, "banned": w.banned}
                for kid, w in sorted(tr.workers.items(), key=lambda kv: kv[1].worker_id)]
-    return {"mode": tr.mode, "version": tr.version, "workers": workers, "anonymous": tr.anonymous}
+    return {"mode": tr.mode, "version": tr.version, "workers": workers, "anonymous": tr.anonymous,
+            "banned_keys": max(tr.banned_keys, sum(bool(w["banned"]) for w in workers)), "source": source,
+            "verified": verified}
 
 
 def _md(text: Any) -> str:
@@ -305,10 +331,14 @@ def _summary_md(cfg: RunConfig, s: dict[str, Any]) -> str:
     if s.get("plots"):
         lines.append(f"- plots: {', '.join(s['plots'])}")
     tr = s.get("trust")
-    if tr:
-        banned = [w for w in tr["workers"] if w["banned"]]
-        lines += ["", f"## Trust (mode {_md(tr['mode'])}, as of version {tr['version']})", "",
-                  f"{len(tr['workers'])} worker keys, {len(banned)} banned.", "",
+    if tr and tr.get("error"):
+        lines += ["", "## Trust", "", _md(tr["error"])]
+    elif tr:
+        lines += ["", f"## Trust (mode {_md(tr['mode'])}, as of version {tr['version']})", ""]
+        if not tr.get("verified"):
+            lines += ["**Unverified**: read from the store without the run's public key (`stoa report --public-key`); "
+                      "anyone with write access to the store could have written it.", ""]
+        lines += [f"{len(tr['workers'])} worker keys, {tr['banned_keys']} banned.", "",
                   "| worker | accepted batches | trained episodes | rejected | banned |", "|---|---|---|---|---|"]
         for w in tr["workers"]:
             rej = ", ".join(f"{_md(c)} {n}" for c, n in sorted(w["rejected"].items())) or "-"
@@ -320,7 +350,7 @@ def _summary_md(cfg: RunConfig, s: dict[str, Any]) -> str:
 
 
 def _watch(cfg: RunConfig, run_dir: Path, store: LocalStore, procs: dict[str, subprocess.Popen], console: Any,
-           t0: float, finished: Callable[[], bool] = lambda: False) -> None:
+           t0: float, finished: Callable[[], bool] = lambda: False, public_key: Any = None) -> None:
     """Render the live view until the trainer exits (a worker that dies is reported; raises
     :class:`FleetGone` once none is left and the run is not ``finished()``)."""
     from rich.live import Live
@@ -348,10 +378,10 @@ def _watch(cfg: RunConfig, run_dir: Path, store: LocalStore, procs: dict[str, su
         with Live(console=console, refresh_per_second=2, transient=False) as live:
             while procs["trainer"].poll() is None:
                 refresh()
-                live.update(_view(cfg, state["rows"], store, procs, t0))
+                live.update(_view(cfg, state["rows"], store, procs, t0, public_key))
                 time.sleep(0.5)
             refresh()
-            live.update(_view(cfg, state["rows"], store, procs, t0))
+            live.update(_view(cfg, state["rows"], store, procs, t0, public_key))
     else:
         printed = 0
         while procs["trainer"].poll() is None or printed < len(state["rows"]):
@@ -394,7 +424,7 @@ def _plain_line(r: dict[str, Any], headline: list[str]) -> str | None:
 
 
 def _view(cfg: RunConfig, rows: list[dict[str, Any]], store: LocalStore, procs: dict[str, subprocess.Popen],
-          t0: float):
+          t0: float, public_key: Any = None):
     from rich.table import Table
     from rich.text import Text
 
@@ -437,6 +467,6 @@ def _view(cfg: RunConfig, rows: list[dict[str, Any]], store: LocalStore, procs: 
         for b in sorted(beats, key=lambda b: b.worker_id))))
     from stoa.fleet.status import trust_lines
 
-    for name, line in trust_lines(store, cfg.name):  # worker-written text: shown as Text, never as markup
+    for name, line in trust_lines(store, cfg.name, public_key) if public_key is not None else []:  # worker-written text: shown as Text, never as markup
         table.add_row(Text(name), Text(line, style="red" if "banned:" in line else ""))
     return table

@@ -1,14 +1,22 @@
 """``stoa status``: the fleet as the store sees it (heartbeats, versions, lag, throughput, trust, evals).
 
-:func:`fleet_status` is the plain data (``stoa status --json`` prints it); :func:`render` lays it out
-for a terminal 80 columns wide. Strings a worker wrote (its id, status, mode, host; ban reasons that
-quote it) are shown only through :func:`clean`: no control characters, no terminal escapes, no
-rich markup reach the operator's screen.
+:func:`fleet_status` is the plain data (``stoa status --json`` prints it, strict JSON: a number
+that is not finite becomes ``null``); :func:`render` lays it out for a terminal 80 columns wide.
+Every string from the store (a worker's id, status, mode, host; ban reasons; evaluation metric
+names) is shown only through :func:`clean`, as text, never as markup: no control characters, no
+terminal escapes, no rich markup reach the operator's screen.
+
+With the run's public key every document the trainer signs (head, trust report, evaluations,
+finished marker) is verified and one that does not verify is not shown. Without it they are read
+as they are and **marked unverified** (``"verified": false`` and ``"unverified"`` in the JSON, a
+line in the layout): anyone with write access to the store could have written them. Heartbeats
+are never signed: they are what workers say.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 import unicodedata
 from typing import Any
@@ -18,7 +26,36 @@ from stoa.transport import layout
 from stoa.transport.exchange import is_finished
 from stoa.transport.store import LocalStore, ObjectStore, StoreError
 
-__all__ = ["RunNotFound", "clean", "fleet_status", "render", "runs_in", "show_status", "trust_lines"]
+__all__ = ["RunNotFound", "UNVERIFIED", "clean", "fleet_status", "render", "runs_in", "show_status", "strict",
+           "trust_lines"]
+
+UNVERIFIED = ("unverified: read without the run's public key (--public-key); anyone with write access to the "
+              "store could have written it")
+
+
+def strict(obj: Any) -> Any:
+    """``obj`` as strict JSON data: non-finite numbers become None, keys strings, tuples lists."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict(v) for v in obj]
+    return obj if obj is None or isinstance(obj, (bool, int, str)) else str(obj)
+
+
+def _version(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def _eval_row(body: Any) -> dict[str, Any] | None:
+    """An evaluation body as a row: its version (an int) and its numeric metrics only (one that is
+    not finite as None)."""
+    if not isinstance(body, dict) or _version(body.get("version")) is None or not isinstance(body.get("metrics"), dict):
+        return None
+    metrics = {str(k)[:64]: float(v) if math.isfinite(v) else None for k, v in body["metrics"].items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {"version": body["version"], **metrics}
 
 
 class RunNotFound(LookupError):
@@ -60,9 +97,10 @@ def fleet_status(store: ObjectStore, run: str, public_key: Any = None) -> dict[s
     are verified.
 
     Returns a JSON-ready dict: ``run``, ``state`` (``not started`` / ``running`` / ``finished``),
-    ``head``, ``verified``, ``workers`` (each heartbeat with ``age_s``, ``lag`` and its ``trust``
-    record, matched by worker id, or None), ``bad_heartbeats``, ``trust`` (the trainer's whole
-    report or None), ``rollouts_waiting``, ``quarantined``, ``finished``, ``evals`` (last five).
+    ``head``, ``verified``, ``unverified`` (what was read without verifying it, with why),
+    ``workers`` (each heartbeat with ``age_s``, ``lag`` and its ``trust`` record, matched by
+    worker id, or None), ``bad_heartbeats``, ``trust`` (the trainer's whole report or None),
+    ``rollouts_waiting``, ``quarantined``, ``finished``, ``evals`` (last five).
 
     Raises:
         RunNotFound: the store has no config and no heartbeats for ``run``.
@@ -75,7 +113,7 @@ def fleet_status(store: ObjectStore, run: str, public_key: Any = None) -> dict[s
         head, verified = WeightSubscriber(store, run, public_key).head(), True
     else:
         try:  # display only: the pointer's signed body, read without checking the signature
-            head = json.loads(json.loads(store.get(layout.pointer(run), max_bytes=64 << 10))["body"])["version"]
+            head = _version(json.loads(json.loads(store.get(layout.pointer(run), max_bytes=64 << 10))["body"])["version"])
         except (StoreError, ValueError, KeyError, TypeError):  # missing, oversized or malformed
             head = None
     from stoa.fleet.trust import read_trust_report
@@ -85,7 +123,7 @@ def fleet_status(store: ObjectStore, run: str, public_key: Any = None) -> dict[s
         report = read_trust_report(store, run, public_key)
     except SignatureError:
         report = None
-    trust = report.to_body() if report is not None else None
+    trust = strict(report.to_body()) if report is not None else None
     by_worker = {w.worker_id: {"key": kid, **trust["workers"][kid]} for kid, w in (report.workers.items() if report
                                                                                     else ())}
     beats, bad = read_heartbeats(store, run)
@@ -102,18 +140,23 @@ def fleet_status(store: ObjectStore, run: str, public_key: Any = None) -> dict[s
                 body = open_document(blob, "eval", public_key, key)
             else:
                 body = json.loads(json.loads(blob)["body"])
-            evals.append({"version": body["version"], **body["metrics"]})
         except Exception:
             continue
+        row = _eval_row(body)
+        if row is not None:
+            evals.append(row)
     finished = (is_finished(store, run, public_key) if public_key is not None
                 else store.exists(layout.finished(run)))
-    return {
+    unverified = [] if verified else [k for k, v in (("head", head), ("trust", trust), ("evals", evals),
+                                                      ("finished", finished)) if v]
+    return strict({
         "run": run, "state": "finished" if finished else "running" if head is not None else "not started",
-        "head": head, "verified": verified, "workers": workers, "bad_heartbeats": bad, "trust": trust,
+        "head": head, "verified": verified, "unverified": unverified, "unverified_why": "" if verified else UNVERIFIED,
+        "workers": workers, "bad_heartbeats": bad, "trust": trust,
         "rollouts_waiting": len(store.list(layout.rollouts(run))),
         "quarantined": len([k for k in store.list(layout.quarantine(run)) if k.endswith(".reason.json")]),
         "finished": finished, "evals": evals,
-    }
+    })
 
 
 def _rejected(w: dict[str, Any]) -> str:
@@ -121,11 +164,16 @@ def _rejected(w: dict[str, Any]) -> str:
     return ", ".join(f"{clean(c)} {n}" for c, n in sorted(rej.items())) if isinstance(rej, dict) else clean(rej)
 
 
-def trust_lines(store: ObjectStore, run: str) -> list[tuple[str, str]]:
-    """One line per worker key of the trainer's trust report (for the live view); empty without one."""
+def trust_lines(store: ObjectStore, run: str, public_key: Any) -> list[tuple[str, str]]:
+    """One line per worker key of the trainer's trust report, verified under the run's key (for the
+    live view); empty without one, or when it does not verify."""
     from stoa.fleet.trust import read_trust_report
+    from stoa.transport.signing import SignatureError
 
-    tr = read_trust_report(store, run)
+    try:
+        tr = read_trust_report(store, run, public_key)
+    except SignatureError:
+        return []
     if tr is None:
         return []
     out = []
@@ -144,33 +192,39 @@ def render(s: dict[str, Any]) -> list[Any]:
     from rich.table import Table
     from rich.text import Text
 
-    def table(*headers: str, title: str | None = None) -> Table:
-        t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=title, title_justify="left", expand=False)
+    def table(*headers: str, title: str | None = None) -> Table:  # headers and title as text, never markup
+        t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=None if title is None else Text(title),
+                  title_justify="left", expand=False)
         for h in headers:
-            t.add_column(h, overflow="fold")
+            t.add_column(Text(h), overflow="fold")
         return t
 
-    out: list[Any] = [Text(f"{clean(s['run'])}: {s['state']}, head version {s['head']}")]
-    out.append(Text(f"{s['rollouts_waiting']} rollout batches waiting, {s['quarantined']} quarantined"))
+    def num(x: Any, fmt: str = "") -> str:
+        return "-" if not isinstance(x, (int, float)) or isinstance(x, bool) else format(x, fmt)
+
+    out: list[Any] = [Text(f"{clean(s['run'])}: {clean(s['state'])}, head version {clean(s['head'])}")]
+    out.append(Text(f"{clean(s['rollouts_waiting'])} rollout batches waiting, {clean(s['quarantined'])} quarantined"))
     if not s["verified"]:
-        out.append(Text("unverified: pass --public-key to check signatures", style="dim"))
+        out.append(Text(f"{', '.join(map(clean, s.get('unverified') or ['the head']))}: {UNVERIFIED}", style="yellow"))
     t = table("worker", "state", "ver", "lag", "seen", "ep/s", "tok/s", "episodes")
     for w in s["workers"]:
-        t.add_row(Text(clean(w["worker_id"])), Text(clean(w["status"])), str(w["version"]),
-                  "-" if w["lag"] is None else str(w["lag"]), f"{w['age_s']:.0f}s", f"{w['episodes_per_s']:.1f}",
-                  f"{w['tokens_per_s']:.0f}", str(w["episodes"]))
+        t.add_row(Text(clean(w["worker_id"])), Text(clean(w["status"])), Text(num(w["version"])), Text(num(w["lag"])),
+                  Text(f"{num(w['age_s'], '.0f')}s"), Text(num(w["episodes_per_s"], ".1f")),
+                  Text(num(w["tokens_per_s"], ".0f")), Text(num(w["episodes"])))
     out.append(t)
     for key in s["bad_heartbeats"]:
         out.append(Text(f"unreadable heartbeat {clean(key)}", style="yellow"))
     tr = s.get("trust")
     if tr:
+        mark = "" if s["verified"] else ", UNVERIFIED"
         t = table("worker", "key", "accepted", "trained", "rejected", "checks",
-                  title=f"trust (mode {clean(tr.get('mode'))}, as of version {tr.get('version')})")
+                  title=f"trust (mode {clean(tr.get('mode'))}, as of version {clean(tr.get('version'))}{mark})")
         banned = []
         for kid, w in sorted((tr.get("workers") or {}).items(), key=lambda kv: str(kv[1].get("worker_id"))):
             wid = clean(w.get("worker_id"))
-            t.add_row(Text(wid), Text(clean(kid)[:8]), str(w.get("accepted_batches")), str(w.get("trained_episodes")),
-                      Text(_rejected(w) or "-"), f"{w.get('spot_checks', 0)} ({w.get('spot_check_failures', 0)} failed)")
+            t.add_row(Text(wid), Text(clean(kid)[:8]), Text(num(w.get("accepted_batches"))),
+                      Text(num(w.get("trained_episodes"))), Text(_rejected(w) or "-"),
+                      Text(f"{num(w.get('spot_checks', 0))} ({num(w.get('spot_check_failures', 0))} failed)"))
             if w.get("banned"):
                 banned.append(Text(f"banned {wid}: {clean(w['banned'])}", style="red"))
         out.append(t)
@@ -181,10 +235,11 @@ def render(s: dict[str, Any]) -> list[Any]:
         # Whatever the task reports (eval/<metric> means), up to four columns beside pass@1.
         keys = [k for k in s["evals"][-1] if k.startswith("eval/") and k not in ("eval/pass@1", "eval/seconds",
                                                                                    "eval/questions")][:4]
-        e = table("version", "pass@1", *(clean(k[len("eval/"):]) for k in keys))
+        e = table("version", "pass@1", *(clean(k[len("eval/"):], 24) for k in keys),
+                  title=None if s["verified"] else "evaluations (UNVERIFIED)")
         for r in s["evals"]:
-            e.add_row(str(r["version"]), f"{r.get('eval/pass@1', float('nan')):.3f}",
-                      *(f"{r[k]:.3f}" if isinstance(r.get(k), (int, float)) else "-" for k in keys))
+            e.add_row(Text(num(r.get("version"))), Text(num(r.get("eval/pass@1"), ".3f")),
+                      *(Text(num(r.get(k), ".3f")) for k in keys))
         out.append(e)
     return out
 
@@ -200,8 +255,9 @@ def show_status(store: ObjectStore, run: str, public_key: Any = None, *, as_json
     con = console or Console()
     while True:
         s = fleet_status(store, run, public_key)
-        if as_json:
-            con.out(json.dumps(s, sort_keys=True, default=str, indent=None if watch else 2), highlight=False)
+        if as_json:  # strict JSON (never NaN), every control character escaped; out() applies no markup
+            con.out(json.dumps(strict(s), sort_keys=True, allow_nan=False, indent=None if watch else 2),
+                    highlight=False)
         else:
             if watch and con.is_terminal:
                 con.clear()

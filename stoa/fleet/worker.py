@@ -66,7 +66,7 @@ from stoa.fleet.task import EnvConfig, import_env_module
 from stoa.fleet.trust.assign import assignment
 from stoa.transport.chain import SYNC_ERRORS, PointerError, SyncResult
 from stoa.transport.exchange import RolloutWriter, SequenceTaken, is_finished, read_progress
-from stoa.transport.identity import load_or_create_worker_key, read_roster
+from stoa.transport.identity import load_or_create_worker_key, read_ban, read_roster, read_salt
 from stoa.transport.sequence import RememberingWriter, SequenceFile, catch_up
 from stoa.transport.signing import SignatureError, key_id, load_public_key
 from stoa.transport.store import KeyNotFound, ObjectStore, StoreError
@@ -221,9 +221,11 @@ class Worker:
                  max_batches: int | None = None, wait_seconds: float = 600.0, private_key: Any = None,
                  max_seconds: float | None = None, progress_every: float = 30.0, keep_weights: bool = True,
                  wrap_engine: WrapEngine | None = None):
+        from stoa.fleet.invite import check_worker_id  # before anything is written under a path it names
+
         self.store, self.run_name = store, run
         self.public_key = load_public_key(public_key)
-        self.worker_id, self.cache_dir = worker_id, Path(cache_dir)
+        self.worker_id, self.cache_dir = check_worker_id(worker_id), Path(cache_dir)
         self.private_key = load_or_create_worker_key(self.cache_dir / "worker.key") if private_key is None else private_key
         if isinstance(self.private_key, (str, os.PathLike)):
             self.private_key = load_or_create_worker_key(self.private_key)
@@ -248,6 +250,8 @@ class Worker:
         self._taken = 0  # the newest count of our batches taken, from a verified progress document
         self._started = time.time()
         self._signals = 0
+        self._salt: str | None = None  # this key's assignment salt, once the run publishes it (trust.assign)
+        self._salt_read = 0.0
 
     @property
     def sync_bytes(self) -> int:
@@ -583,7 +587,11 @@ class Worker:
         except SignatureError as e:
             log.warning("workers.json does not verify (%s); ignoring it", e)
             return None
-        ban = roster.banned.get(self.key_id)
+        try:  # bans are one document per key (stoa.transport.identity), not roster entries
+            ban = read_ban(self.store, self.run_name, self.key_id, self.public_key)
+        except SignatureError as e:
+            log.warning("this key's ban document does not verify (%s); ignoring it", e)
+            ban = None
         if ban is not None:
             log.error("this worker's key %s is banned from run %s: %s", self.key_id, self.run_name, ban.reason)
             return WorkerExit(EXIT_BANNED, f"this worker's key {self.key_id} is banned from run {self.run_name!r}; "
@@ -608,9 +616,20 @@ class Worker:
 
         assert self.writer is not None
         seq = self.writer.next_seq
-        work = assignment(run_seed, self.writer.key_id, seq, n_items, rc.groups_per_cohort)
+        work = assignment(run_seed, self.writer.key_id, seq, n_items, rc.groups_per_cohort, self._read_salt())
         return Cohort(seq, [RolloutRequest(i, g, rc.group_size) for i, g in zip(work.items, work.group_ids)],
                       rc.sampling(work.seed))
+
+    def _read_salt(self) -> str | None:
+        """This key's assignment salt once the run has published it (read at most every 2 s until
+        then); None meanwhile: the work is probation work, checked and never trained on."""
+        if self._salt is None and time.time() - self._salt_read > 2.0:
+            self._salt_read = time.time()
+            try:
+                self._salt = read_salt(self.store, self.run_name, self.key_id, self.public_key)
+            except (SignatureError, StoreError) as e:
+                log.warning("this key's assignment salt does not read (%s); making probation work", e)
+        return self._salt
 
     def _generate(self, make_env: Callable[[], Any], cohort: Cohort) -> tuple[list[Episode], float]:
         """The cohort's episodes (one weight version for all) and the seconds they took."""

@@ -3,7 +3,7 @@
 Workers are strangers. Each has its own ed25519 key pair (``stoa keygen --worker``, or one a
 worker makes on first start and keeps in its cache folder) and signs every batch it uploads; the
 trainer decides whose batches it takes from the run's **roster**, a document signed with the
-run's key that lists enrolled worker keys and banned ones.
+run's key that lists enrolled worker keys, and from the run's **ban documents**, one per banned key.
 
 Sealed batch
 ------------
@@ -26,14 +26,31 @@ matches the hash. :func:`open_sealed` checks the signature against the key the h
 
 Roster (``<run>/workers.json``, kind ``"workers"``, signed by the run's key)
 --------------------------------------------------------------------------
-``{"format": "stoa.workers/1", "run", "revision", "time", "enrolled": {KEY_ID: {...}}, "banned":
-{KEY_ID: {...}}}``. An enrolled entry binds one public key to one worker id. A run configured
-``[trust] mode = "enrolled"`` takes batches only from enrolled keys, each under its own id; a run
-configured ``"open"`` takes any key and binds a worker id to the first key that uses it (trust on
-first use), recording the binding in the roster. A banned key is refused in both modes. The
-trainer and ``stoa enroll`` / ``stoa ban`` update the roster by read-modify-write (each bumps
-``revision``); the trainer re-applies its own bans whenever it writes, so a concurrent edit can
-delay, never undo, a ban.
+``{"format": "stoa.workers/2", "run", "revision", "time", "enrolled": {KEY_ID: {...}}}``. An
+enrolled entry binds one public key to one worker id. A run configured ``[trust] mode =
+"enrolled"`` takes batches only from enrolled keys, each under its own id; a run configured
+``"open"`` takes any key and binds a worker id to the first key whose batch under it is accepted,
+recording the binding in the roster. The trainer and ``stoa enroll`` update the roster by
+read-modify-write (each bumps ``revision``). It holds at most 4,096 keys and no bans, so it stays
+small and readable however many keys are banned.
+
+Bans (``<run>/bans/<KEY_ID>.json``, kind ``"ban"``, signed by the run's key)
+--------------------------------------------------------------------------
+One small document per banned key, written once and never dropped: ``{"format": "stoa.ban/1",
+"run", "key_id", "worker_id", "code", "detail", "time", "version"}``. ``code`` says why in one
+word (``audit``, ``sampling``, ``strikes``, ``by-hand``, ...); ``detail`` is at most 240
+printable ASCII characters (nothing a worker wrote reaches it unbounded). A ban costs one small
+write whatever the number of bans; a worker reads only its own (:func:`read_ban`); the trainer
+keeps every ban it made in its run folder too, so a restart (from any checkpoint) forgets none.
+A banned key is refused in both modes. (Rosters of format ``stoa.workers/1`` listed bans inline;
+they are read, and the trainer moves their bans into ban documents.)
+
+Assignment salts (``<run>/salts/<KEY_ID>.json``, kind ``"assignment-salt"``)
+--------------------------------------------------------------------------
+``{"format": "stoa.salt/1", "run", "key_id", "salt"}``: the per-key secret that
+:mod:`stoa.fleet.trust.assign` mixes into a key's assigned work. It is a keyed hash of the key id
+under the run's private key (:func:`assignment_salt`), so nobody can compute it before the run
+publishes it, which it does only for a key with standing (enrolled, or with accepted work).
 """
 
 from __future__ import annotations
@@ -62,7 +79,7 @@ from stoa.transport.signing import (
     save_keypair,
     sign_document,
 )
-from stoa.transport.store import ObjectStore, validate_key
+from stoa.transport.store import ObjectStore, StoreError, validate_key
 
 __all__ = [
     "Ban",
@@ -70,17 +87,24 @@ __all__ = [
     "Roster",
     "SealError",
     "WorkerEntry",
+    "assignment_salt",
     "ban_worker",
     "enroll_worker",
     "is_sealed",
+    "list_bans",
     "load_or_create_worker_key",
     "open_sealed",
+    "printable",
     "public_hex",
+    "read_ban",
     "read_roster",
+    "read_salt",
     "roster_key",
     "seal_batch",
     "update_roster",
+    "write_ban",
     "write_roster",
+    "write_salt",
 ]
 
 _MAGIC = b"STSB\x01"
@@ -88,8 +112,14 @@ _HEADER = struct.Struct(">I")
 _MAX_HEADER = 16 << 10
 _SEAL_FORMAT = "stoa.batch-seal/1"
 _SEAL_KIND = "rollout-batch"
-_ROSTER_FORMAT = "stoa.workers/1"
+_ROSTER_FORMAT = "stoa.workers/2"
+_LEGACY_ROSTER_FORMAT = "stoa.workers/1"  # bans inline; read, never written
 _ROSTER_KIND = "workers"
+_BAN_FORMAT, _BAN_KIND = "stoa.ban/1", "ban"
+_SALT_FORMAT, _SALT_KIND = "stoa.salt/1", "assignment-salt"
+_MAX_DETAIL = 240
+_CODE_RE = re.compile(r"[a-z][a-z0-9-]{0,23}")
+_HEX32 = re.compile(r"[0-9a-f]{32}")
 _MAX_ROSTER = 4096
 _MAX_ROSTER_BYTES = 4 << 20
 _MAX_NOTE = 256
@@ -223,28 +253,61 @@ class WorkerEntry:
     note: str = ""
 
 
+def printable(text: Any, limit: int = _MAX_DETAIL) -> str:
+    """``text`` as at most ``limit`` printable ASCII characters: any other character (control,
+    format, non-ASCII) becomes ``?``, and each run of white space one space."""
+    out = "".join(c if " " <= c <= "~" else "?" for c in str(text)[: 4 * limit])
+    out = " ".join(out.split())
+    return out if len(out) <= limit else out[: limit - 3] + "..."
+
+
 @dataclass(frozen=True)
 class Ban:
-    """A banned worker key."""
+    """A banned worker key (see the module docstring): why in one word, and a bounded detail."""
 
     worker_id: str
-    reason: str
+    code: str
+    """``audit``, ``sampling``, ``strikes``, ``by-hand``, ... (lower case, at most 24 characters)."""
+    detail: str = ""
+    """At most 240 printable ASCII characters."""
     time: float = 0.0
     version: int = -1
     """The trainer's policy version when it banned the key (-1: banned by hand)."""
 
+    @classmethod
+    def of(cls, worker_id: str, code: str, detail: str, time: float = 0.0, version: int = -1) -> Ban:
+        """A ban with its fields made safe: an id that is not a worker id becomes ``""``, the code
+        a known shape, the detail :func:`printable`."""
+        wid = worker_id if isinstance(worker_id, str) and _WORKER_RE.fullmatch(worker_id) else ""
+        code = code if isinstance(code, str) and _CODE_RE.fullmatch(code) else "banned"
+        v = version if isinstance(version, int) and not isinstance(version, bool) else -1
+        return cls(wid, code, printable(detail), float(time) if _finite(time) else 0.0, v)
+
+    @property
+    def reason(self) -> str:
+        """``code: detail`` (or the code alone)."""
+        return f"{self.code}: {self.detail}" if self.detail else self.code
+
+    def ok(self) -> bool:
+        """Whether every field has the shape :meth:`of` gives it."""
+        return (isinstance(self.worker_id, str) and (self.worker_id == "" or bool(_WORKER_RE.fullmatch(self.worker_id)))
+                and isinstance(self.code, str) and bool(_CODE_RE.fullmatch(self.code))
+                and isinstance(self.detail, str) and self.detail == printable(self.detail) and _finite(self.time)
+                and isinstance(self.version, int) and not isinstance(self.version, bool))
+
 
 @dataclass(frozen=True)
 class Roster:
-    """The run's signed list of enrolled and banned worker keys (see the module docstring)."""
+    """The run's signed list of enrolled worker keys (see the module docstring)."""
 
     run: str
     enrolled: dict[str, WorkerEntry] = field(default_factory=dict)
     """key id -> entry."""
-    banned: dict[str, Ban] = field(default_factory=dict)
-    """key id -> ban."""
     revision: int = 0
     time: float = 0.0
+    legacy_bans: dict[str, Ban] = field(default_factory=dict)
+    """Bans listed inline by a ``stoa.workers/1`` roster (read, never written; the trainer moves
+    them into ban documents)."""
 
     def key_for(self, worker_id: str) -> str | None:
         """The key id enrolled (or bound) under ``worker_id``, if any."""
@@ -255,18 +318,19 @@ class Roster:
 
     def to_body(self) -> dict[str, Any]:
         return {"format": _ROSTER_FORMAT, "run": self.run, "revision": self.revision, "time": self.time,
-                "enrolled": {k: vars(e).copy() for k, e in sorted(self.enrolled.items())},
-                "banned": {k: vars(b).copy() for k, b in sorted(self.banned.items())}}
+                "enrolled": {k: vars(e).copy() for k, e in sorted(self.enrolled.items())}}
 
     @classmethod
     def parse(cls, body: Any, *, run: str, where: str) -> Roster:
         """Check a verified roster body for ``run``; raises :class:`SignatureError`."""
-        if not isinstance(body, dict) or body.get("format") != _ROSTER_FORMAT or body.get("run") != run:
+        fmt = body.get("format") if isinstance(body, dict) else None
+        if fmt not in (_ROSTER_FORMAT, _LEGACY_ROSTER_FORMAT) or body.get("run") != run:
             raise SignatureError(f"{where}: not a {_ROSTER_FORMAT} document for run {run!r}")
-        enrolled, banned = body.get("enrolled"), body.get("banned")
+        enrolled, banned = body.get("enrolled"), body.get("banned", {}) if fmt == _LEGACY_ROSTER_FORMAT else {}
         rev, t = body.get("revision"), body.get("time")
-        if not isinstance(enrolled, dict) or not isinstance(banned, dict) or len(enrolled) + len(banned) > 2 * _MAX_ROSTER:
-            raise SignatureError(f"{where}: enrolled and banned must be maps of at most {_MAX_ROSTER} keys")
+        if not isinstance(enrolled, dict) or not isinstance(banned, dict) or len(enrolled) > _MAX_ROSTER \
+                or len(banned) > _MAX_ROSTER:
+            raise SignatureError(f"{where}: enrolled (and banned) must be maps of at most {_MAX_ROSTER} keys")
         if isinstance(rev, bool) or not isinstance(rev, int) or rev < 0 or not _finite(t):
             raise SignatureError(f"{where}: bad revision or time")
         out_e, out_b = {}, {}
@@ -282,17 +346,15 @@ class Roster:
             if not ok:
                 raise SignatureError(f"{where}: malformed enrolled entry {kid[:20]!r}")
             out_e[kid] = entry
-        for kid, b in banned.items():
+        for kid, b in banned.items():  # stoa.workers/1: {worker_id, reason, time, version}
             try:
-                ban = Ban(**b)
-                ok = (_HEX16.fullmatch(kid) and isinstance(ban.worker_id, str) and isinstance(ban.reason, str)
-                      and _finite(ban.time) and isinstance(ban.version, int) and not isinstance(ban.version, bool))
+                ok = bool(_HEX16.fullmatch(kid)) and isinstance(b.get("reason"), str)
+                out_b[kid] = Ban.of(b.get("worker_id", ""), "legacy", b["reason"], b.get("time", 0.0), b.get("version", -1))
             except Exception:
                 ok = False
             if not ok:
                 raise SignatureError(f"{where}: malformed ban {kid[:20]!r}")
-            out_b[kid] = ban
-        return cls(run, out_e, out_b, rev, float(t))
+        return cls(run, out_e, rev, float(t), out_b)
 
     def with_entry(self, kid: str, entry: WorkerEntry) -> Roster:
         if kid not in self.enrolled and len(self.enrolled) >= _MAX_ROSTER:
@@ -300,13 +362,8 @@ class Roster:
         return replace(self, enrolled={**self.enrolled, kid: entry})
 
     def without(self, kids: set[str]) -> Roster:
-        """The roster less the enrolled entries of ``kids`` (their bans, if any, stay)."""
+        """The roster less the enrolled entries of ``kids``."""
         return replace(self, enrolled={k: e for k, e in self.enrolled.items() if k not in kids})
-
-    def with_ban(self, kid: str, ban: Ban) -> Roster:
-        if kid not in self.banned and len(self.banned) >= _MAX_ROSTER:
-            raise ValueError(f"the ban list is full ({_MAX_ROSTER} keys)")
-        return replace(self, banned={**self.banned, kid: ban})
 
 
 def _finite(x: Any) -> bool:
@@ -347,38 +404,139 @@ def update_roster(store: ObjectStore, run: str, private_key: Any, change: Callab
 
 def enroll_worker(store: ObjectStore, run: str, private_key: Any, worker_public_key: Any, worker_id: str,
                   note: str = "") -> Roster:
-    """Enroll a worker key under ``worker_id`` (what ``stoa enroll`` does).
+    """Enroll a worker key under ``worker_id`` (what ``stoa enroll`` does), and publish the key's
+    assignment salt (so its worker can compute its assigned work at once).
 
     Raises:
         ValueError: ``worker_id`` is already bound to another key, or the key is banned.
     """
     if not _WORKER_RE.fullmatch(worker_id):
         raise ValueError(f"worker id {worker_id!r} must be 1-64 characters of [A-Za-z0-9._-]")
+    key = load_private_key(private_key)
     pub = public_hex(worker_public_key)
     kid = key_id(load_public_key(bytes.fromhex(pub)))
+    run = run.strip("/")
+    ban = read_ban(store, run, kid, key.public_key())
 
     def change(r: Roster) -> Roster:
-        if kid in r.banned:
-            raise ValueError(f"key {kid} is banned ({r.banned[kid].reason[:120]})")
+        if ban is not None or kid in r.legacy_bans:
+            raise ValueError(f"key {kid} is banned ({(ban or r.legacy_bans[kid]).reason[:120]})")
         other = r.key_for(worker_id)
         if other is not None and other != kid:
             raise ValueError(f"worker id {worker_id!r} is already bound to key {other}")
         return r.with_entry(kid, WorkerEntry(pub, worker_id, time.time(), "enrolled", note[:_MAX_NOTE]))
 
-    return update_roster(store, run, private_key, change)
+    new = update_roster(store, run, key, change)
+    write_salt(store, run, kid, key)
+    return new
 
 
-def ban_worker(store: ObjectStore, run: str, private_key: Any, who: str, reason: str, version: int = -1) -> Roster:
-    """Ban a worker key, named by key id or by the worker id it is enrolled under (``stoa ban``).
+def ban_worker(store: ObjectStore, run: str, private_key: Any, who: str, reason: str, version: int = -1) -> Ban:
+    """Ban a worker key, named by key id or by the worker id it is enrolled under (``stoa ban``):
+    its ban document, then a new roster revision (which tells a live trainer to read the bans).
 
     Raises:
         KeyError: ``who`` names no enrolled key (a key id is banned even when not enrolled).
     """
-    def change(r: Roster) -> Roster:
-        kid = who if _HEX16.fullmatch(who) else r.key_for(who)
-        if kid is None:
-            raise KeyError(f"no key is enrolled as {who!r}; ban it by key id")
-        wid = r.enrolled[kid].worker_id if kid in r.enrolled else ""
-        return r.with_ban(kid, Ban(wid, reason[:_MAX_NOTE], time.time(), version))
+    key = load_private_key(private_key)
+    run = run.strip("/")
+    roster = read_roster(store, run, key.public_key())
+    kid = who if _HEX16.fullmatch(who) else roster.key_for(who)
+    if kid is None:
+        raise KeyError(f"no key is enrolled as {who!r}; ban it by key id")
+    wid = roster.enrolled[kid].worker_id if kid in roster.enrolled else ""
+    ban = Ban.of(wid, "by-hand", reason, time.time(), version)
+    write_ban(store, run, kid, ban, key)
+    update_roster(store, run, key, lambda r: r)
+    return ban
 
-    return update_roster(store, run, private_key, change)
+
+# ---------------------------------------------------------------------------------------------
+# Bans and assignment salts: one small signed document per key
+# ---------------------------------------------------------------------------------------------
+
+
+def write_ban(store: ObjectStore, run: str, kid: str, ban: Ban, private_key: Any) -> None:
+    """Put ``kid``'s ban document (``<run>/bans/<kid>.json``), signed with the run's key."""
+    if not _HEX16.fullmatch(kid) or not ban.ok():
+        raise ValueError(f"not a ban to write: key {kid[:20]!r}, {ban!r:.200}")
+    body = {"format": _BAN_FORMAT, "run": run.strip("/"), "key_id": kid, **vars(ban)}
+    store.put(validate_key(layout.ban(run.strip("/"), kid)), sign_document(_BAN_KIND, body, private_key))
+
+
+def _ban_of(body: dict[str, Any], where: str) -> Ban:
+    try:
+        ban = Ban(body["worker_id"], body["code"], body["detail"], body["time"], body["version"])
+    except (KeyError, TypeError):
+        raise SignatureError(f"{where}: not a {_BAN_FORMAT} document") from None
+    if body.get("format") != _BAN_FORMAT or not ban.ok():
+        raise SignatureError(f"{where}: malformed ban document")
+    return ban
+
+
+def read_ban(store: ObjectStore, run: str, kid: str, public_key: Any) -> Ban | None:
+    """``kid``'s ban, or None when it is not banned. Raises :class:`SignatureError` (a ban document
+    that does not verify) or ``StoreError``."""
+    if not _HEX16.fullmatch(kid):
+        return None
+    run = run.strip("/")
+    where = layout.ban(run, kid)
+    body = read_signed(store, validate_key(where), _BAN_KIND, public_key, expect={"run": run, "key_id": kid},
+                       max_bytes=16 << 10)
+    return None if body is None else _ban_of(body, where)
+
+
+def list_bans(store: ObjectStore, run: str, public_key: Any, known: Any = ()) -> tuple[dict[str, Ban], list[str]]:
+    """``(bans, problems)``: the ban documents in the store whose key id is not in ``known``, and
+    what did not verify (never raised: a planted object is reported and skipped)."""
+    run = run.strip("/")
+    prefix = layout.bans(run)
+    out: dict[str, Ban] = {}
+    problems: list[str] = []
+    for k in store.list(prefix):
+        kid = k[len(prefix):].removesuffix(".json")
+        if kid in known or not k.endswith(".json") or not _HEX16.fullmatch(kid):
+            continue
+        try:
+            ban = read_ban(store, run, kid, public_key)
+        except (SignatureError, StoreError) as e:
+            problems.append(str(e)[:300])
+            continue
+        if ban is not None:
+            out[kid] = ban
+    return out, problems
+
+
+def assignment_salt(private_key: Any, run: str, kid: str) -> str:
+    """The secret ``kid`` mixes into its assigned work (32 hex): a keyed hash of the key id under
+    the run's private key, so only the run's key can make it, and it is the same on every call."""
+    raw = load_private_key(private_key).private_bytes_raw()
+    mac_key = hashlib.sha256(b"stoa-assignment-salt-key\x1f" + raw).digest()
+    return hashlib.blake2b(f"stoa-assignment-salt\x1f{run.strip('/')}\x1f{kid}".encode(), key=mac_key,
+                           digest_size=16).hexdigest()
+
+
+def write_salt(store: ObjectStore, run: str, kid: str, private_key: Any) -> str:
+    """Publish ``kid``'s assignment salt (``<run>/salts/<kid>.json``); returns it."""
+    if not _HEX16.fullmatch(kid):
+        raise ValueError(f"not a key id: {kid[:20]!r}")
+    run = run.strip("/")
+    salt = assignment_salt(private_key, run, kid)
+    body = {"format": _SALT_FORMAT, "run": run, "key_id": kid, "salt": salt}
+    store.put(validate_key(layout.salt(run, kid)), sign_document(_SALT_KIND, body, private_key))
+    return salt
+
+
+def read_salt(store: ObjectStore, run: str, kid: str, public_key: Any) -> str | None:
+    """``kid``'s published assignment salt, or None while there is none. Raises
+    :class:`SignatureError` (a document that does not verify) or ``StoreError``."""
+    run = run.strip("/")
+    where = layout.salt(run, kid)
+    body = read_signed(store, validate_key(where), _SALT_KIND, public_key, expect={"run": run, "key_id": kid},
+                       max_bytes=16 << 10)
+    if body is None:
+        return None
+    salt = body.get("salt")
+    if body.get("format") != _SALT_FORMAT or not isinstance(salt, str) or not _HEX32.fullmatch(salt):
+        raise SignatureError(f"{where}: malformed assignment salt")
+    return salt

@@ -7,6 +7,8 @@
     <run>/current.json                                  signed pointer to the newest weights (stoa.transport.manifest)
     <run>/weights/<version:012d>/...                    manifest, anchor, delta of one version
     <run>/workers.json                                  signed roster (stoa.transport.identity)
+    <run>/bans/<key_id>.json                            signed: one banned worker key (stoa.transport.identity)
+    <run>/salts/<key_id>.json                           signed: one key's assignment salt (stoa.transport.identity)
     <run>/workers/<worker_id>.json                      heartbeats (stoa.fleet.run)
     <run>/rollouts/<worker_id>/s<seq>-v<version>.episodes   rollout batches (stoa.transport.exchange)
     <run>/quarantine/<worker_id>/<name>[.reason.json]   refused batches, and why
@@ -23,8 +25,8 @@ check nothing about the other parts, which their callers validate.
 from __future__ import annotations
 
 __all__ = [
-    "config", "eval_prefix", "evaluation", "finished", "heartbeat", "heartbeats", "misnamed", "model_file", "pointer",
-    "progress", "quarantine", "quarantined", "roster", "rollouts", "trust_report", "weights",
+    "ban", "bans", "config", "eval_prefix", "evaluation", "finished", "heartbeat", "heartbeats", "misnamed", "model_file",
+    "pointer", "progress", "quarantine", "quarantined", "roster", "rollouts", "salt", "trust_report", "weights",
 ]
 
 
@@ -47,6 +49,19 @@ def weights(run: str) -> str:
 
 def roster(run: str) -> str:
     return f"{run}/workers.json"
+
+
+def bans(run: str) -> str:
+    """The prefix of the ban documents."""
+    return f"{run}/bans/"
+
+
+def ban(run: str, key_id: str) -> str:
+    return f"{run}/bans/{key_id}.json"
+
+
+def salt(run: str, key_id: str) -> str:
+    return f"{run}/salts/{key_id}.json"
 
 
 def heartbeats(run: str) -> str:

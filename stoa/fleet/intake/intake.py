@@ -3,6 +3,15 @@
 Every refusal, the reader's included, goes through :meth:`Intake.reject`, which quarantines the
 object in the store (so a restart never retries it), counts it against its sender's key
 (strikes, bans), writes the ledger and emits an event row, together.
+
+**A key's versions only go forward.** A worker holding several versions' weights could make its
+assigned batch under each and upload the one it prefers. So each batch of a key must claim at
+least (a) every version its lower-numbered batches claimed, and (b) the trainer's version at the
+last listing of the store before any of those batches appeared in it, less ``rollout.lag``: when
+that batch was uploaded, that version was already published, and an honest worker syncs to the
+newest version before it starts its next batch. A batch below that floor was made under a version
+the worker no longer had to use; it is dropped unread (``behind``), like a stale one, and both
+count as withheld numbers, never as delivered work.
 """
 
 from __future__ import annotations
@@ -19,7 +28,10 @@ import numpy as np
 from stoa.fleet.intake.copies import Copies
 from stoa.fleet.intake.pool import Pool, Taken
 from stoa.fleet.trust import FloatScorer, Ledger, TrustGate, batch_problem, scoped
-from stoa.fleet.trust.assign import Assignment, assignment, assignment_problem
+from stoa.fleet.trust.assign import Assignment, assignment, assignment_problem, is_probation
+from stoa.fleet.trust.records import public_reason
+from stoa.transport import layout
+from stoa.transport.identity import assignment_salt
 from stoa.transport.exchange import Batch, Rejection, RolloutReader, write_progress
 from stoa.transport.sequence import write_floors
 from stoa.transport.store import StoreError
@@ -45,10 +57,31 @@ class IntakeCounters:
     dropped_stale_groups: int = 0
     dropped_reused_groups: int = 0
     dropped_malformed_groups: int = 0
+    dropped_behind_groups: int = 0
+    """Groups of batches below their key's version floor (see the module docstring)."""
+    probation_batches: int = 0
+    """Accepted batches of probation work (checked, never trained: :mod:`stoa.fleet.trust.assign`)."""
     future_version_batches: int = 0
     rejected_batches: int = 0
     """Decoded batches refused (the reader's refusals of undecodable objects are counted in its
     ``quarantined``)."""
+
+
+class _Listed:
+    """The store as the reader sees it; each listing of the rollouts tells the intake which objects
+    appeared since the previous one (:meth:`Intake._listed`)."""
+
+    def __init__(self, store: ObjectStore, prefix: str, on_list: Callable[[list[str]], None]):
+        self._store, self._prefix, self._on_list = store, prefix, on_list
+
+    def list(self, prefix: str = "", start_after: str | None = None) -> list[str]:
+        keys = self._store.list(prefix, start_after)
+        if prefix == self._prefix and start_after is None:
+            self._on_list(keys)
+        return keys
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
 
 
 class Intake:
@@ -83,7 +116,12 @@ class Intake:
         self.gate = TrustGate(cfg.trust, store, cfg.name, private_key, ledger=ledger, replayer=replayer,
                               float_scorer=float_scorer, int8=int8, assign=self.assigned, roster_copy=roster_copy)
         self.gate.refresh(force=True)
-        self.reader = RolloutReader(store, cfg.name, vocab_size=vocab_size, screen=self._screen, hand_back=True)
+        self.listed: dict[str, int] = {}  # object key -> the trainer's version at the listing before it appeared
+        self._list_version = -1  # the trainer's version at the last listing (-1: none yet)
+        self._version = 0
+        self._salts: dict[str, str] = {}
+        listed = _Listed(store, layout.rollouts(cfg.name), self._listed)
+        self.reader = RolloutReader(listed, cfg.name, vocab_size=vocab_size, screen=self._screen, hand_back=True)
         self.copies = Copies(cfg.trust.max_hashes)
         self.pool = Pool()
         self.waiting: list[Batch] = []  # newcomers' batches past this poll's quota (trust.newcomers_per_poll)
@@ -145,7 +183,7 @@ class Intake:
             kid, worker, episodes = item.key_id or "", item.worker_id or "", 0
         else:
             kid, worker, episodes = item.key_id, item.worker_id, len(item.episodes)
-        if not self.reader.quarantine(item, reason):
+        if not self.reader.quarantine(item, public_reason(category, reason)):  # the store's copy is public
             return  # it stays in the store; the next poll meets it again
         if isinstance(item, Batch):
             self.counters.rejected_batches += 1
@@ -156,9 +194,18 @@ class Intake:
         log.warning("quarantined %s: %s", item.key, reason)
 
     def assigned(self, batch: Batch) -> Assignment:
-        """The work ``batch`` owes: its sealing key's assignment for its sequence number."""
+        """The work ``batch`` owes: its sealing key's assignment for its sequence number, salted
+        with the key's secret salt, or its probation work when it presents itself as such
+        (:mod:`stoa.fleet.trust.assign`)."""
         rc = self.cfg.rollout
-        return assignment(self.cfg.seed, batch.key_id, batch.seq, self.n_items, rc.groups_per_cohort)
+        salt = None
+        if not is_probation(batch.episodes, batch.key_id, batch.seq):
+            salt = self._salts.get(batch.key_id)
+            if salt is None:
+                if len(self._salts) > 16384:
+                    self._salts.clear()
+                salt = self._salts[batch.key_id] = assignment_salt(self.key, self.cfg.name, batch.key_id)
+        return assignment(self.cfg.seed, batch.key_id, batch.seq, self.n_items, rc.groups_per_cohort, salt)
 
     def calibrate(self, episodes: list[Episode]) -> float | None:
         """Set the audit's int8-versus-float floor from the trainer's own int8 ``episodes`` (scored
@@ -178,6 +225,7 @@ class Intake:
 
     def _poll(self, version: int) -> None:
         self.gate.refresh()
+        self._version = version
         batches = self.reader.poll()
         for refused in self.reader.last_report.rejected:
             self.reject(refused)
@@ -186,11 +234,14 @@ class Intake:
         for batch, why in copies:
             self.reject(batch, why, "duplicate")
         self._write_progress(bool(batches))
-        admitted = [b for b in batches if self._bounded(b, version)]
-        admitted = self._newcomers(admitted, version)
+        kept = {b.key for b in sorted(batches, key=lambda b: (b.key_id, b.seq)) if self._bounded(b, version)}
+        admitted = self._newcomers([b for b in batches if b.key in kept], version)
         for batch, verdict in zip(admitted, self.gate.review(admitted, version)):
             if verdict is not None:
                 self.reject(batch, verdict.reason, verdict.category)
+            elif self.assigned(batch).probation:  # checked and credited, never trained on
+                self.counters.probation_batches += 1
+                self.ledger.write(probation=batch.key)
             else:
                 self.pool.add(batch)
         for kid, worker, reason in self.gate.take_new_bans():  # a banned key's queued batches are never trained on
@@ -198,6 +249,16 @@ class Intake:
             for batch in self.pool.of_key(kid):
                 self.pool.remove(batch.key)
                 self.reject(batch, f"worker key {kid} was banned: {reason[:300]}", "banned")
+
+    def _listed(self, keys: list[str]) -> None:
+        """A listing of the rollouts (at the trainer's version :attr:`_version`): every object new
+        since the previous listing was uploaded after it, when the version of that listing was
+        already published (the floor of its key's later batches, :meth:`_floor`)."""
+        present = set(keys)
+        self.listed = {k: v for k, v in self.listed.items() if k in present}
+        for k in keys:
+            self.listed.setdefault(k, self._list_version)
+        self._list_version = self._version
 
     def _write_progress(self, fresh: bool) -> None:
         """What was taken, per worker (signed): workers throttle on it (rollout.max_outstanding) and
@@ -211,17 +272,23 @@ class Intake:
                 log.warning("could not write the progress document (%s); will retry", e)
 
     def _bounded(self, batch: Batch, version: int) -> bool:
-        """Whether ``batch`` keeps to the run's own bounds (version, staleness, sampling settings,
-        rewards, metrics, task, assigned work); a batch that does not is refused or dropped here."""
+        """Whether ``batch`` keeps to the run's own bounds (version, staleness, its key's version
+        floor, sampling settings, rewards, metrics, task, assigned work); a batch that does not is
+        refused or dropped here. Only a batch that passes the version checks counts as delivered
+        for withholding: a stale, future or behind one leaves its number a gap."""
         cfg = self.cfg
-        self.gate.saw(batch.key_id, batch.worker_id, batch.seq)  # every number that came counts, whatever its fate
         if batch.version > version:  # not a strike: a tampered store can show a label the trainer never reached
             self.reject(batch, f"policy version {batch.version} is newer than the trainer's "
                                f"{version}: not produced by this run's weights", "future")
             self.counters.future_version_batches += 1
             return False
+        floor = self._floor(batch)
         if self._stale(batch, version):  # never trained: dropped before any check
             return False
+        if batch.version < floor:
+            self._drop(batch, "behind", f"version {batch.version} is below {floor}, which its key held already")
+            return False
+        self.gate.saw(batch.key_id, batch.worker_id, batch.seq)  # a number delivered in time, whatever its fate
         category: Category = "invalid"
         try:
             why = batch_problem(batch.episodes, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
@@ -236,6 +303,34 @@ class Intake:
             self.reject(batch, why if category == "invalid" else f"not the assigned work: {why}", category)
             return False
         return True
+
+    def _floor(self, batch: Batch) -> int:
+        """The lowest version ``batch`` may claim (see the module docstring), after noting what
+        ``batch`` itself says of its key's later batches; a pooled later batch of the key below
+        the new floor (read first, under a poll's caps) is dropped now."""
+        if not batch.key_id:
+            return -1
+        rec = self.gate.records.touch(batch.key_id, batch.worker_id)
+        floor = max([v for s, v in rec.floors if s < batch.seq], default=-1)
+        listed = self.listed.pop(batch.key, -1)
+        mine = max(batch.version, listed - self.cfg.rollout.lag if listed >= 0 else -1)
+        rec.floors = sorted([[s, v] for s, v in rec.floors if s != batch.seq] + [[batch.seq, mine]])
+        while len(rec.floors) > 8:  # the lowest folds into the next: a bound that is weaker, never wrong
+            (_, v0), nxt = rec.floors.pop(0), rec.floors[0]
+            nxt[1] = max(nxt[1], v0)
+        for later in self.pool.of_key(batch.key_id):
+            if later.seq > batch.seq and later.version < mine:
+                self.pool.remove(later.key)
+                self.gate.records[batch.key_id].batches_seen -= 1  # it was counted as delivered: now a gap
+                self._drop(later, "behind", f"version {later.version} is below {mine}, which its key held already")
+        return floor
+
+    def _drop(self, batch: Batch, why: str, detail: str) -> None:
+        """Drop ``batch`` without a strike (its groups counted and in the ledger under ``why``)."""
+        groups = sorted({scoped(batch.key_id, e.group_id) for e in batch.episodes})
+        self.counters.dropped_behind_groups += len(groups)
+        self.ledger.write(dropped={why: groups}, batch=batch.key, reason=detail)
+        log.info("dropped %s (%s): %s", batch.key, why, detail)
 
     def _newcomers(self, batches: list[Batch], version: int) -> list[Batch]:
         """``batches`` and the waiting ones, less the newcomers' batches past this poll's quota
@@ -265,6 +360,7 @@ class Intake:
         """``dropped/...`` and ``trust/...`` figures for the trainer's rows (cumulative)."""
         c = self.counters
         return {"dropped/stale_groups": c.dropped_stale_groups, "dropped/reused_groups": c.dropped_reused_groups,
+                "dropped/behind_groups": c.dropped_behind_groups, "trust/probation_batches": c.probation_batches,
                 "dropped/quarantined_batches": self.reader.quarantined, "dropped/rejected_batches": c.rejected_batches,
                 **self.gate.metrics()}
 

@@ -44,7 +44,7 @@ def batch_problem(episodes: Sequence[Episode], *, temperature: float, top_p: flo
     lo, hi = reward_range
     types = {**metric_types, **ENGINE_METRIC_TYPES}
     for i, ep in enumerate(episodes):
-        where = f"episode {i} (group {ep.group_id[:64]!r})"
+        where = f"episode {i} (group {_quoted(ep.group_id)})"
         if ep.temperature != temperature or ep.top_p != top_p:
             return (f"{where}: sampled at temperature {ep.temperature}, top_p {ep.top_p}; "
                     f"the run samples at {temperature}, {top_p}")
@@ -57,10 +57,16 @@ def batch_problem(episodes: Sequence[Episode], *, temperature: float, top_p: flo
         if why:
             return f"{where}: {why}"
         if env_id and ep.env_id != env_id:
-            return f"{where}: env_id {ep.env_id[:80]!r} is not the run's task {env_id!r}"
+            return f"{where}: env_id {_quoted(ep.env_id)} is not the run's task {env_id!r}"
         if not 0 <= ep.sample_index < group_size:
             return f"{where}: sample_index {ep.sample_index} is outside the group of {group_size}"
     return None
+
+
+def _quoted(text: str, limit: int = 24) -> str:
+    """A worker-written string in a reason: ``repr`` of at most ``limit`` characters (a reason is
+    kept per rejection and published bounded; it must not carry a stranger's long strings)."""
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
 
 
 def episode_metric_means(episodes: Sequence[Episode], metric_types: dict[str, Any], prefix: str) -> dict[str, float]:

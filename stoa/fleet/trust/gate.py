@@ -13,8 +13,8 @@ lives in three modules, each owning one kind:
   :class:`~stoa.fleet.trust.review.Verdict` and changing nothing else.
 
 The gate applies verdicts: a confirmed forgery bans its key, ``ban_after`` strikes ban it too;
-the ban goes into the signed roster and the ledger (:mod:`stoa.fleet.trust.ledger`), and the
-intake drops the key's queued batches. Groups are scoped to the key that sealed them
+the ban goes into the key's signed ban document, the trainer's ban log and the ledger
+(:mod:`stoa.fleet.trust.ledger`), and the intake drops the key's queued batches. Groups are scoped to the key that sealed them
 (:func:`scoped`), and :meth:`TrustGate.max_groups` caps one key's share of a step. The gate's
 state (records, audit statistics) is plain JSON for the trainer's checkpoint; the roster itself
 lives in the store.
@@ -22,6 +22,7 @@ lives in the store.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -34,7 +35,7 @@ import numpy as np
 
 from stoa.fleet.trust.audit import AuditConfig
 from stoa.fleet.trust.planted import count_planted
-from stoa.fleet.trust.records import REPORT_KIND, Records, TrustReport, build_report
+from stoa.fleet.trust.records import REPORT_KIND, Records, TrustReport, build_report, public_reason
 from stoa.fleet.trust.review import FloatScorer, Int8Scorer, Review, Verdict
 from stoa.fleet.trust.roster import Membership
 from stoa.transport import layout
@@ -143,12 +144,14 @@ class TrustGate:
                  assign: Callable[[Batch], Assignment] | None = None, roster_copy: Path | None = None,
                  seed: int | None = None):
         self.cfg, self.store, self.run, self.key, self.ledger = cfg, store, run, private_key, ledger
+        self.assign = assign
         self.rng = np.random.default_rng(seed)  # None: fresh OS entropy
         self.records = Records(cfg.ban_after)
         self.members = Membership(cfg, store, run, private_key, self.records, self.rng, roster_copy)
         self.checks = Review(cfg.audit, cfg.replay, replayer=replayer, float_scorer=float_scorer, int8=int8,
                              assign=assign, rng=self.rng)
         self.version = 0
+        self.private = roster_copy  # the trainer's own folder: the operator's copy of the report goes there
         self._report_written = 0.0
         self._new_bans: list[str] = []
 
@@ -190,27 +193,31 @@ class TrustGate:
     def reject(self, kid: str, worker_id: str, category: Category, reason: str, episodes: int = 0) -> None:
         """Count a rejected batch against its sender; ban it after ``ban_after`` strikes."""
         if self.records.reject(kid, worker_id, category, reason, episodes):
-            self.ban(kid, f"{self.records[kid].strikes} rejected batches; last: {reason[:200]}")
+            self.ban(kid, f"{self.records[kid].strikes} rejected batches; last: {public_reason(category, reason)}",
+                     code="strikes")
 
     def planted(self, refused: Sequence[Rejection]) -> None:
         """Numbers held by objects the reader refused under a worker id, sealed by another key (or
         none), are not that worker's gaps (:func:`stoa.fleet.trust.planted.count_planted`)."""
         count_planted(self.records, refused)
 
-    def ban(self, kid: str, reason: str, version: int = -1) -> None:
-        """Ban a key: the records refuse it at once; the signed roster tells the worker. Never raises."""
+    def ban(self, kid: str, reason: str, version: int = -1, *, code: str = "banned") -> None:
+        """Ban a key: the records refuse it at once; its ban document tells the worker, the
+        trainer's ban log keeps it across restarts. ``code`` says why in one word, ``reason``
+        becomes the ban's bounded public detail (:class:`~stoa.transport.identity.Ban`). One
+        small write per ban, whatever the number of bans. Never raises."""
         rec = self.records.get(kid) or self.records.touch(kid, "")
-        if rec.banned:
+        if rec.banned or kid in self.members.bans:  # (a record forgotten since, made again: the ban stands)
+            rec.banned = rec.banned or self.members.bans[kid]
             return
-        rec.banned = reason[:500]
-        self.members.ban(kid, Ban(rec.worker_id, reason[:256], time.time(), version if version >= 0 else self.version))
+        ban = Ban.of(rec.worker_id, code, reason, time.time(), version if version >= 0 else self.version)
+        rec.banned = ban.reason
+        self.members.ban(kid, ban)
         self._new_bans.append(kid)
         self.checks.audit.forget(kid)
         if self.ledger is not None:
             self.ledger.write(banned=kid, worker=rec.worker_id, reason=reason[:500])
-        log.warning("banned worker %s (key %s): %s", rec.worker_id, kid, reason)
-        self.refresh(force=True)
-        self.write_report(force=True)
+        log.warning("banned worker %s (key %s): %s", rec.worker_id, kid, ban.reason)
 
     def take_new_bans(self) -> list[tuple[str, str, str]]:
         """``(key id, worker id, reason)`` of each key banned since the last call (the intake
@@ -238,7 +245,7 @@ class TrustGate:
         """For each batch, the :class:`Verdict` that rejects it, or None to admit it. The checks
         are the review's (:mod:`stoa.fleet.trust.review`); the gate applies what they find (a
         confirmed forgery bans its key) and binds an accepted batch's unbound key to its worker
-        id (open runs, :meth:`Membership.bind`)."""
+        id (open runs, :meth:`Membership.bind`), which also publishes its assignment salt."""
         self.version = trainer_version
         verdicts: list[Verdict | None] = [None] * len(batches)
         for i, b in enumerate(batches):
@@ -254,13 +261,15 @@ class TrustGate:
                 rec.spot_checks += spot_checked
                 if verdict is not None and verdict.ban:
                     rec.spot_check_failures += 1
-                    self.ban(b.key_id, verdict.reason)
+                    self.ban(b.key_id, public_reason(verdict.category, verdict.reason), code=verdict.category)
                 verdicts[i] = verdict
         for i, b in enumerate(batches):
             if verdicts[i] is None and b.key_id and (why := self.members.bind(b)):
                 verdicts[i] = Verdict("refused", why)
             if verdicts[i] is None:
-                self.records.accept(b.key_id, b.worker_id, len(b.episodes))
+                probation = bool(b.key_id) and self.assign is not None and self.assign(b).probation
+                self.records.accept(b.key_id, b.worker_id, len(b.episodes), probation)
+                self.members.publish_salt(b.key_id)  # the key has standing: its worker may now compute its work
         for k in self.records.forget_strangers(set(self.roster.enrolled)):
             self.checks.audit.forget(k)
         return verdicts
@@ -272,14 +281,18 @@ class TrustGate:
     # -- reports ----------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         """``trust/...`` metrics for the trainer's train rows (cumulative counts and seconds)."""
-        return {**self.records.metrics(self.cfg.audit.worker_mads), **self.checks.metrics()}
+        banned = {"trust/banned_workers": float(len(self.members.bans))}  # records of banned keys may be forgotten
+        return {**self.records.metrics(self.cfg.audit.worker_mads), **banned, **self.checks.metrics()}
 
-    def report(self, version: int) -> TrustReport:
+    def report(self, version: int, operator: bool = False) -> TrustReport:
+        """The per-key report: the public one (the store's ``trust.json``: nothing that decides
+        whether a batch is checked), or with ``operator`` the whole one (audit means, floor)."""
         return build_report(self.run, version, self.cfg.mode, self.checks.audit.floor, self.records,
-                            self.withholding(), self.checks.audit)
+                            self.withholding(), self.checks.audit, len(self.members.bans), operator)
 
     def write_report(self, version: int = -1, force: bool = False) -> None:
-        """Put the signed per-worker report at ``<run>/trust.json`` (at most every 2 s unless forced)."""
+        """Put the signed public report at ``<run>/trust.json``, and the operator's copy in the
+        trainer's own folder (``roster_copy``/``trust.json``), at most every 2 s unless forced."""
         now = time.time()
         if not force and now - self._report_written < _REPORT_EVERY_S:
             return
@@ -290,6 +303,14 @@ class TrustGate:
                            sign_document(REPORT_KIND, self.report(self.version).to_body(), self.key))
         except StoreError as e:
             log.warning("could not write the trust report: %s", e)
+        if self.private is not None:
+            try:
+                self.private.mkdir(parents=True, exist_ok=True)
+                tmp = self.private / ".trust.json.tmp"
+                tmp.write_text(json.dumps(self.report(self.version, operator=True).to_body(), allow_nan=False))
+                tmp.replace(self.private / "trust.json")
+            except (OSError, ValueError) as e:
+                log.warning("could not write the operator's trust report: %s", e)
 
     # -- state ------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:

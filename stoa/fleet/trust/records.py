@@ -6,11 +6,17 @@ and per-worker counts of refusals whose sender is unknown. A key is due a ban af
 ``trust.ban_after`` strikes (:data:`STRIKE_CATEGORIES`). :class:`TrustReport` is
 ``<run>/trust.json``: written by the trainer, and read through :func:`read_trust_report` by the
 worker, ``stoa status`` and the launcher's summary.
+
+What the store's report says is public (any worker reads it), so it publishes nothing that decides
+whether a batch is checked: no audit floor, no per-worker log-prob means (only how many tokens
+were audited), and reasons without the audit's suspicion figures (:func:`public_reason`). The
+trainer writes the whole report, means and floor included, to its own run folder only.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -18,12 +24,13 @@ from typing import Any
 import numpy as np
 
 from stoa.transport import layout
+from stoa.transport.identity import printable
 from stoa.transport.signing import read_signed
 from stoa.transport.store import ObjectStore
 from stoa.types import Category
 
 __all__ = ["STRIKE_CATEGORIES", "REPORT_KIND", "Records", "TrustReport", "WorkerRecord", "WorkerReport",
-           "read_trust_report"]
+           "public_reason", "read_trust_report"]
 
 STRIKE_CATEGORIES: frozenset[Category] = frozenset({"replay", "duplicate", "invalid", "audit", "sampling",
                                                     "assignment"})
@@ -33,8 +40,22 @@ REPORT_KIND = "trust-report"
 MAX_RECORDS = 8192
 """Records beyond this: those of keys with no accepted batch and no ban, seen longest ago, are
 forgotten (a throwaway key's record is a few hundred bytes; a flood of them must stay bounded)."""
-_MAX_REPORT_WORKERS = 2048
+_MAX_REPORT_WORKERS = 1024
+"""Keys in the report (those seen most recently): with every string bounded, it stays under 1 MiB."""
 _RIPE_SEQS = 8  # sequence numbers a key shows before its withholding rate is judged
+_MAX_REASON = 240
+_MAX_ANONYMOUS = 4096  # worker ids with refusals of unknown sender counted apart; the rest count under "?"
+
+
+def public_reason(category: str, reason: str) -> str:
+    """What may be published of a refusal's ``reason`` (in the store's report, quarantine and ban
+    documents): at most 240 printable ASCII characters, and for a spot-check or sampling verdict
+    only the evidence, not the audit's suspicion that chose the batch (its figures would tell a
+    forger how far below the fleet's range to stay)."""
+    if category in ("audit", "sampling") and reason.startswith("log-prob audit:"):
+        _, sep, evidence = reason.partition("; spot-check: ")
+        reason = f"spot-check: {evidence}" if sep else f"{category} check failed"
+    return printable(reason, _MAX_REASON)
 
 
 @dataclass
@@ -53,9 +74,12 @@ class WorkerRecord:
     """Rejections that count toward a ban (:data:`STRIKE_CATEGORIES`)."""
     spot_checks: int = 0
     spot_check_failures: int = 0
+    probation_batches: int = 0
+    """Accepted batches of probation work (played before the key had its assignment salt; never trained)."""
     last_reason: str = ""
+    """The last rejection's :func:`public_reason`."""
     banned: str = ""
-    """Why the key is banned ("" if it is not)."""
+    """Why the key is banned (``code: detail``; "" if it is not)."""
     last_seen: float = 0.0
     last_accepted: float = 0.0
     """When its last batch was accepted (0: never)."""
@@ -65,6 +89,9 @@ class WorkerRecord:
     """Its highest sequence number read."""
     taken_by_others: int = 0
     """Its worker id's numbers held by objects it did not seal (planted by others; not its gaps)."""
+    floors: list[list[int]] = field(default_factory=list)
+    """``[seq, version]`` of its most recent batches: each says its later-numbered batches held at
+    least that version (:class:`stoa.fleet.intake.Intake`'s version floor). Not reported."""
 
     @property
     def withheld(self) -> int:
@@ -97,22 +124,24 @@ class Records(dict[str, WorkerRecord]):
     def reject(self, kid: str, worker_id: str, category: Category, reason: str, episodes: int = 0) -> bool:
         """Count a rejected batch against its sender; returns whether the key is now due a ban."""
         if not kid:
-            per = self.anonymous.setdefault(worker_id or "?", {})
+            wid = worker_id if worker_id in self.anonymous or len(self.anonymous) < _MAX_ANONYMOUS else "?"
+            per = self.anonymous.setdefault(wid or "?", {})
             per[category] = per.get(category, 0) + 1
             return False
         rec = self.touch(kid, worker_id)
         rec.rejected_batches += 1
         rec.rejected_episodes += episodes
         rec.rejected[category] = rec.rejected.get(category, 0) + 1
-        rec.last_reason = reason[:300]
+        rec.last_reason = public_reason(category, reason)
         if category in STRIKE_CATEGORIES:
             rec.strikes += 1
             return bool(self.ban_after) and rec.strikes >= self.ban_after and not rec.banned
         return False
 
-    def accept(self, kid: str, worker_id: str, episodes: int) -> None:
+    def accept(self, kid: str, worker_id: str, episodes: int, probation: bool = False) -> None:
         rec = self.touch(kid, worker_id)
         rec.accepted_batches += 1
+        rec.probation_batches += probation
         rec.accepted_episodes += episodes
         rec.last_accepted = time.time()
 
@@ -141,14 +170,17 @@ class Records(dict[str, WorkerRecord]):
         return {k: (v, self[k].max_seq >= _RIPE_SEQS - 1 and v > limit) for k, v in rates.items()}
 
     def forget_strangers(self, keep: set[str]) -> list[str]:
-        """Keep at most :data:`MAX_RECORDS` records: forget keys that never had a batch accepted,
-        are not banned and not in ``keep``, seen longest ago first; returns the keys forgotten."""
+        """Keep at most :data:`MAX_RECORDS` records: forget keys not in ``keep`` that never had a
+        batch accepted (seen longest ago first), then banned ones (their bans are kept apart, in
+        the roster's ban documents and the trainer's ban log); returns the keys forgotten. A
+        record is a few hundred bytes in every checkpoint: neither throwaway keys nor bans may
+        grow it without bound."""
         limit = MAX_RECORDS
         if len(self) <= limit:
             return []
-        idle = sorted((r.last_seen, k) for k, r in self.items()
-                      if not r.accepted_batches and not r.banned and k not in keep)
-        gone = [k for _, k in idle[: len(self) - limit]]
+        idle = sorted((bool(r.banned), r.last_seen, k) for k, r in self.items()
+                      if k not in keep and (r.banned or not r.accepted_batches))
+        gone = [k for _, _, k in idle[: len(self) - limit]]
         for k in gone:
             del self[k]
         return gone
@@ -177,6 +209,8 @@ class Records(dict[str, WorkerRecord]):
     def restore(self, state: dict[str, Any]) -> None:
         self.clear()
         self.update({k: WorkerRecord(**r) for k, r in state.get("records", {}).items()})
+        for r in self.values():  # checkpoints from before reasons were bounded
+            r.last_reason, r.banned = printable(r.last_reason, _MAX_REASON), printable(r.banned, 2 * _MAX_REASON)
         self.anonymous = {w: dict(d) for w, d in state.get("anonymous", {}).items()}
 
 
@@ -198,6 +232,7 @@ class WorkerReport:
     strikes: int = 0
     spot_checks: int = 0
     spot_check_failures: int = 0
+    probation_batches: int = 0
     last_reason: str = ""
     banned: str = ""
     last_seen: float = 0.0
@@ -209,11 +244,14 @@ class WorkerReport:
     withheld_rate: float = 0.0
     withholding_flagged: bool = False
     audit: dict[str, float] = field(default_factory=dict)
+    """Per staleness bucket, tokens audited (``tokens_s<b>``); the operator's copy adds the mean
+    |log pi - log mu| (``abs_s<b>``) and implausible tokens."""
 
 
 def _fits(v: Any, default: Any) -> bool:
-    """Whether ``v`` has the type of ``default`` (None: a number or None; float admits int, never bool)."""
-    number = isinstance(v, (int, float)) and not isinstance(v, bool)
+    """Whether ``v`` has the type of ``default`` (None: a number or None; float admits int, never bool;
+    a number must be finite)."""
+    number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     if default is None:
         return v is None or number
     if type(default) is float:
@@ -251,11 +289,17 @@ class TrustReport:
     time: float = 0.0
     mode: str = ""
     floor: float | None = None
-    """The audit's int8-versus-float floor (None until calibrated)."""
+    """The audit's int8-versus-float floor (the operator's copy only; None in the store's)."""
     workers: dict[str, WorkerReport] = field(default_factory=dict)
-    """Key id -> its record."""
+    """Key id -> its record (the keys seen most recently, at most 1,024)."""
     anonymous: dict[str, dict[str, int]] = field(default_factory=dict)
     """Worker id -> rejections by category, for objects whose sender key is unknown."""
+    keys: int = 0
+    """Keys the trainer holds a record of (the report lists at most 1,024 of them)."""
+    banned_keys: int = 0
+    """Keys banned in this run (each has a ban document, ``<run>/bans/<key id>.json``)."""
+    operator: bool = False
+    """True in the operator's copy (the trainer's run folder): audit means and floor included."""
 
     @classmethod
     def parse(cls, body: Any) -> TrustReport:
@@ -266,6 +310,9 @@ class TrustReport:
             one = _typed(WorkerReport, w, f"trust report worker {str(kid)[:20]!r}")
             if "rejected" in one:
                 one["rejected"] = _counts(one["rejected"], "rejected")
+            if "audit" in one and not all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                                          and math.isfinite(v) for k, v in one["audit"].items()):
+                raise ValueError("audit is not a map of finite numbers")
             workers[str(kid)] = WorkerReport(**one)
         anonymous = {str(w): _counts(d, "anonymous") for w, d in (top.pop("anonymous", None) or {}).items()}
         return cls(**top, workers=workers, anonymous=anonymous)
@@ -275,16 +322,23 @@ class TrustReport:
 
 
 def build_report(run: str, version: int, mode: str, floor: float | None, records: Records,
-                 withholding: dict[str, tuple[float, bool]], audit: Any) -> TrustReport:
-    """The report of ``records`` (the keys seen most recently, at most 2,048)."""
+                 withholding: dict[str, tuple[float, bool]], audit: Any, banned_keys: int = 0,
+                 operator: bool = False) -> TrustReport:
+    """The report of ``records`` (the keys seen most recently, at most 1,024). Without
+    ``operator`` it is the public one: no floor, audit token counts only (see the module docstring)."""
     recs = sorted(records.items(), key=lambda kv: -kv[1].last_seen)[:_MAX_REPORT_WORKERS]
     workers = {}
     for kid, r in sorted(recs):
         rate, flagged = withholding.get(kid, (0.0, False))
-        workers[kid] = WorkerReport(**asdict(r), withheld=r.withheld, withheld_rate=round(rate, 4),
-                                    withholding_flagged=flagged, audit=audit.summary(kid))
-    return TrustReport(run, version, time.time(), mode, floor, workers,
-                       {w: d for w, d in list(records.anonymous.items())[:_MAX_REPORT_WORKERS]})
+        summary = audit.summary(kid)
+        if not operator:
+            summary = {k: v for k, v in summary.items() if k.startswith("tokens_")}
+        fields_ = {k: v for k, v in asdict(r).items() if k != "floors"}
+        workers[kid] = WorkerReport(**fields_, withheld=r.withheld, withheld_rate=round(rate, 4),
+                                    withholding_flagged=flagged, audit=summary)
+    anonymous = {printable(w, 64): d for w, d in list(records.anonymous.items())[:256]}
+    return TrustReport(run, version, time.time(), mode, floor if operator else None, workers, anonymous,
+                       len(records), banned_keys, operator)
 
 
 def read_trust_report(store: ObjectStore, run: str, public_key: Any = None, *,

@@ -1,4 +1,5 @@
-"""Who may upload: the trainer's side of the signed roster (``stoa.transport.identity``).
+"""Who may upload: the trainer's side of the signed roster, the bans and the assignment salts
+(``stoa.transport.identity``).
 
 ``[trust] mode = "enrolled"``: only enrolled keys; ``"open"``: any key, bound to its worker id
 by its first *accepted* batch (a refused or junk batch binds nothing, so nobody takes an id
@@ -6,12 +7,20 @@ without doing the work). Banned keys and impersonations are refused. Keys withou
 ("newcomers") are reviewed at most ``newcomers_per_poll`` batches a poll, and when the roster is
 full a binding idle for ``idle_expiry_hours`` makes room, so a flood of throwaway keys neither
 fills the roster nor eats the trainer's time. Revisions never go back: a kept copy beside the
-trainer means a stale ``workers.json`` put back while it is down undoes no ban or binding.
+trainer means a stale ``workers.json`` put back while it is down undoes no binding.
+
+Bans are not in the roster: each is one small signed document (``<run>/bans/<key id>.json``,
+written once), and the trainer appends each to ``bans.jsonl`` in its own folder, which it reads
+back on every start, so no restart (from any checkpoint) forgets a ban and no number of bans
+makes the roster unreadable. A key gets its assignment salt (``<run>/salts/<key id>.json``) once
+it has standing: enrolled, or with accepted work (:mod:`stoa.fleet.trust.assign`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +28,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from stoa.transport.identity import Ban, BatchSeal, Roster, WorkerEntry, read_roster, write_roster
+from stoa.transport.identity import (
+    Ban,
+    BatchSeal,
+    Roster,
+    WorkerEntry,
+    list_bans,
+    read_roster,
+    write_ban,
+    write_roster,
+    write_salt,
+)
 from stoa.transport.signing import SignatureError
 from stoa.transport.store import LocalStore, ObjectStore, StoreError
 
@@ -33,17 +52,20 @@ __all__ = ["Membership"]
 log = logging.getLogger("stoa.trust")
 
 _ROSTER_REFRESH_S = 2.0
+_KEY_ID = re.compile(r"[0-9a-f]{16}")
+_BANS_REREAD_S = 60.0  # the store's ban documents are listed again at least this often (bans by hand)
 
 
 class Membership:
-    """The roster as the trainer keeps it (see the module docstring).
+    """The roster, the bans and the salts as the trainer keeps them (see the module docstring).
 
     Args:
         cfg: ``[trust]``.
         store, run, private_key: where the roster lives, and the run's signing key.
         records: the gate's records (standing, idleness, bans by hand).
         rng: draws whose newcomers are reviewed each poll.
-        roster_copy: a local folder keeping the newest roster seen (None: none kept).
+        roster_copy: a local folder of the trainer's own (its run folder's ``roster/``) keeping the
+            newest roster seen and every ban (``bans.jsonl``); None: none kept.
     """
 
     def __init__(self, cfg: TrustConfig, store: ObjectStore, run: str, private_key: Any, records: Records,
@@ -56,29 +78,108 @@ class Membership:
                 self.roster = read_roster(self.copy, run, private_key.public_key())
             except (SignatureError, StoreError) as e:
                 log.warning("ignoring the kept copy of the roster: %s", e)
-        self.read_at = 0.0
+        self.bans: dict[str, str] = {}
+        """Key id -> why it is banned (``code: detail``): every ban made, logged or read; never dropped."""
+        self.unwritten: dict[str, Ban] = {}  # bans whose document the store has not taken yet (retried)
+        self.salted: set[str] = set()  # keys whose assignment salt this trainer has published
+        self.ban_log = None if roster_copy is None else Path(roster_copy) / "bans.jsonl"
+        self._read_ban_log()
+        self.read_at = self.bans_read_at = 0.0
+        self.bans_read_revision = -1
         self.dirty = False
         self.expired: set[str] = set()  # first-use bindings let expire for room (kept out of the roster)
 
+    # -- bans --------------------------------------------------------------------------------------
+    def _read_ban_log(self) -> None:
+        if self.ban_log is None or not self.ban_log.is_file():
+            return
+        bad = 0
+        with open(self.ban_log, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                    ban = Ban.of(row["worker_id"], row["code"], row["detail"], row["time"], row["version"])
+                    self.bans[str(row["key_id"])[:16]] = ban.reason
+                except (ValueError, KeyError, TypeError):
+                    bad += 1  # a line cut short by a crash mid-append
+        if bad:
+            log.warning("%s: %d line(s) did not read", self.ban_log, bad)
+        log.info("%d ban(s) restored from %s", len(self.bans), self.ban_log)
+
+    def ban(self, kid: str, ban: Ban) -> bool:
+        """Ban ``kid``: in memory, in the trainer's ban log, and as its ban document in the store
+        (retried at each refresh while the store refuses it). Returns False when it was banned
+        already. One small write per ban, whatever the number of bans; never raises."""
+        if not self._remember(kid, ban):
+            return False
+        self.unwritten[kid] = ban
+        self._write_bans()
+        return True
+
+    def _remember(self, kid: str, ban: Ban) -> bool:
+        """Hold ``kid``'s ban in memory and append it to the ban log; False if it was held already."""
+        if kid in self.bans:
+            return False
+        self.bans[kid] = ban.reason
+        if self.ban_log is not None:
+            try:
+                self.ban_log.parent.mkdir(parents=True, exist_ok=True)
+                with open(self.ban_log, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"key_id": kid, **vars(ban)}, sort_keys=True) + "\n")
+            except OSError as e:
+                log.warning("could not log the ban of key %s in %s (%s)", kid, self.ban_log, e)
+        return True
+
+    def _write_bans(self) -> None:
+        for kid, ban in list(self.unwritten.items()):
+            try:
+                write_ban(self.store, self.run, kid, ban, self.key)
+                del self.unwritten[kid]
+            except (StoreError, ValueError) as e:
+                log.warning("could not write the ban document of key %s (%s); will retry", kid, e)
+                return
+
+    def _read_bans(self, force: bool) -> list[str]:
+        """Bans in the store this trainer did not know (``stoa ban``, another trainer's); read at
+        start, when someone else wrote the roster, and every minute. Returns their key ids."""
+        now = time.time()
+        if not force and now - self.bans_read_at < _BANS_REREAD_S:
+            return []
+        self.bans_read_at = now
+        try:
+            found, problems = list_bans(self.store, self.run, self.key.public_key(), known=self.bans)
+        except StoreError as e:
+            log.warning("could not list the ban documents (%s); will retry", e)
+            return []
+        for p in problems[:3]:
+            log.warning("ignoring a ban document: %s", p)
+        for kid, ban in found.items():
+            self._remember(kid, ban)
+        return list(found)
+
+    # -- the roster --------------------------------------------------------------------------------
     def refresh(self, force: bool = False) -> list[str]:
-        """Re-read the roster (``stoa enroll`` / ``stoa ban`` edit it live), keeping our own bans
-        and bindings; returns the keys banned by hand that the records did not know as banned."""
+        """Re-read the roster (``stoa enroll`` / ``stoa ban`` edit the run live), keeping our own
+        bindings; read the store's bans when someone else wrote; publish the salts of keys with
+        standing. Returns the keys banned by hand that the records did not know as banned."""
         now = time.time()
         if not force and now - self.read_at < _ROSTER_REFRESH_S and not self.dirty:
             return []
         self.read_at = now
+        self._write_bans()
         try:
             stored = read_roster(self.store, self.run, self.key.public_key())
         except (SignatureError, StoreError) as e:
             log.warning("the roster does not read (%s); keeping the one in memory", e)
             return []
-        merged = stored
+        for kid, ban in stored.legacy_bans.items():  # a stoa.workers/1 roster: its bans become documents
+            self.ban(kid, ban)
+        new = self._read_bans(force or stored.revision != self.bans_read_revision)
+        self.bans_read_revision = stored.revision
+        merged = Roster(stored.run, stored.enrolled, stored.revision, stored.time)
         gone = {k for k in self.expired if k in merged.enrolled and merged.enrolled[k].source == "first-use"}
         if gone:  # bindings this trainer let expire stay expired
             merged = merged.without(gone)
-        for kid, ban in self.roster.banned.items():
-            if kid not in merged.banned:
-                merged = merged.with_ban(kid, ban)
         for kid, entry in self.roster.enrolled.items():
             if kid not in merged.enrolled and merged.key_for(entry.worker_id) is None and entry.source == "first-use":
                 try:
@@ -86,37 +187,51 @@ class Membership:
                 except ValueError as e:  # a full roster: that binding is lost, the key's record keeps its work
                     log.warning("cannot keep the binding of key %s: %s", kid, e)
         by_hand = []
-        for kid, ban in merged.banned.items():  # bans made by hand (stoa ban) reach the records too
+        for kid in new + list(stored.legacy_bans):  # bans made by hand (stoa ban) reach the records too
             rec = self.records.get(kid)
             if rec is not None and not rec.banned:
-                rec.banned = ban.reason or "banned by hand"
+                rec.banned = self.bans[kid]
                 by_hand.append(kid)
         if stored.revision < self.roster.revision:  # a stale roster put back: ours is newer, whatever it lacks
             log.warning("the store's roster (revision %d) is older than one this trainer has seen (%d); "
-                        "rewriting it with every ban and binding kept", stored.revision, self.roster.revision)
-        if merged != stored or stored.revision < self.roster.revision:
+                        "rewriting it with every binding kept", stored.revision, self.roster.revision)
+        if merged.enrolled != stored.enrolled or stored.legacy_bans or stored.revision < self.roster.revision:
             rev = max(stored.revision, self.roster.revision) + 1  # revisions never go back
-            merged = Roster(merged.run, merged.enrolled, merged.banned, rev, time.time())
+            merged = Roster(merged.run, merged.enrolled, rev, time.time())
             try:
                 write_roster(self.store, self.run, merged, self.key)
+                self.bans_read_revision = rev
             except StoreError as e:
                 log.warning("could not write the roster (%s); will retry", e)
                 self.roster = merged
                 return by_hand
-        self.roster, self.dirty = merged, False
+        known, self.roster, self.dirty = self.roster.enrolled, merged, False
         if self.copy is not None:  # the newest roster seen, kept beside the trainer (restarts start from it)
             try:
                 write_roster(self.copy, self.run, merged, self.key)
             except (StoreError, OSError) as e:
                 log.warning("could not keep a copy of the roster (%s)", e)
+        for kid in merged.enrolled:  # a key new in the roster has standing: its worker needs its salt
+            if kid not in known:  # (stoa enroll publishes it too; an accepted batch's key gets it at review)
+                self.publish_salt(kid)
         return by_hand
+
+    def publish_salt(self, kid: str) -> None:
+        """Publish ``kid``'s assignment salt once (the key has standing). Never raises."""
+        if kid in self.salted or not _KEY_ID.fullmatch(kid or ""):
+            return
+        try:
+            write_salt(self.store, self.run, kid, self.key)
+            self.salted.add(kid)
+        except (StoreError, ValueError) as e:
+            log.warning("could not publish the assignment salt of key %s (%s); will retry", kid, e)
 
     def admit(self, seal: BatchSeal) -> str | None:
         """Why the seal's key may not upload as the seal's worker id, or None."""
         kid, wid = seal.key_id, seal.worker_id
-        ban = self.roster.banned.get(kid)
-        if ban is not None or self.records.banned(kid):
-            return f"key {kid} is banned: {(ban.reason if ban else self.records.banned(kid))[:300]}"
+        why = self.bans.get(kid) or self.records.banned(kid)
+        if why:
+            return f"key {kid} is banned: {why[:200]}"
         entry = self.roster.enrolled.get(kid)
         if entry is not None:
             if entry.worker_id != wid:
@@ -131,7 +246,7 @@ class Membership:
         return None  # open run: reviewed; bound to ``wid`` only if accepted (:meth:`bind`)
 
     def is_banned(self, kid: str) -> bool:
-        return bool(kid) and (kid in self.roster.banned or bool(self.records.banned(kid)))
+        return bool(kid) and (kid in self.bans or bool(self.records.banned(kid)))
 
     def established(self, kid: str) -> bool:
         """Whether ``kid`` has standing: in the roster (enrolled, or bound by accepted work) or
@@ -159,14 +274,6 @@ class Membership:
                 now.append(mine.pop(0))
             wait += mine
         return now, wait
-
-    def ban(self, kid: str, ban: Ban) -> None:
-        """List ``kid`` as banned in the roster (the records refuse it already). Never raises."""
-        try:
-            self.roster = self.roster.with_ban(kid, ban)
-            self.dirty = True
-        except ValueError as e:  # a full ban list: the records (checkpointed) still refuse the key
-            log.warning("key %s is banned, but the roster cannot list it (%s)", kid, e)
 
     def bind(self, b: Batch) -> str | None:
         """Bind an accepted batch's unbound key to its worker id (open runs); why not, or None.
