@@ -52,6 +52,8 @@ G_MAX = float(-np.log(-np.log1p(-(0.5 * 2.0**-23))))
 """The largest Gumbel noise a 23-bit uniform gives (about 16.6)."""
 G_MIN = float(-np.log(-np.log(0.5 * 2.0**-23)))
 """The smallest (about -2.81)."""
+PROBE = 64
+"""Highest logits whose noise :func:`draw_margins` computes first, to bound the rest."""
 
 
 def episode_key(seed: int, group_id: str, index: int, sample_index: int) -> int:
@@ -87,17 +89,19 @@ def _mix32(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def noise_bits(seeds: np.ndarray, cols: np.ndarray) -> np.ndarray:
+def noise_bits(seeds: np.ndarray | tuple[np.ndarray, np.ndarray], cols: np.ndarray) -> np.ndarray:
     """uint32 hash of (row seed, token id): ``mix(mix(j ^ lo) ^ hi)`` for each row seed
-    ``[n]`` and token ids ``cols`` (``[V]``, shared by every row, or ``[n, m]``)."""
-    lo, hi = split_seeds(seeds)
+    ``[n]`` (uint64, or its :func:`split_seeds` words) and token ids ``cols`` (``[V]``, shared by
+    every row, or ``[n, m]``)."""
+    lo, hi = seeds if isinstance(seeds, tuple) else split_seeds(seeds)
     cols = np.asarray(cols, np.uint32)
     h = _mix32(cols[None, :] ^ lo[:, None] if cols.ndim == 1 else cols ^ lo[:, None])
     h ^= hi[:, None]
     return _mix32(h)
 
 
-def gumbel(seeds: np.ndarray, cols: np.ndarray | int, dtype: type = np.float64) -> np.ndarray:
+def gumbel(seeds: np.ndarray | tuple[np.ndarray, np.ndarray], cols: np.ndarray | int,
+           dtype: type = np.float64) -> np.ndarray:
     """Gumbel noise ``-log(e)``, ``e = -log(u)``, of each row seed at token ids ``cols`` (an int
     ``V``: every id), in ``dtype``. ``u = (bits >> 9 + 0.5) / 2^23``: ``u`` and ``1 - u`` are exact
     in float32, and ``e`` is ``-log1p(-(1 - u))`` above one half, so a float32 noise agrees with
@@ -168,28 +172,46 @@ def draw_margins(logits: np.ndarray, temperature: np.ndarray, tokens: np.ndarray
     logit units (float64; positive: the rule draws the token), with top-k / top-p sets taken
     most favourably to the drawer under a logit ``drift`` of at most that much per entry, and
     the token's full-softmax log-prob at its temperature (no truncation, as
-    ``RolloutEngine.score`` gives it)."""
+    ``RolloutEngine.score`` gives it).
+
+    Noise is computed only where it can matter: the best competitor among the ``PROBE`` highest
+    logits bounds the rest, and a token whose logit plus ``T * G_MAX`` cannot pass that bound is
+    skipped (exact: the result equals the full computation)."""
     n, v = logits.shape
     lg = logits.astype(np.float64)
-    t = np.broadcast_to(np.asarray(temperature, np.float64), (n,)).reshape(-1, 1)
+    t = np.broadcast_to(np.asarray(temperature, np.float64), (n,)).copy()
     tp = np.broadcast_to(np.asarray(top_p, np.float64), (n,))
+    tokens = np.asarray(tokens, np.int64)
     rows = np.arange(n)
-    z = lg / t
+    z = lg / t[:, None]
     z -= z.max(axis=1, keepdims=True)
     lp = z[rows, tokens] - np.log(np.exp(z).sum(axis=1))
-    s = gumbel(seeds, v)
-    s *= t
-    s += lg
-    drawn = s[rows, tokens].copy()
-    s[rows, tokens] = -np.inf
+    keep: np.ndarray | None = None  # the competitors a drawer must beat under every allowed drift
     admissible = np.ones(n, bool)
-    if top_k or (tp < 1.0).any():
+    if 0 < top_k < v or (tp < 1.0).any():
+        keep = np.ones((n, v), bool)
         for r in np.flatnonzero((tp < 1.0) | (0 < top_k < v)):
-            sure, maybe = _kept_bounds(z[r], top_k, float(tp[r]), drift / float(t[r, 0]))
-            s[r, ~sure] = -np.inf
+            keep[r], maybe = _kept_bounds(z[r], top_k, float(tp[r]), drift / float(t[r]))
             admissible[r] = maybe[tokens[r]]
-    m = drawn - s.max(axis=1)
-    return np.where(admissible, m, -np.inf), lp
+    lo, hi = split_seeds(seeds)
+    drawn = lg[rows, tokens] + t * gumbel((lo, hi), tokens.astype(np.uint32)[:, None])[:, 0]
+    k = min(PROBE, v)
+    top = np.argpartition(-lg, k - 1, axis=1)[:, :k] if k < v else np.broadcast_to(np.arange(v), (n, v))
+    best = np.take_along_axis(lg, top, axis=1) + t[:, None] * gumbel((lo, hi), top.astype(np.uint32))
+    out = top == tokens[:, None]
+    if keep is not None:
+        out |= ~np.take_along_axis(keep, top, axis=1)
+    best[out] = -np.inf
+    best = best.max(axis=1)
+    rest = lg > (best - t * G_MAX)[:, None]
+    rest[rows, tokens] = False
+    if keep is not None:
+        rest &= keep
+    ri, ci = np.nonzero(rest)
+    if ri.size:
+        s = lg[ri, ci] + t[ri] * gumbel((lo[ri], hi[ri]), ci.astype(np.uint32)[:, None])[:, 0]
+        np.maximum.at(best, ri, s)
+    return np.where(admissible, drawn - best, -np.inf), lp
 
 
 @dataclass(frozen=True)
