@@ -54,6 +54,20 @@ G_MIN = float(-np.log(-np.log(0.5 * 2.0**-23)))
 """The smallest (about -2.81)."""
 PROBE = 64
 """Highest logits whose noise :func:`draw_margins` computes first, to bound the rest."""
+_BIN = 0.125
+
+
+def _bits_at_least() -> np.ndarray:
+    """``[b]``: the smallest 23-bit noise code whose Gumbel noise can exceed ``b * _BIN`` (bin
+    ``b`` of a deficit), conservatively (one code lower); the last entry is past every code.
+    Index -1 (a negative deficit) is 0: every code."""
+    edges = np.arange(0.0, G_MAX + _BIN, _BIN)
+    u = np.exp(-np.exp(-edges))  # noise > edge  <=>  u > this
+    codes = np.floor(u * 2.0**23 - 0.5).astype(np.int64) - 1
+    return np.concatenate([np.clip(codes, 0, None), [2**23, 0]]).astype(np.uint32)
+
+
+_BITS_AT = _bits_at_least()
 
 
 def episode_key(seed: int, group_id: str, index: int, sample_index: int) -> int:
@@ -174,9 +188,9 @@ def draw_margins(logits: np.ndarray, temperature: np.ndarray, tokens: np.ndarray
     the token's full-softmax log-prob at its temperature (no truncation, as
     ``RolloutEngine.score`` gives it).
 
-    Noise is computed only where it can matter: the best competitor among the ``PROBE`` highest
-    logits bounds the rest, and a token whose logit plus ``T * G_MAX`` cannot pass that bound is
-    skipped (exact: the result equals the full computation)."""
+    Float noise is computed only where it can matter: the best competitor among the ``PROBE``
+    highest logits bounds the rest, and a token whose integer noise code is too small to make up
+    its logit's deficit to that bound is skipped (exact: the result equals the full computation)."""
     n, v = logits.shape
     lg = logits.astype(np.float64)
     t = np.broadcast_to(np.asarray(temperature, np.float64), (n,)).copy()
@@ -203,7 +217,15 @@ def draw_margins(logits: np.ndarray, temperature: np.ndarray, tokens: np.ndarray
         out |= ~np.take_along_axis(keep, top, axis=1)
     best[out] = -np.inf
     best = best.max(axis=1)
-    rest = lg > (best - t * G_MAX)[:, None]
+    # A token passes ``best`` only if its noise exceeds its deficit ``(best - l) / T``; its noise
+    # exceeds the lower edge of the deficit's bin only if its integer bits reach that bin's
+    # threshold. Integer bits for every token, float noise only for the few that reach it.
+    deficit = best[:, None] - lg
+    deficit /= t[:, None]
+    np.multiply(deficit, 1 / _BIN, out=deficit)
+    np.clip(deficit, -1, len(_BITS_AT) - 2, out=deficit)
+    need = _BITS_AT[deficit.astype(np.int64)]  # bins below 0 (index -1) need nothing
+    rest = (noise_bits((lo, hi), np.arange(v, dtype=np.uint32)) >> np.uint32(9)) >= need
     rest[rows, tokens] = False
     if keep is not None:
         rest &= keep
