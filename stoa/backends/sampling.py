@@ -115,22 +115,23 @@ def noise_bits(seeds: np.ndarray | tuple[np.ndarray, np.ndarray], cols: np.ndarr
 
 
 def gumbel(seeds: np.ndarray | tuple[np.ndarray, np.ndarray], cols: np.ndarray | int,
-           dtype: type = np.float64) -> np.ndarray:
-    """Gumbel noise ``-log(e)``, ``e = -log(u)``, of each row seed at token ids ``cols`` (an int
-    ``V``: every id), in ``dtype``. ``u = (bits >> 9 + 0.5) / 2^23``: ``u`` and ``1 - u`` are exact
-    in float32, and ``e`` is ``-log1p(-(1 - u))`` above one half, so a float32 noise agrees with
-    float64 to ~1e-6 even where ``e`` is tiny (the largest noise, the one most often drawn)."""
+           dtype: type = np.float64, out: np.ndarray | None = None) -> np.ndarray:
+    """Gumbel noise ``-log(-log(u))`` of each row seed at token ids ``cols`` (an int ``V``:
+    every id), in ``dtype`` (into ``out`` if given). ``u = (bits >> 9 + 0.5) / 2^23``; ``1 - u`` is
+    exact in float32 and ``log(u)`` is taken as ``log1p(-(1 - u))``, so a float32 noise agrees
+    with float64 to ~1e-6 even where ``-log(u)`` is tiny (the largest noise, the one most often
+    drawn)."""
     cols = np.arange(cols, dtype=np.uint32) if isinstance(cols, (int, np.integer)) else cols
-    k = (noise_bits(seeds, cols) >> np.uint32(9)).astype(dtype)
-    scale = dtype(2.0**-23)
-    hi = k >= dtype(2**22)
-    e = np.where(hi, (dtype(2**23 - 0.5) - k) * -scale, (k + dtype(0.5)) * scale)  # -(1 - u) or u
-    np.log1p(e, out=e, where=hi)
-    np.log(e, out=e, where=~hi)
-    np.negative(e, out=e)
-    np.log(e, out=e)
-    np.negative(e, out=e)
-    return e
+    bits = noise_bits(seeds, cols)
+    bits >>= np.uint32(9)
+    g = bits.astype(dtype) if out is None else np.copyto(out, bits, casting="unsafe") or out
+    np.subtract(dtype(2**23 - 0.5), g, out=g)
+    g *= dtype(-(2.0**-23))  # -(1 - u)
+    np.log1p(g, out=g)  # log(u)
+    np.negative(g, out=g)
+    np.log(g, out=g)
+    np.negative(g, out=g)
+    return g
 
 
 def truncate(z: np.ndarray, top_k: int, top_p: float) -> None:

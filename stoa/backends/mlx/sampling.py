@@ -43,7 +43,7 @@ class HostSampler:
         z -= z.max(axis=1, keepdims=True)
         np.exp(z, out=e)
         total = e.sum(axis=1)
-        e[...] = gumbel(seeds, v, np.float32)
+        gumbel(seeds, v, np.float32, out=e)
         e += z
         tok = e.argmax(axis=1)
         lp = z[np.arange(b), tok] - np.log(total)
@@ -78,10 +78,8 @@ def _gumbel_mx(seeds: np.ndarray, v: int) -> mx.array:
     lo, hi = split_seeds(seeds)
     h = _mix32(mx.arange(v, dtype=mx.uint32)[None, :] ^ mx.array(lo)[:, None])
     h = _mix32(h ^ mx.array(hi)[:, None])
-    k = (h >> 9).astype(mx.float32)
-    hi = k >= 2**22
-    e = mx.where(hi, -mx.log1p((k - (2**23 - 0.5)) * (2.0**-23)), -mx.log((k + 0.5) * (2.0**-23)))
-    return -mx.log(e)
+    w = ((2**23 - 0.5) - (h >> 9).astype(mx.float32)) * (2.0**-23)  # 1 - u, exact
+    return -mx.log(-mx.log1p(-w))
 
 
 def device_sample(logits: mx.array, seeds: np.ndarray, temperature: float, top_k: int = 0,
