@@ -174,7 +174,8 @@ class Review:
         eps = list(b.episodes)
         t0 = time.perf_counter()
         seed = self.assign(b).seed  # type: ignore[misc]
-        draws = self.int8.check_draws(b.version, eps, [seed] * len(eps), self.cfg.sampling_band / 2)  # type: ignore[union-attr]
+        drift = self.cfg.sampling_band / 2
+        draws = self.int8.check_draws(b.version, eps, [seed] * len(eps), drift)  # type: ignore[union-attr]
         self.seconds["episode_check"] += time.perf_counter() - t0
         if draws is None:  # never accepted unchecked: a forger would claim exactly such a version
             return Verdict("unverifiable", f"the episodes cannot be checked: version {b.version}'s int8 weights "
@@ -260,7 +261,8 @@ class Review:
         pick = sampling_pick(b.episodes, self.rng, self.cfg.sampling_episodes)
         t0 = time.perf_counter()
         eps, seed = [b.episodes[i] for i in pick], self.assign(b).seed  # type: ignore[misc]
-        margins = self.int8.sampling_margins(b.version, eps, [seed] * len(eps), self.cfg.sampling_band / 2)  # type: ignore[union-attr]
+        drift = self.cfg.sampling_band / 2
+        margins = self.int8.sampling_margins(b.version, eps, [seed] * len(eps), drift)  # type: ignore[union-attr]
         if margins is None:  # never accepted unchecked
             return Verdict("unverifiable", f"the sampling check cannot be made: version {b.version}'s int8 weights "
                                            "are neither held nor rebuildable from the weight chain")
