@@ -71,6 +71,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="one small step's worth, few repeats (< 1 min on CPU)")
     p.add_argument("--json", type=Path, help="write results here")
     p.add_argument("--preset", default="tiny", help="'tiny' (the demo's model) or a stoa.models.presets name")
+    p.add_argument("--model", type=Path, help="a Hugging Face model folder instead of a preset (e.g. the real model)")
     p.add_argument("--device", default="auto", help="the learner's and the torch scorer's device")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (the demo's trainer uses 1)")
     p.add_argument("--episodes", type=int, default=None, help="episodes per optimizer step (default 64)")
@@ -97,7 +98,9 @@ def main() -> None:
     device = resolve_device(args.device)
     texts = [f"protein P{i} binds receptor R{i % 13} in tissue T{i % 7} <search> P{i} </search>" for i in range(3000)]
     with tempfile.TemporaryDirectory() as tmp:
-        if args.preset == "tiny":
+        if args.model is not None:
+            model = args.model
+        elif args.preset == "tiny":
             from stoa.models.tiny import TinyConfig, build_tiny
 
             model = build_tiny(tmp, texts, TinyConfig(num_layers=2, intermediate_size=384))  # the demo's shape
@@ -143,7 +146,7 @@ def main() -> None:
             rows[f"every ({name})"] = {"seconds": s, "episodes": len(eps),
                                        "rows": sum(len(distinct_rows(x)[0]) for x in batches)}
     tokens = sum(len(e) for e in eps)
-    print(f"model checks per optimizer step: {args.preset} on {device} ({args.threads} CPU threads), {len(eps)} "
+    print(f"model checks per optimizer step: {args.model or args.preset} on {device} ({args.threads} CPU threads), {len(eps)} "
           f"episodes ({tokens} tokens, {args.distinct:.0%} distinct per group) in batches of {args.batch}; "
           f"median of {repeats}")
     print(f"{'':<20} {'s/step':>8} {'episodes':>8} {'rows':>5} {'ratio (step + checks) / step':>30}")
@@ -161,7 +164,7 @@ def main() -> None:
         print(f"{'every episode (' + scorer + ')':<38} {'':>5} {ratio:>30.3f}")
         print(f"{'audit + sampling (' + scorer + ')':<38} {'':>5} {sampled[scorer]:>30.3f}")
     if args.json:
-        payload = {"preset": args.preset, "device": device, "threads": args.threads, "episodes": len(eps),
+        payload = {"preset": str(args.model or args.preset), "device": device, "threads": args.threads, "episodes": len(eps),
                    "tokens": tokens, "batch": args.batch, "distinct": args.distinct, "fraction": args.fraction,
                    "repeats": repeats, "quick": args.quick, "rows": rows,
                    "ratio": results, "ratio_sampled": sampled}
