@@ -43,7 +43,9 @@ class HostSampler:
         z -= z.max(axis=1, keepdims=True)
         np.exp(z, out=e)
         total = e.sum(axis=1)
-        gumbel(seeds, v, np.float32, out=e)
+        step = max(1, (1 << 18) // v)  # rows at a time: the hash's temporaries stay in cache
+        for a in range(0, b, step):
+            gumbel(seeds[a:a + step], v, np.float32, out=e[a:a + step])
         e += z
         tok = e.argmax(axis=1)
         lp = z[np.arange(b), tok] - np.log(total)
