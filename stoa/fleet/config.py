@@ -17,7 +17,7 @@ A run config has a top-level ``name`` and ``seed`` and one table per component::
     [eval]       # held-out evaluation
     [fleet]      # the local launcher (`stoa train`): how many workers
     [trust]      # which worker keys may upload, and how their episodes are verified
-    [trust.audit]  # the log-prob audit and its spot-checks (stoa.fleet.trust.audit.AuditConfig)
+    [trust.audit]  # the check of every episode: draws and log-probs (stoa.fleet.trust.audit.AuditConfig)
 
 Every section is typed and checked when the file is read: an unknown key, a value of the wrong
 type or out of range is a :class:`ConfigError` naming the key's path (a typo must not surface
