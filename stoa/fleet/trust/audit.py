@@ -1,5 +1,10 @@
 """Log-prob audit: are a worker's behaviour log-probs the ones its claimed policy gives?
 
+By default (``AuditConfig.every_episode``, with assigned work) every episode's claims are
+compared token by token with the int8 re-score of its claimed version (:func:`compare_logprobs`,
+from the same forward pass that re-derives its draws), and the statistical audit below is not
+run. It runs with ``every_episode = false``:
+
 Every model token of an episode carries ``log mu``, the log-probability the worker says its int8
 policy (the claimed ``policy_version``) gave it. The trainer scores a random sample of each
 admitted batch with its own float weights (``log pi``, one forward pass, no backward) and keeps,
