@@ -20,10 +20,13 @@ def test_the_checks_benchmark_runs_and_reports_a_ratio_per_scorer(tmp_path):
                         "--batch", "8", "--repeats", "1", "--json", str(out)],
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "learner step" in r.stdout and "audit + sampling (torch)" in r.stdout, r.stdout
+    assert "learner step" in r.stdout and "every episode (torch)" in r.stdout, r.stdout
+    assert "audit + sampling (torch)" in r.stdout
     got = json.loads(out.read_text())
     assert got["episodes"] == 16 and set(got["ratio"]) >= {"torch"}
-    assert all(v > 1.0 for v in got["ratio"].values())
+    assert all(v > 1.0 for v in got["ratio"].values()) and set(got["ratio_sampled"]) == set(got["ratio"])
+    every = got["rows"]["every (torch)"]
+    assert every["episodes"] == 16 and every["rows"] < every["episodes"]  # all, repeats sharing a pass
     assert got["rows"]["audit"]["rows"] <= got["rows"]["audit"]["episodes"] == 4  # 2 (25%) of each batch of 8
     sampled = got["rows"]["sampling (torch)"]
     assert sampled["rows"] < sampled["episodes"]  # repeated samples share a forward pass

@@ -73,6 +73,46 @@ def test_an_engine_misreading_the_real_models_rope_base_is_refused(real_model, s
     assert honest < parity.INT8_BOUND < misread
 
 
+@pytest.mark.slow
+def test_honest_draws_of_the_real_model_check_under_both_scorers_and_a_cold_sampler_fails(real_model, stacks):
+    """Episodes the engine sampled from the real model (its 49,152-token vocabulary and long
+    tail): every token is the rule's draw under the engine's and torch's re-score, far inside the
+    band, with its log-prob re-scored; a worker sampling at 0.6x the temperature with honest
+    log-probs of what it drew is caught."""
+    import dataclasses
+    import sys
+    from pathlib import Path
+
+    from stoa.backends.engine import RolloutRequest, SamplingConfig
+    from stoa.fleet.trust.audit import AuditConfig, compare_logprobs
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from custom_env import ArithmeticEnv
+
+    _, _, engine, scorer = stacks
+    band = AuditConfig().sampling_band
+    make = lambda: ArithmeticEnv(size=40)  # noqa: E731
+    reqs = [RolloutRequest(i, f"g{i}", 4) for i in range(2)]
+    honest = engine.rollout(make, reqs, SamplingConfig(max_turn_tokens=16, max_episode_tokens=120, seed=5))
+    for sc in (engine, scorer):
+        draws = sc.check_draws(honest, [5] * len(honest), drift=band / 2)
+        m = np.concatenate([d.margins for d in draws])
+        assert m.size == sum(e.num_model_tokens for e in honest) and m.min() > -band / 20, m.min()
+        assert not compare_logprobs(honest, [(d.at, d.logprobs) for d in draws]).confirmed
+    cold = engine.rollout(make, reqs, SamplingConfig(temperature=0.6, max_turn_tokens=16, max_episode_tokens=120,
+                                                     seed=5))
+    cold = [dataclasses.replace(e, temperature=1.0) for e in cold]
+    for e, lp in zip(cold, engine.score(cold)):
+        at = len(e.prompt_tokens)
+        for seg in e.segments:
+            if seg.kind == "model":
+                seg.logprobs = np.asarray(lp[at:at + len(seg.tokens)], np.float32)
+            at += len(seg.tokens)
+    draws = scorer.check_draws(cold, [5] * len(cold), drift=band / 2)
+    assert not compare_logprobs(cold, [(d.at, d.logprobs) for d in draws]).confirmed  # its log-probs are honest
+    assert sum(int((d.margins < -band).sum()) for d in draws) >= 3
+
+
 def test_the_published_config_reads_right_in_plain_mlx_lm(real_model, tmp_path):
     from mlx_lm.utils import load_model
 
@@ -122,20 +162,16 @@ samples = 1
 [fleet]
 workers = 1
 
-# The sampling check's rule is calibrated on tiny policies; on a real model's long tail it
-# rejects honest tokens (docs/trust.md), so this run checks the rest of the gate.
 [trust]
 reward_range = [0.0, 1.0]
-
-[trust.audit]
-sampling_episodes = 0
 """
 
 
 @pytest.mark.slow
 def test_stoa_train_on_the_real_model_accepts_every_honest_batch(real_model, tmp_path):
     """`stoa train` with model.path at the folder save_pretrained wrote (untouched) and the
-    arithmetic example's env: parity passes, the audit floor is int8's, no batch is rejected."""
+    arithmetic example's env: parity passes, the audit floor is int8's, and every episode is
+    checked (each sampled token re-derived, each log mu re-scored) with no batch rejected."""
     import os
     import subprocess
     import sys
@@ -160,3 +196,5 @@ def test_stoa_train_on_the_real_model_accepts_every_honest_batch(real_model, tmp
     assert len(train) == 2 and 1e-3 <= floor < parity.INT8_BOUND
     assert train[-1]["trust/rejected_batches"] == 0 and train[-1]["trust/accepted_batches"] >= 2
     assert not [x for x in rows if x.get("event") in ("rejected", "banned")]
+    assert train[-1]["trust/episodes_checked"] >= 8 and train[-1]["trust/sampled_tokens_checked"] > 0
+    assert train[-1]["trust/sampling_violations"] == 0

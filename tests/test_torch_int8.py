@@ -93,14 +93,15 @@ def _rollout(engine, seed, **sampling):
 
 
 def _assert_margins_agree(got, ref, sampling):
-    """Torch and MLX margins of the same tokens agree to float32 rounding (1e-5), except, with
-    top-p, at near-ties: a ~1e-6 logit difference can move a near-tied token across the nucleus
-    threshold, which shifts the renormalized CDF by about one token's mass (< 5e-3). Near-ties are
+    """Torch and MLX margins of the same tokens agree to float32 rounding (1e-5 logits), except,
+    with top-k / top-p, at near-ties: a ~1e-6 logit difference can move a token across the edge of
+    the sets kept under the drift allowance, which changes a margin's competitors. Near-ties are
     rare: at most 5% of tokens (at least one is allowed, for a single short episode)."""
-    diff = np.abs(got - ref)
-    if sampling.get("top_p", 1.0) < 1.0:
-        near_ties = int((diff >= 1e-5).sum())
-        assert (near_ties <= 1 or near_ties < 0.05 * diff.size) and diff.max() < 5e-3, np.sort(diff)[-5:]
+    with np.errstate(invalid="ignore"):  # inf - inf where both are the same infinity
+        diff = np.where(np.isinf(got) & (got == ref), 0.0, np.abs(got - ref))
+    if sampling.get("top_p", 1.0) < 1.0 or sampling.get("top_k", 0):
+        near_ties = int((~(diff < 1e-5)).sum())
+        assert near_ties <= 1 or near_ties < 0.05 * diff.size, np.sort(diff)[-5:]
     else:
         assert diff.max() < 1e-5, f"max |margin difference| {diff.max():.2e}"
 
@@ -115,8 +116,8 @@ def test_sampling_margins_agree_with_the_mlx_int8_engine(tiny, engine, sampling)
     eps = _rollout(engine, 11, **sampling)
     scorer = TorchInt8Scorer(tiny)
     scorer.load_state(engine.version, engine.state)
-    ref = engine.sampling_margins(eps, [11] * len(eps), top_k=top_k)
-    got = scorer.sampling_margins(eps, [11] * len(eps), top_k=top_k, max_tokens=200)
+    ref = engine.sampling_margins(eps, [11] * len(eps), top_k=top_k, drift=1e-3)
+    got = scorer.sampling_margins(eps, [11] * len(eps), top_k=top_k, drift=1e-3, max_tokens=200)
     assert [a.shape for a in got] == [a.shape for a in ref] and sum(a.size for a in got) > 50
     _assert_margins_agree(np.concatenate(got), np.concatenate(ref), sampling)
     assert min(a.min() for a in got if a.size) > -1e-4  # every honest token is the rule's draw
@@ -126,13 +127,13 @@ def test_sampling_margins_agree_with_the_mlx_int8_engine(tiny, engine, sampling)
     seg = next(s for s in ep.segments if s.kind == "model" and len(s.tokens) > 2)
     seg.tokens = seg.tokens.copy()
     seg.tokens[1] = (seg.tokens[1] + 1) % scorer.vocab_size
-    bad = scorer.sampling_margins([ep], [11], top_k=top_k)[0]
+    bad = scorer.sampling_margins([ep], [11], top_k=top_k, drift=1e-3)[0]
     assert bad.min() < -1e-3 and (bad < -1e-4).sum() >= 1, bad
-    ref_bad = engine.sampling_margins([ep], [11], top_k=top_k)[0]
+    ref_bad = engine.sampling_margins([ep], [11], top_k=top_k, drift=1e-3)[0]
     _assert_margins_agree(bad, ref_bad, sampling)
     # Both place the first violation at the forged token (everything before it is honest).
     assert np.flatnonzero(bad < -1e-3)[0] == np.flatnonzero(ref_bad < -1e-3)[0]
-    # The wrong seed re-derives other uniforms: many honest tokens become violations.
+    # The wrong seed re-derives other noise: many honest tokens become violations.
     wrong = np.concatenate(scorer.sampling_margins(eps, [12] * len(eps), top_k=top_k))
     assert (wrong < -1e-4).mean() > 0.1
 

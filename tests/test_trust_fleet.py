@@ -47,9 +47,9 @@ BAN_WITHIN_VERSIONS = 8
 NEEDLES = {
     "flip-rewards": "reward: claimed 1.0",
     "forge-metrics": "claimed True, replay gives False",  # a declared bool metric forged
-    "zero-logprobs": "spot-check",
-    "shuffle-logprobs": "spot-check",
-    "other-model": "spot-check",
+    "zero-logprobs": "do not match their log mu",
+    "shuffle-logprobs": "do not match their log mu",
+    "other-model": "do not match their log mu",
     "forge-observations": "observation differs",
     "copy": "not the assigned work",
     "framer": "not the assigned work",
@@ -180,10 +180,11 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
     last = train[-1]
     assert last["trust/banned_workers"] == len(KINDS) - 2 and last["trust/rejected/refused"] >= 1
     step_s = sum(row["time/step_s"] for row in train)
-    check_s = last["trust/replay_s"] + last["trust/audit_s"] + last["trust/spot_check_s"] + last["trust/sampling_s"]
+    check_s = (last["trust/replay_s"] + last["trust/audit_s"] + last["trust/spot_check_s"] + last["trust/sampling_s"]
+               + last["trust/episode_check_s"])
     print(f"\ntrust checks {check_s:.2f} s vs {step_s:.2f} s of optimizer steps over {len(train)} steps "
-          f"(ratio {(step_s + check_s) / step_s:.2f}); replayed {last['trust/episodes_replayed']:.0f}, audited "
-          f"{last['trust/episodes_audited']:.0f} episodes, {last['trust/spot_checks']:.0f} spot-checks; "
+          f"(ratio {(step_s + check_s) / step_s:.2f}); replayed {last['trust/episodes_replayed']:.0f}, checked "
+          f"{last['trust/episodes_checked']:.0f} episodes; "
           f"{last['trust/sampled_tokens_checked']:.0f} sampled tokens re-derived, "
           f"{last['trust/sampled_tokens_ambiguous']:.0f} ambiguous")
     print("banned at version (first rejected batch at): " + ", ".join(

@@ -1,7 +1,7 @@
 """The trust layer with each of the trainer's int8 scorers (``trainer.int8_scorer``: ``"torch"``,
 the default for this tiny model on a CPU learner, and the MLX ``"engine"``): a real fleet of two
-honest workers and two forgers. Spot-checks, sampling checks and the mismatch split run on the
-chosen scorer; honest workers lose nothing and both forgers are banned. The test stops the run
+honest workers and two forgers. The check of every episode (draws and log-probs) and the mismatch
+split run on the chosen scorer; honest workers lose nothing and both forgers are banned. The test stops the run
 (SIGTERM: report, checkpoint) once 5 steps are trained and both forgers are banned (30 steps a cap):
 a forger whose first batch comes late would otherwise race a fixed run length."""
 
@@ -24,7 +24,7 @@ from helpers import tiny_fleet_config
 
 pytestmark = pytest.mark.slow
 
-FORGERS = {"zero-logprobs": "spot-check", "cold-sampler": "sampling rule does not draw"}
+FORGERS = {"zero-logprobs": "do not match their log mu", "cold-sampler": "sampling rule does not draw"}
 """Adversary kind -> what its ban reason says."""
 
 
@@ -82,6 +82,6 @@ def test_spot_and_sampling_checks_on_either_scorer_pass_honest_workers_and_ban_f
     train = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     last = train[-1]
     assert any(r.get("event") == "stopped" for r in read_metrics(run_dir / "metrics.jsonl"))
-    assert len(train) >= 5 and last["trust/spot_checks"] >= 2 and last["trust/sampled_tokens_checked"] > 0
+    assert len(train) >= 5 and last["trust/episodes_checked"] >= 8 and last["trust/sampled_tokens_checked"] > 0
     assert last["trust/banned_workers"] == len(FORGERS)
     assert all({"mismatch/kl_int8", "mismatch/kl_stale"} <= set(r) for r in train)

@@ -76,8 +76,11 @@ class AtVersion:
     def score(self, version, eps):
         return self.engine.score(eps) if version == self.version else None
 
-    def sampling_margins(self, version, eps, seeds):
-        return self.engine.sampling_margins(eps, seeds) if version == self.version else None
+    def sampling_margins(self, version, eps, seeds, drift=0.0):
+        return self.engine.sampling_margins(eps, seeds, drift=drift) if version == self.version else None
+
+    def check_draws(self, version, eps, seeds, drift=0.0):
+        return self.engine.check_draws(eps, seeds, drift=drift) if version == self.version else None
 
 
 def assigned(seed):

@@ -62,13 +62,14 @@ computes, so the trainer's importance ratio is biased low by the kept mass.
 
 Determinism
 -----------
-Sampling uses one uniform number per token, a hash of (``seed``, ``group_id``, ``index``,
-``sample_index``, token position), and inverse-CDF sampling; no global random state is touched.
+Sampling is seeded Gumbel-max (:mod:`stoa.backends.sampling`): each token is the argmax of the
+scaled, truncated logits plus noise that is a hash of (``seed``, ``group_id``, ``index``,
+``sample_index``, token position, token id); no global random state is touched.
 The same weights, requests, :class:`SamplingConfig` (with a fixed ``seed``) and engine
 configuration replay the same episodes bit for bit, in this process or a restarted one, on the
 same hardware with the same number of BLAS threads (on a CPU, ``OPENBLAS_NUM_THREADS``: another
-count changes float summation order, ~2e-6 in log-probs, and so, rarely, a token whose uniform
-falls that close to its slice edge). With ``seed=None`` each call draws a fresh seed.
+count changes float summation order, ~2e-6 in log-probs, and so, rarely, a token whose perturbed
+score ties another's that closely). With ``seed=None`` each call draws a fresh seed.
 
 KV cache and batching
 ---------------------
@@ -91,6 +92,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 import numpy as np
 
 if TYPE_CHECKING:
+    from stoa.backends.sampling import Draws
     from stoa.types import Episode
 
 __all__ = [
@@ -413,19 +415,27 @@ class RolloutEngine(Protocol):
         ``0.0``. At model tokens this recomputes the behaviour log-probs.
         """
 
-    def sampling_margins(self, episodes: Sequence[Episode], seeds: Sequence[int], top_k: int = 0) -> list[np.ndarray]:
+    def sampling_margins(self, episodes: Sequence[Episode], seeds: Sequence[int], top_k: int = 0,
+                         drift: float = 0.0) -> list[np.ndarray]:
         """Whether each sampled token is the one the sampling rule draws under the current weights.
 
         For each episode (sampled with cohort seed ``seeds[i]``) and each of its model tokens in
-        order: re-derive the token's uniform ``u`` from the seed, the episode's ``group_id``,
-        ``item_index``, ``sample_index`` and the token's position (see "Determinism"), compute the
-        CDF of the truncated softmax at the episode's ``temperature`` / ``top_p`` (and ``top_k``)
-        from these weights' logits, and return where ``u`` lands relative to the token's slice of
-        it: the distance to the slice's nearest edge, positive inside (the rule draws this
-        token), negative outside (it draws another). Honest tokens sampled by these weights are
-        positive; float differences between kernels move ``u``'s landing only near an edge, so a
-        small negative value is ambiguous and a large one is a token the rule did not draw.
+        order: re-derive the token's noise from the seed, the episode's ``group_id``,
+        ``item_index``, ``sample_index`` and the token's position (see "Determinism"), and return
+        its margin (:func:`stoa.backends.sampling.draw_margins`): by how many raw logits it beats
+        every other token the episode's ``temperature`` / ``top_p`` (and ``top_k``) keep, under
+        these weights' logits. Positive: the rule draws it. Logits that differ by at most ``d`` per
+        entry move a margin by at most ``2 d``, so an honest token's margin is ``>= -2 d`` under
+        another stack's drift ``d``; ``drift`` is that allowance for which tokens top-k / top-p keep
+        (the set most favourable to the drawer is used; a token kept under no such drift: ``-inf``).
+        float64, one array per episode.
         """
+
+    def check_draws(self, episodes: Sequence[Episode], seeds: Sequence[int], top_k: int = 0,
+                    drift: float = 0.0) -> list[Draws]:
+        """:meth:`sampling_margins` and the sampled tokens' log-probs (full softmax at the
+        episode's temperature, as :meth:`score` gives them), from one forward pass: one
+        :class:`stoa.backends.sampling.Draws` per episode."""
 
     def last_stats(self) -> RolloutStats:
         """Counters of the last :meth:`rollout` call."""

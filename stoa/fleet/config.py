@@ -22,7 +22,7 @@ dataclass lives beside the code that uses it, and this module assembles them::
     [fleet]      # the local launcher (`stoa train`): how many workers (stoa.fleet.local.FleetConfig)
     [trust]      # which worker keys may upload, how their episodes are verified, the reward
                  # range they may report (stoa.fleet.trust.gate.TrustConfig)
-    [trust.audit]  # the log-prob audit and its spot-checks (stoa.fleet.trust.audit.AuditConfig)
+    [trust.audit]  # the check of every episode: draws and log-probs (stoa.fleet.trust.audit.AuditConfig)
 
 Every section is typed and checked when the file is read: an unknown key, a value of the wrong
 type or out of range is a :class:`ConfigError` naming the key's path (a typo must not surface

@@ -9,8 +9,8 @@ whichever of them is asked for; versions never repeat within a run, so a version
 A version it does not hold (after a restart the trainer holds only the version it resumed as) is
 rebuilt from the weight chain in the store, verified like a worker's sync, when it is asked for.
 
-Scoring (:meth:`HeldPolicies.score`, :meth:`HeldPolicies.sampling_margins`: spot-checks, sampling
-checks, the mismatch split) runs on the rollout engine or, with ``trainer.int8_scorer = "torch"``
+Scoring (:meth:`HeldPolicies.score`, :meth:`HeldPolicies.check_draws`: the check of every episode,
+spot-checks, sampling checks, the mismatch split) runs on the rollout engine or, with ``trainer.int8_scorer = "torch"``
 (the default on a CUDA learner, and on a CPU learner for a model whose float32 copy fits in
 :data:`SMALL_CPU_SCORER_BYTES`), on :class:`stoa.backends.torch.int8.TorchInt8Scorer` on the
 learner's device: the same dequantized weights, and agreement with the engine measured in
@@ -28,6 +28,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from stoa.backends.engine import RolloutEngine, TextCodec
+    from stoa.backends.sampling import Draws
     from stoa.backends.torch.int8 import TorchInt8Scorer
     from stoa.fleet.config import RolloutConfig
     from stoa.transport.chain import WeightSubscriber
@@ -164,9 +165,15 @@ class HeldPolicies:
         """Prefill log-probs of ``version``'s int8 policy, or None when it cannot be had."""
         return self.scorer_at(version).score(episodes) if self.held(version) else None
 
-    def sampling_margins(self, version: int, episodes: Sequence[Episode], seeds: Sequence[int]) -> list[np.ndarray] | None:
+    def sampling_margins(self, version: int, episodes: Sequence[Episode], seeds: Sequence[int],
+                         drift: float = 0.0) -> list[np.ndarray] | None:
         """``RolloutEngine.sampling_margins`` under ``version``'s int8 policy, or None when it cannot be had."""
-        return self.scorer_at(version).sampling_margins(episodes, seeds) if self.held(version) else None
+        return self.scorer_at(version).sampling_margins(episodes, seeds, drift=drift) if self.held(version) else None
+
+    def check_draws(self, version: int, episodes: Sequence[Episode], seeds: Sequence[int],
+                    drift: float = 0.0) -> list[Draws] | None:
+        """``RolloutEngine.check_draws`` under ``version``'s int8 policy, or None when it cannot be had."""
+        return self.scorer_at(version).check_draws(episodes, seeds, drift=drift) if self.held(version) else None
 
     @property
     def codec(self) -> TextCodec:

@@ -23,7 +23,7 @@ from stoa.backends.mlx import weights as W
 from stoa.backends.mlx.rollout import Cohort
 from stoa.backends.packing import by_length, padded_tokens
 from stoa.backends.mlx.sampling import HostSampler, device_sample
-from stoa.backends.sampling import margin_plan
+from stoa.backends.sampling import Draws, margin_plan
 from stoa.types import Episode
 
 MODES = ("auto", "quantized", "dequantized")
@@ -221,15 +221,16 @@ class MLXEngine:
         return self._stop_cache[stops]
 
     # -- generation -----------------------------------------------------------------------------
-    def sample_tokens(self, logits: mx.array, u: np.ndarray, s: SamplingConfig) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens and behaviour log-probs for logits ``[B, V]`` (see :mod:`stoa.backends.mlx.sampling`)."""
+    def sample_tokens(self, logits: mx.array, seeds: np.ndarray, s: SamplingConfig) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens and behaviour log-probs for logits ``[B, V]`` and uint64 row seeds ``[B]`` (see
+        :mod:`stoa.backends.mlx.sampling`)."""
         where = self.config.sampler
         if where == "device" or (where == "auto" and mx.metal.is_available()):
-            return device_sample(logits, u, s.temperature, s.top_k, s.top_p)
+            return device_sample(logits, seeds, s.temperature, s.top_k, s.top_p)
         if logits.dtype != mx.float32:  # a bfloat16 model's logits have no numpy buffer format
             logits = logits.astype(mx.float32)
         mx.eval(logits)
-        return self._host_sampler(np.array(logits, copy=False), u, s.temperature, s.top_k, s.top_p)
+        return self._host_sampler(np.array(logits, copy=False), seeds, s.temperature, s.top_k, s.top_p)
 
     def rollout(self, make_env: Callable[[], Any], requests: Sequence[RolloutRequest],
                 sampling: SamplingConfig = SamplingConfig()) -> list[Episode]:
@@ -264,33 +265,39 @@ class MLXEngine:
             self._lock.release()
 
     def sampling_margins(self, episodes: Sequence[Episode], seeds: Sequence[int], top_k: int = 0,
-                         max_tokens: int = 8192) -> list[np.ndarray]:
+                         drift: float = 0.0, max_tokens: int = 8192) -> list[np.ndarray]:
+        """See the protocol. ``max_tokens`` bounds the tokens of one batched forward pass."""
+        return [d.margins for d in self.check_draws(episodes, seeds, top_k, drift, max_tokens)]
+
+    def check_draws(self, episodes: Sequence[Episode], seeds: Sequence[int], top_k: int = 0,
+                    drift: float = 0.0, max_tokens: int = 8192) -> list[Draws]:
         """See the protocol. ``max_tokens`` bounds the tokens of one batched forward pass."""
         if len(seeds) != len(episodes):
             raise EngineError("one seed per episode")
-        self._exclusive("sampling_margins")
+        self._exclusive("check_draws")
         try:
-            return by_length([len(e) for e in episodes], max_tokens, lambda b: self._margins_batch(
-                [episodes[i] for i in b], [int(seeds[i]) for i in b], top_k))
+            return by_length([len(e) for e in episodes], max_tokens, lambda b: self._draws_batch(
+                [episodes[i] for i in b], [int(seeds[i]) for i in b], top_k, drift))
         finally:
             self._lock.release()
 
-    def _margins_batch(self, eps: Sequence[Episode], seeds: Sequence[int], top_k: int) -> list[np.ndarray]:
+    def _draws_batch(self, eps: Sequence[Episode], seeds: Sequence[int], top_k: int, drift: float) -> list[Draws]:
         _, x = padded_tokens(eps, self._vocab, np.int32, EngineError)
         plan = margin_plan(eps, seeds, x)
-        flat = np.empty(plan.at.size, np.float64)
-        if flat.size == 0:
-            return plan.split(flat)
-        xs = mx.array(plan.x)
-        hidden = self._body(xs) if self._head is not None else None
-        full = self._model(xs) if hidden is None else None
-        step = max(1, (1 << 22) // self._vocab)  # bound the float32 logits held at once
-        for a in range(0, flat.size, step):
-            r = mx.array(plan.src[a:a + step].astype(np.int32))
-            c = mx.array((plan.at[a:a + step] - 1).astype(np.int32))
-            logits = self._head(hidden[r, c]) if hidden is not None else full[r, c]
-            flat[a:a + step] = plan.margins(a, np.array(logits.astype(mx.float32), dtype=np.float32), top_k)
-        return plan.split(flat)
+        margins, logprobs = np.empty(plan.at.size, np.float64), np.empty(plan.at.size, np.float64)
+        if margins.size:
+            xs = mx.array(plan.x)
+            hidden = self._body(xs) if self._head is not None else None
+            full = self._model(xs) if hidden is None else None
+            step = max(1, (1 << 22) // self._vocab)  # bound the float logits held at once
+            for a in range(0, margins.size, step):
+                r = mx.array(plan.src[a:a + step].astype(np.int32))
+                c = mx.array((plan.at[a:a + step] - 1).astype(np.int32))
+                logits = self._head(hidden[r, c]) if hidden is not None else full[r, c]
+                b = a + len(plan.src[a:a + step])
+                margins[a:b], logprobs[a:b] = plan.margins(a, np.array(logits.astype(mx.float32), dtype=np.float32),
+                                                           top_k, drift)
+        return plan.draws(margins, logprobs)
 
     def _score(self, episodes: Sequence[Episode], temperature: float | None, max_tokens: int) -> list[np.ndarray]:
         return by_length([len(e) for e in episodes], max_tokens,

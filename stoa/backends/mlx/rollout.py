@@ -24,7 +24,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
 from stoa.backends.engine import EngineError, RolloutRequest, RolloutStats, SamplingConfig, TurnRule
-from stoa.backends.sampling import episode_key, uniforms
+from stoa.backends.sampling import episode_key, row_seeds
 from stoa.types import Episode, Segment
 
 if TYPE_CHECKING:
@@ -220,8 +220,8 @@ class Cohort:
         rows, s, e = self.rows, self.s, self.e
         x = mx.array([ep.pending for ep in rows], dtype=mx.int32)[:, None]
         logits = e.mlx_model(x, cache=self.cache)[:, -1, :]
-        u = uniforms(np.array([ep.key for ep in rows], np.uint64), np.array([ep.length for ep in rows], np.int64))
-        toks, lps = e.sample_tokens(logits, u, s)
+        seeds = row_seeds(np.array([ep.key for ep in rows], np.uint64), np.array([ep.length for ep in rows], np.int64))
+        toks, lps = e.sample_tokens(logits, seeds, s)
         self.stats.decode_steps += 1
         keep, move = [], []
         for i, ep in enumerate(rows):

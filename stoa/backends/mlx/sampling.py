@@ -1,13 +1,16 @@
 """Token sampling with exact behaviour log-probs, reproducible per episode.
 
-Each token gets one uniform ``u`` in (0, 1) (:func:`stoa.backends.sampling.uniforms`: a hash of the
-episode's 64-bit key and the token's position, so an episode's draws do not depend on which other
-episodes share its batch). The token is the inverse-CDF draw ``min {i : cumsum(exp(z))[i] >= u * sum(exp(z))}`` with
-``z = logits / T - max`` (after top-k / top-p truncation, see :mod:`stoa.backends.engine`), and
-its log-prob is ``z[i] - log(sum(exp(z)))``. The landing index always has positive probability.
+The rule is :mod:`stoa.backends.sampling`'s seeded Gumbel-max: each token has a 64-bit row seed
+(a hash of the episode's key and the token's position), every vocabulary entry ``j`` gets noise
+``g_j = -log(-log(u_j))`` from a 32-bit hash of (row seed, ``j``), and the token is
+``argmax_j z_j + g_j`` with ``z = logits / T`` (after top-k / top-p truncation, see
+:mod:`stoa.backends.engine`); its log-prob is ``z[i] - logsumexp(z)``. A token with zero
+probability is never drawn.
 
 Two implementations of the same rule: :class:`HostSampler` (numpy; on CPU-only machines MLX's
-elementwise ``exp`` is ~10x slower than numpy's) and :func:`device_sample` (MLX, for GPUs).
+elementwise ``exp`` is ~10x slower than numpy's) and :func:`device_sample` (MLX, for GPUs). The
+noise bits are the same integers in both; the float noise and sums differ in the last bits, so
+the two draw the same token except when two perturbed scores tie to ~1e-6.
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from stoa.backends.sampling import cdf_margins, episode_key, truncate, uniforms
+from stoa.backends.sampling import H1, H2, episode_key, gumbel, row_seeds, split_seeds, truncate
 
-__all__ = ["HostSampler", "cdf_margins", "device_sample", "episode_key", "uniforms"]
+__all__ = ["HostSampler", "device_sample", "episode_key", "row_seeds"]
 
 
 class HostSampler:
@@ -27,7 +30,7 @@ class HostSampler:
         self._z = np.empty((0, 0), np.float32)
         self._e = np.empty((0, 0), np.float32)
 
-    def __call__(self, logits: np.ndarray, u: np.ndarray, temperature: float, top_k: int = 0,
+    def __call__(self, logits: np.ndarray, seeds: np.ndarray, temperature: float, top_k: int = 0,
                  top_p: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
         b, v = logits.shape
         if self._z.shape[0] < b or self._z.shape[1] != v:
@@ -39,12 +42,14 @@ class HostSampler:
             truncate(z, top_k, top_p)
         z -= z.max(axis=1, keepdims=True)
         np.exp(z, out=e)
-        np.cumsum(e, axis=1, out=e)
-        total = e[:, -1].copy()
-        x = u * total
-        tok = np.fromiter((np.searchsorted(e[i], x[i], side="left") for i in range(b)), np.int64, count=b)
+        total = e.sum(axis=1)
+        step = max(1, (1 << 18) // v)  # rows at a time: the hash's temporaries stay in cache
+        for a in range(0, b, step):
+            gumbel(seeds[a:a + step], v, np.float32, out=e[a:a + step])
+        e += z
+        tok = e.argmax(axis=1)
         lp = z[np.arange(b), tok] - np.log(total)
-        return tok, lp.astype(np.float32)
+        return tok.astype(np.int64), lp.astype(np.float32)
 
 
 def _truncate_mx(z: mx.array, top_k: int, top_p: float) -> mx.array:
@@ -62,16 +67,32 @@ def _truncate_mx(z: mx.array, top_k: int, top_p: float) -> mx.array:
     return z
 
 
-def device_sample(logits: mx.array, u: np.ndarray, temperature: float, top_k: int = 0,
+def _mix32(x: mx.array) -> mx.array:
+    x = x ^ (x >> 16)
+    x = x * mx.array(H1, mx.uint32)
+    x = x ^ (x >> 15)
+    x = x * mx.array(H2, mx.uint32)
+    return x ^ (x >> 16)
+
+
+def _gumbel_mx(seeds: np.ndarray, v: int) -> mx.array:
+    """:func:`stoa.backends.sampling.gumbel` in MLX (float32): the same noise bits."""
+    lo, hi = split_seeds(seeds)
+    h = _mix32(mx.arange(v, dtype=mx.uint32)[None, :] ^ mx.array(lo)[:, None])
+    h = _mix32(h ^ mx.array(hi)[:, None])
+    w = ((2**23 - 0.5) - (h >> 9).astype(mx.float32)) * (2.0**-23)  # 1 - u, exact
+    return -mx.log(-mx.log1p(-w))
+
+
+def device_sample(logits: mx.array, seeds: np.ndarray, temperature: float, top_k: int = 0,
                   top_p: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """The same rule as :class:`HostSampler`, computed by MLX on its default device."""
     z = logits.astype(mx.float32) * (1.0 / temperature)
     if top_k or top_p < 1.0:
         z = _truncate_mx(z, top_k, top_p)
     z = z - z.max(axis=1, keepdims=True)
-    c = mx.cumsum(mx.exp(z), axis=1)
-    total = c[:, -1]
-    tok = (c < (mx.array(u) * total)[:, None]).sum(axis=1)
+    total = mx.exp(z).sum(axis=1)
+    tok = mx.argmax(z + _gumbel_mx(seeds, z.shape[1]), axis=1)
     lp = mx.take_along_axis(z, tok[:, None], axis=1)[:, 0] - mx.log(total)
     mx.eval(tok, lp)
     return np.array(tok).astype(np.int64), np.array(lp, dtype=np.float32)

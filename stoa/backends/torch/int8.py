@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from stoa.backends.packing import by_length, padded_tokens
-from stoa.backends.sampling import margin_plan
+from stoa.backends.sampling import Draws, margin_plan
 from stoa.types import Episode
 
 __all__ = ["Int8ScorerError", "TorchInt8Scorer", "make_scorer", "resolve_device"]
@@ -157,32 +157,38 @@ class TorchInt8Scorer:
         return by_length([len(e) for e in episodes], max_tokens,
                          lambda b: self._score_batch([episodes[i] for i in b], temperature))
 
-    @torch.no_grad()
     def sampling_margins(self, episodes: Sequence[Episode], seeds: Sequence[int], top_k: int = 0,
-                         max_tokens: int = 8192) -> list[np.ndarray]:
+                         drift: float = 0.0, max_tokens: int = 8192) -> list[np.ndarray]:
         """One float64 array per episode, one entry per sampled token, exactly as the MLX engine's
-        ``sampling_margins`` (``RolloutEngine.sampling_margins``): where the token's re-derived
-        uniform lands relative to its slice of the truncated-softmax CDF, positive inside."""
+        ``sampling_margins`` (``RolloutEngine.sampling_margins``): by how much, in raw logits, the
+        token beats every other under the sampling rule's re-derived noise; positive: drawn."""
+        return [d.margins for d in self.check_draws(episodes, seeds, top_k, drift, max_tokens)]
+
+    @torch.no_grad()
+    def check_draws(self, episodes: Sequence[Episode], seeds: Sequence[int], top_k: int = 0,
+                    drift: float = 0.0, max_tokens: int = 8192) -> list[Draws]:
+        """``RolloutEngine.check_draws``: each episode's margins and re-scored log-probs from one
+        forward pass."""
         if len(seeds) != len(episodes):
             raise Int8ScorerError("one seed per episode")
         if self.version < 0:
             raise Int8ScorerError("no state loaded: call load_state first")
-        return by_length([len(e) for e in episodes], max_tokens, lambda b: self._margins_batch(
-            [episodes[i] for i in b], [int(seeds[i]) for i in b], top_k))
+        return by_length([len(e) for e in episodes], max_tokens, lambda b: self._draws_batch(
+            [episodes[i] for i in b], [int(seeds[i]) for i in b], top_k, drift))
 
-    def _margins_batch(self, eps: Sequence[Episode], seeds: Sequence[int], top_k: int) -> list[np.ndarray]:
+    def _draws_batch(self, eps: Sequence[Episode], seeds: Sequence[int], top_k: int, drift: float) -> list[Draws]:
         _, x = padded_tokens(eps, self.vocab_size, np.int64, Int8ScorerError)
         plan = margin_plan(eps, seeds, x)
-        flat = np.empty(plan.at.size, np.float64)
-        if flat.size == 0:
-            return plan.split(flat)
-        hidden = self._body(input_ids=torch.from_numpy(plan.x).to(self.device)).last_hidden_state
-        rows, cols = torch.from_numpy(plan.src).to(self.device), torch.from_numpy(plan.at - 1).to(self.device)
-        step = max(1, (1 << 22) // self.vocab_size)  # bound the float32 logits held at once
-        for a in range(0, flat.size, step):
-            logits = self._head(hidden[rows[a:a + step], cols[a:a + step]]).to(torch.float32)
-            flat[a:a + step] = plan.margins(a, logits.cpu().numpy(), top_k)
-        return plan.split(flat)
+        margins, logprobs = np.empty(plan.at.size, np.float64), np.empty(plan.at.size, np.float64)
+        if margins.size:
+            hidden = self._body(input_ids=torch.from_numpy(plan.x).to(self.device)).last_hidden_state
+            rows, cols = torch.from_numpy(plan.src).to(self.device), torch.from_numpy(plan.at - 1).to(self.device)
+            step = max(1, (1 << 22) // self.vocab_size)  # bound the float logits held at once
+            for a in range(0, margins.size, step):
+                logits = self._head(hidden[rows[a:a + step], cols[a:a + step]]).to(torch.float32)
+                b = a + logits.shape[0]
+                margins[a:b], logprobs[a:b] = plan.margins(a, logits.cpu().numpy(), top_k, drift)
+        return plan.draws(margins, logprobs)
 
     def _score_batch(self, eps: Sequence[Episode], temperature: float | None) -> list[np.ndarray]:
         toks, x = padded_tokens(eps, self.vocab_size, np.int64, Int8ScorerError)

@@ -1,5 +1,10 @@
 """Log-prob audit: are a worker's behaviour log-probs the ones its claimed policy gives?
 
+By default (``AuditConfig.every_episode``, with assigned work) every episode's claims are
+compared token by token with the int8 re-score of its claimed version (:func:`compare_logprobs`,
+from the same forward pass that re-derives its draws), and the statistical audit below is not
+run. It runs with ``every_episode = false``:
+
 Every model token of an episode carries ``log mu``, the log-probability the worker says its int8
 policy (the claimed ``policy_version``) gave it. The trainer scores a random sample of each
 admitted batch with its own float weights (``log pi``, one forward pass, no backward) and keeps,
@@ -33,7 +38,7 @@ import numpy as np
 
 from stoa.types import Episode
 
-__all__ = ["AuditConfig", "LogprobAudit", "SpotCheck", "TokenStats", "episode_stats", "spot_check"]
+__all__ = ["AuditConfig", "LogprobAudit", "SpotCheck", "TokenStats", "compare_logprobs", "episode_stats", "spot_check"]
 
 BUCKETS = ("0", "1", "2", "3+")
 IMPLAUSIBLE_PI = -15.0
@@ -107,19 +112,26 @@ class AuditConfig:
     episode's tokens can carry a forged log-prob. Honest re-scores differ by about 1e-6 nat on one
     machine (int8 kernels against float32 ones, host against device sampler, any batch shape)."""
 
+    every_episode: bool = True
+    """With assigned work, check every episode of every batch: each sampled token re-derived from
+    the assigned seed (``sampling_band``) and each claimed log mu compared with the int8 re-score
+    (``spot_check_tolerance``), from one int8 forward pass per distinct row. Then the learner's
+    audit and the spot-checks are not run (they only chose which episodes to re-score). False:
+    the audit, spot-checks and ``sampling_episodes`` random episodes per batch."""
     sampling_episodes: int = 1
-    """Episodes of every batch (besides any that repeat another's tokens) whose every token is
-    re-derived from the batch's assigned seed under the int8 policy of its version."""
-    sampling_band: float = 1e-4
-    """A spot-checked token whose assigned uniform lands within this much probability of the edge
-    of its slice of the re-scored CDF is ambiguous (never punished); further outside, the sampling
-    rule did not draw it. Honest drift measured at 1e-7 across int8/float32 kernels and samplers."""
+    """Without ``every_episode``: episodes of every batch (besides any that repeat another's
+    tokens) whose every token is re-derived from the batch's assigned seed."""
+    sampling_band: float = 0.02
+    """In raw logits: a token beaten under the assigned noise by another kept token by more than
+    this is one the sampling rule did not draw; within it, ambiguous (never punished). It
+    tolerates a logit drift of half of it (any entry, after a common shift) between the worker's
+    int8 stack and the trainer's re-score; measured honest drift: at most 7.6e-5 (see docs/trust.md)."""
 
     def __post_init__(self) -> None:
         if self.sampling_episodes < 0:
             raise ValueError("trust.audit.sampling_episodes must be >= 0")
-        if not 0 < self.sampling_band < 0.5:
-            raise ValueError("trust.audit.sampling_band must lie in (0, 0.5)")
+        if not 0 < self.sampling_band <= 10:
+            raise ValueError("trust.audit.sampling_band must lie in (0, 10] (logits)")
         if not (0 < self.fraction <= 1 and 0 <= self.random_spot_check <= 1):
             raise ValueError("trust.audit.fraction must lie in (0, 1] and trust.audit.random_spot_check in [0, 1]")
         if not (self.spot_check_episodes >= 1 and self.min_tokens >= 1):
@@ -240,20 +252,19 @@ class SpotCheck:
         return self.failed > 0
 
 
-def spot_check(score: Callable[[list[Episode]], list[np.ndarray]], episodes: Sequence[Episode],
-               config: AuditConfig = AuditConfig()) -> SpotCheck:
-    """Compare claimed log mu with ``score(episodes)`` (the int8 engine's prefill log-probs at the
-    claimed version, aligned with ``tokens()``), token by token.
+def compare_logprobs(episodes: Sequence[Episode], scored: Sequence[tuple[np.ndarray, np.ndarray]],
+                     config: AuditConfig = AuditConfig()) -> SpotCheck:
+    """Compare each episode's claimed log mu with the int8 re-score at its claimed version,
+    token by token: ``scored[i] = (positions, log-probs)`` at model-token positions of
+    ``episodes[i].tokens()``.
 
     With ``top_p < 1`` the claimed log mu is of the renormalized nucleus (never below the full
     softmax's), so only claims *below* the re-score count as mismatches there.
     """
     eps = list(episodes)
-    scored = score(eps)
     failed, worst, notes = 0, 0.0, []
-    for ep, lp in zip(eps, scored):
-        mask = ep.loss_mask()
-        d = ep.behavior_logprobs()[mask].astype(np.float64) - np.asarray(lp, np.float64)[mask]
+    for ep, (at, lp) in zip(eps, scored):
+        d = ep.behavior_logprobs()[at].astype(np.float64) - np.asarray(lp, np.float64)
         if ep.top_p < 1.0:
             d = np.minimum(d, 0.0)
         bad = np.abs(d) > config.spot_check_tolerance
@@ -267,3 +278,12 @@ def spot_check(score: Callable[[list[Episode]], list[np.ndarray]], episodes: Seq
     detail = (f"{failed} of {len(eps)} episodes re-scored with the int8 policy at their claimed version do not match "
               f"their log mu; " + "; ".join(notes)) if failed else f"{len(eps)} episodes re-scored: all match"
     return SpotCheck(len(eps), failed, worst, detail)
+
+
+def spot_check(score: Callable[[list[Episode]], list[np.ndarray]], episodes: Sequence[Episode],
+               config: AuditConfig = AuditConfig()) -> SpotCheck:
+    """:func:`compare_logprobs` with ``score(episodes)`` (the int8 engine's prefill log-probs at
+    the claimed version, aligned with ``tokens()``) at every model token."""
+    eps = list(episodes)
+    at = [np.flatnonzero(ep.loss_mask()) for ep in eps]
+    return compare_logprobs(eps, [(a, np.asarray(lp)[a]) for a, lp in zip(at, score(eps))], config)

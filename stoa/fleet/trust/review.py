@@ -7,14 +7,18 @@ In the order a batch meets them:
 
 1. **Replay** (:mod:`stoa.fleet.trust.replay`): every episode re-played through the trainer's
    own environment (tasks that declare ``replayable``).
-2. **Audit** (:mod:`stoa.fleet.trust.audit`): a sample of episodes scored by the learner (log pi
-   against the claimed log mu); a suspicious episode or key, or a random draw, triggers a
-   **spot-check** with the int8 policy of the claimed version (log-probs token by token and,
-   with assigned work, every token against the sampling rule's draw from the assigned seed).
-3. **Sampling check**: every batch with assigned work has ``audit.sampling_episodes`` random
-   episodes, and every episode whose tokens repeat another's, re-derived from the assigned seed.
+2. **Every episode checked** (``audit.every_episode``, with assigned work): one int8 forward pass
+   per distinct row at the claimed version gives, for every sampled token of every episode, its
+   draw margin under the assigned seed (:func:`stoa.backends.sampling.draw_margins`) and its
+   log-prob, compared with the claimed log mu token by token (:func:`~stoa.fleet.trust.audit.compare_logprobs`).
+3. Otherwise (``every_episode = false``, or no assigned work): the **audit**
+   (:mod:`stoa.fleet.trust.audit`) scores a sample of episodes with the learner (log pi against
+   the claimed log mu); a suspicious episode or key, or a random draw, triggers a **spot-check**
+   with the int8 policy of the claimed version; and with assigned work ``audit.sampling_episodes``
+   random episodes, plus every episode whose tokens repeat another's, are re-derived.
 
-A confirmed forgery (a spot-check or the sampling check) is a verdict with ``ban=True``.
+A token the rule did not draw (margin below ``-audit.sampling_band``) or a claimed log-prob off
+the re-score is a confirmed forgery: a verdict with ``ban=True``.
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from stoa.fleet.trust.audit import AuditConfig, LogprobAudit, episode_stats, spot_check
+from stoa.fleet.trust.audit import AuditConfig, LogprobAudit, compare_logprobs, episode_stats, spot_check
 from stoa.fleet.trust.replay import layout_digest
 from stoa.types import Category
 
 if TYPE_CHECKING:
+    from stoa.backends.sampling import Draws
     from stoa.fleet.trust.assign import Assignment
     from stoa.fleet.trust.replay import Replayer
     from stoa.transport.exchange import Batch
@@ -72,9 +77,14 @@ class Int8Scorer(Protocol):
         when that version's weights are no longer held."""
         ...
 
-    def sampling_margins(self, version: int, episodes: Sequence[Episode],
-                         seeds: Sequence[int]) -> list[np.ndarray] | None:
+    def sampling_margins(self, version: int, episodes: Sequence[Episode], seeds: Sequence[int],
+                         drift: float = 0.0) -> list[np.ndarray] | None:
         """``RolloutEngine.sampling_margins`` under ``version``'s int8 policy; None when not held."""
+        ...
+
+    def check_draws(self, version: int, episodes: Sequence[Episode], seeds: Sequence[int],
+                    drift: float = 0.0) -> list[Draws] | None:
+        """``RolloutEngine.check_draws`` under ``version``'s int8 policy; None when not held."""
         ...
 
 
@@ -131,9 +141,9 @@ class Review:
                  assign: Callable[[Batch], Assignment] | None, rng: np.random.Generator):
         self.cfg, self.rng, self.assign = cfg, rng, assign
         self.audit = LogprobAudit(cfg)
-        self.seconds = {"replay": 0.0, "audit": 0.0, "spot_check": 0.0, "sampling": 0.0}
+        self.seconds = {"replay": 0.0, "audit": 0.0, "spot_check": 0.0, "sampling": 0.0, "episode_check": 0.0}
         self.counts = {"spot_checks": 0, "episodes_replayed": 0, "episodes_audited": 0, "sampled_tokens_checked": 0,
-                       "sampled_tokens_ambiguous": 0, "sampling_violations": 0}
+                       "sampled_tokens_ambiguous": 0, "sampling_violations": 0, "episodes_checked": 0}
         if replayer is not None and replay and not replayer.replayable:
             log.warning("the task is not replayable (TextEnv.replayable = False): episodes are audited only")
         self.replayer = replayer if replay and replayer is not None and replayer.replayable else None
@@ -149,11 +159,33 @@ class Review:
         """``(verdict, spot_checked)``: the audit and the sampling check of ``b``, and whether a
         spot-check was made (whatever its outcome)."""
         verdict, spot = None, [False]
+        assigned = self.int8 is not None and self.assign is not None and bool(b.key_id)
+        if assigned and self.cfg.every_episode:
+            return _guarded(self._every, b), False
         if self.float_scorer is not None:
             verdict = _guarded(self._audit, b, trainer_version, spot)
-        if verdict is None and self.int8 is not None and self.assign is not None and b.key_id:
+        if verdict is None and assigned:
             verdict = _guarded(self._draws, b)
         return verdict, spot[0]
+
+    def _every(self, b: Batch) -> Verdict | None:
+        """Every episode: its sampled tokens re-derived from the assigned seed and its claimed
+        log mu compared with the int8 re-score, from one forward pass per distinct row."""
+        eps = list(b.episodes)
+        t0 = time.perf_counter()
+        seed = self.assign(b).seed  # type: ignore[misc]
+        drift = self.cfg.sampling_band / 2
+        draws = self.int8.check_draws(b.version, eps, [seed] * len(eps), drift)  # type: ignore[union-attr]
+        self.seconds["episode_check"] += time.perf_counter() - t0
+        if draws is None:  # never accepted unchecked: a forger would claim exactly such a version
+            return Verdict("unverifiable", f"the episodes cannot be checked: version {b.version}'s int8 weights "
+                                           "are neither held nor rebuildable from the weight chain")
+        self.counts["episodes_checked"] += len(eps)
+        lps = compare_logprobs(eps, [(d.at, d.logprobs) for d in draws], self.cfg)
+        if lps.confirmed:
+            return Verdict("audit", f"log-prob check: {lps.detail}", ban=True)
+        why = self._sampling(b, eps, [d.margins for d in draws])
+        return None if why is None else Verdict("sampling", why, ban=True)
 
     def _replay(self, b: Batch) -> Verdict | None:
         t0 = time.perf_counter()
@@ -229,7 +261,8 @@ class Review:
         pick = sampling_pick(b.episodes, self.rng, self.cfg.sampling_episodes)
         t0 = time.perf_counter()
         eps, seed = [b.episodes[i] for i in pick], self.assign(b).seed  # type: ignore[misc]
-        margins = self.int8.sampling_margins(b.version, eps, [seed] * len(eps))  # type: ignore[union-attr]
+        drift = self.cfg.sampling_band / 2
+        margins = self.int8.sampling_margins(b.version, eps, [seed] * len(eps), drift)  # type: ignore[union-attr]
         if margins is None:  # never accepted unchecked
             return Verdict("unverifiable", f"the sampling check cannot be made: version {b.version}'s int8 weights "
                                            "are neither held nor rebuildable from the weight chain")
@@ -243,7 +276,8 @@ class Review:
         not given), or None."""
         if margins is None:
             seed = self.assign(b).seed  # type: ignore[misc]
-            margins = self.int8.sampling_margins(b.version, eps, [seed] * len(eps))  # type: ignore[union-attr]
+            margins = self.int8.sampling_margins(b.version, eps, [seed] * len(eps),  # type: ignore[union-attr]
+                                                 self.cfg.sampling_band / 2)
             if margins is None:  # only after the log-prob re-score of the same version succeeded
                 return None
         band = self.cfg.sampling_band
@@ -257,7 +291,7 @@ class Review:
         e, n, total = bad[0]
         return (f"sampling: {len(bad)} of {len(eps)} episodes hold tokens the sampling rule does not draw from the "
                 f"assigned seed at temperature {e.temperature:g}, top_p {e.top_p:g} (group {e.group_id[:40]!r} sample "
-                f"{e.sample_index}: {n} of {total} tokens further than {band:g} outside their slice of the CDF)")
+                f"{e.sample_index}: {n} of {total} tokens beaten by another by more than {band:g} logits)")
 
     def calibrate(self, episodes: Sequence[Episode], trainer_logprobs: Sequence[np.ndarray]) -> float:
         """The int8-versus-float floor, from the trainer's own int8 episodes at one version."""
