@@ -8,12 +8,12 @@ For each preset of :data:`FAMILIES` (random weights, exact tensor names and shap
 
 1. ``parity``: the preset at its real shape, except where :data:`PARITY_LAYERS` cuts layers to
    fit this machine (width, heads, ``head_dim``, vocabulary, windows, RoPE, soft-caps kept), in
-   bfloat16 on disk as checkpoints ship. The trainer's start-up check
-   (:func:`stoa.fleet.parity.check`: probe episodes on the float torch learner, the int8 MLX engine
-   and the torch int8 scorer), then, for sliding-window families, the same weights with the window
-   cut to 16 (a config edit) scored on the probes and on 200-token episodes, so the window is
-   crossed at the real width. The engine runs its int8 kernels (``quantized``) to hold one float
-   copy less.
+   bfloat16 on disk as checkpoints ship. What the trainer's start-up check measures
+   (:func:`stoa.fleet.parity.check`: the engine's built fields against the config, then probe
+   episodes on the float torch learner, the int8 MLX engine and the torch int8 scorer), one stack
+   in memory at a time; then, for sliding-window families, the same weights with the window cut to
+   16 (a config edit) on the probes and on 200-token episodes, so the window is crossed at the
+   real width. The engine runs its int8 kernels (``quantized``) to hold no float copy.
 2. ``fleet``: ``stoa train`` (one trainer, one worker, local store) for 2 RL steps on
    ``examples/custom_env.py``'s arithmetic, on the preset's structure at the width of
    :func:`fleet_shape` (real vocabulary, layer pattern, ``head_dim``, soft-caps and RoPE; window 16 so
@@ -37,8 +37,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ["smollm2-135m", "qwen2.5-0.5b", "qwen3-0.6b", "llama-3.2-1b", "mistral-7b-v0.1", "gemma-2-2b",
             "gemma-3-1b"]
-PARITY_LAYERS = {"mistral-7b-v0.1": 4, "gemma-2-2b": 6}
-"""Layers kept where the real depth does not fit three float copies in this machine's memory."""
+PARITY_LAYERS = {"llama-3.2-1b": 8, "mistral-7b-v0.1": 2, "gemma-2-2b": 2, "gemma-3-1b": 14}
+"""Layers kept where the real depth does not fit this shared machine's memory (about 0.75B
+parameters at most: a float32 learner plus the int8 state)."""
 WINDOW = 16
 
 _FLEET = """
@@ -113,6 +114,10 @@ def long_episodes(vocab: int, n: int = 3, length: int = 200) -> list:
 
 
 def parity_part(name: str, work: Path) -> dict:
+    """The start-up check's measurements (:func:`stoa.fleet.parity.check`), one stack in memory at a
+    time: the float learner's scores and int8 state, then the engine's, then the torch scorer's."""
+    import gc
+
     import stoa.backends.mlx  # noqa: F401 - OpenBLAS before mlx
     from stoa.backends.learner import LearnerConfig, make_learner
     from stoa.backends.mlx import MLXEngine
@@ -123,8 +128,7 @@ def parity_part(name: str, work: Path) -> dict:
     from stoa.transport.quant import quantize_state
 
     cfg = dict(PRESETS[name])
-    if name in PARITY_LAYERS:
-        cfg["num_hidden_layers"] = PARITY_LAYERS[name]
+    cfg["num_hidden_layers"] = PARITY_LAYERS.get(name, cfg["num_hidden_layers"])
     t0 = time.perf_counter()
     path = build_preset(work / name, cfg, texts(), tokenizer_vocab=2048, dtype="bfloat16")
     out = {"family": name, "layers": cfg["num_hidden_layers"], "params": num_params(cfg),
@@ -133,38 +137,54 @@ def parity_part(name: str, work: Path) -> dict:
     folders = [("real", path)] + ([("window16", with_window(path, work / f"{name}-w16", WINDOW))]
                                   if spec.sliding_window else [])
     for label, folder in folders:
-        learner = make_learner("torch", folder, LearnerConfig(threads=2))
-        state = quantize_state(learner.iter_weights("float32"))
+        state = quantize_state(make_learner("torch", folder, LearnerConfig(threads=2)).iter_weights("float32"))
+        gc.collect()
         engine = MLXEngine.from_state(folder, dict(state), 0, mode="quantized")
+        why = parity.join_check(engine, folder)
+        eps = parity.probe_episodes(engine.codec, engine.vocab_size)
+        eps += long_episodes(2048) if label == "window16" else []
+        en = engine.score(eps)
+        del engine
+        gc.collect()
+        learner = make_learner("torch", folder, LearnerConfig(threads=2))  # built again: one stack at a time
+        fl = learner.logprobs(eps, temperature=None)
+        del learner
+        gc.collect()
         scorer = make_scorer(folder, "cpu", "float32")
         scorer.load_state(0, state)
-        got = parity.check(folder, learner, engine, scorer)
-        row = {"probe_tokens_max": max(len(e) for e in parity.probe_episodes(engine.codec, engine.vocab_size)),
-               **got.metrics()}
-        if label == "window16":
-            eps = long_episodes(2048)
-            fl, en, sc = learner.logprobs(eps, temperature=1.0), engine.score(eps, 1.0), scorer.score(eps, 1.0)
-            row.update({"long/int8_vs_float": parity.gap(en, fl, eps)[0],
-                        "long/engine_vs_scorer": parity.gap(en, sc, eps)[0],
-                        "long/engine_vs_scorer_max_token": parity.gap(en, sc, eps)[1]})
+        sc = scorer.score(eps)
+        del scorer, state
+        gc.collect()
+        row: dict = {"join_check": why or "ok", "tokens_max": max(len(e) for e in eps)}
+        for part, sel in (("probe", [i for i, e in enumerate(eps) if e.group_id.startswith("parity")]),
+                          ("long", [i for i, e in enumerate(eps) if e.group_id.startswith("long")])):
+            if sel:
+                pick = lambda xs: [xs[i] for i in sel]  # noqa: E731
+                e_f, w1 = parity.gap(pick(en), pick(fl), pick(eps))
+                s_f, w2 = parity.gap(pick(sc), pick(fl), pick(eps))
+                e_s, w3 = parity.gap(pick(en), pick(sc), pick(eps))
+                row.update({f"{part}/int8_vs_float": e_f, f"{part}/scorer_vs_float": s_f,
+                            f"{part}/engine_vs_scorer": e_s, f"{part}/max_token": max(w1, w2, w3),
+                            f"{part}/within_bounds": e_f < parity.INT8_BOUND and s_f < parity.INT8_BOUND
+                            and e_s < parity.SAME_WEIGHTS_BOUND})
         out[label] = row
-        del learner, engine, scorer, state
     return out
 
 
 def fleet_shape(name: str) -> dict:
-    """The preset's structure at a width the CPU trains in minutes: real vocabulary, layer
-    pattern, ``head_dim`` where the config sets one, GQA ratio up to 4, soft-caps and RoPE;
-    hidden 256, MLP 512, window 16."""
+    """The preset's structure at a width the CPU trains in minutes: real vocabulary, ``head_dim``,
+    layer pattern, soft-caps and RoPE, GQA ratio up to 4 over 2 key/value heads, 4 layers (7 for
+    Gemma 3: five sliding, one full, one sliding), MLP 512, window 16; the width is the heads'
+    (256 where ``head_dim`` is apart from it, as in Qwen3 and Gemma)."""
     from stoa.models.presets import PRESETS
 
-    c = dict(PRESETS[name], hidden_size=256, intermediate_size=512)
+    c = dict(PRESETS[name], intermediate_size=512)
+    hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     kv = 2
     heads = kv * min(4, c["num_attention_heads"] // c["num_key_value_heads"])
-    c.update(num_attention_heads=heads, num_key_value_heads=kv,
-             num_hidden_layers={"gemma3_text": 7, "gemma2": 4}.get(c["model_type"], 4))
-    if c["model_type"] == "qwen2":
-        c["head_dim"] = 256 // heads
+    apart = c["model_type"] in ("qwen3", "gemma2", "gemma3_text")
+    c.update(num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, hidden_size=256 if apart else heads * hd,
+             num_hidden_layers={"gemma3_text": 7}.get(c["model_type"], 4))
     if c.get("sliding_window"):
         c["sliding_window"] = WINDOW
     return c

@@ -290,6 +290,9 @@ def read(cfg: Mapping[str, Any], where: str = "config.json") -> ModelSpec:
     kv = _num(cfg, "num_key_value_heads", int, where) if cfg.get("num_key_value_heads") is not None else heads
     if heads % kv:
         raise ModelConfigError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    if mt in ("llama", *_GEMMA) and hidden % heads:  # transformers' config classes refuse it, head_dim or not
+        raise ModelConfigError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
+                               f"(transformers refuses a {mt} config so)")
     head_dim = cfg.get("head_dim")
     head_dim = (_num(cfg, "head_dim", int, where) if head_dim is not None
                 else int(d.get("head_dim", hidden // heads)))
