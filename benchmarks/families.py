@@ -228,12 +228,30 @@ def fleet_part(name: str, work: Path) -> dict:
     return out
 
 
+def available_gb() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return float("inf")
+
+
+def need_gb(name: str, part: str) -> float:
+    """Memory a part holds at its peak: a float32 learner and the int8 state, or a small fleet."""
+    from stoa.models.presets import PRESETS, num_params
+
+    if part == "fleet":
+        return 4.0
+    return 5 * num_params({**PRESETS[name], "num_hidden_layers": PARITY_LAYERS.get(
+        name, PRESETS[name]["num_hidden_layers"])}) / 2**30 + 1.5
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--parts", default="parity,fleet")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/stoa-families"))
+    ap.add_argument("--wait", type=float, default=3600, help="Seconds to wait for the memory a part needs.")
     ap.add_argument("--one", nargs=2, metavar=("PART", "FAMILY"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -246,6 +264,13 @@ def main() -> None:
     results = []
     for name in args.families.split(","):
         for part in args.parts.split(","):
+            deadline = time.monotonic() + args.wait
+            while available_gb() < need_gb(name, part) and time.monotonic() < deadline:
+                time.sleep(30)  # a shared machine: start only when the part fits beside the others
+            if available_gb() < need_gb(name, part):
+                print(json.dumps({"family": name, "part": part, "skipped": f"needs {need_gb(name, part):.1f} GB, "
+                                  f"{available_gb():.1f} GB available"}), flush=True)
+                continue
             t0 = time.perf_counter()
             r = subprocess.run([sys.executable, __file__, "--workdir", str(args.workdir), "--one", part, name],
                                capture_output=True, text=True)
