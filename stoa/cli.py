@@ -79,8 +79,9 @@ def init_tiny(
     preset: Annotated[
         Optional[str],
         typer.Option(help="Real shape instead of the tiny one: qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-3b, qwen2.5-7b, "
-                          "qwen3-0.6b, qwen3-8b, llama-3.2-1b, or a config.json path. --vocab-size then sets "
-                          "the tokenizer's size; the embedding keeps the shape's vocabulary."),
+                          "qwen3-0.6b, qwen3-8b, llama-3.2-1b, smollm2-135m, mistral-7b-v0.1, gemma-2-2b, "
+                          "gemma-3-1b, or a config.json path. --vocab-size then sets the tokenizer's size; the "
+                          "embedding keeps the shape's vocabulary."),
     ] = None,
     dtype: Annotated[str, typer.Option(help="Weights on disk with --preset: float32 or bfloat16.")] = "float32",
 ) -> None:

@@ -43,7 +43,7 @@ def shard_all(hf, arch, tp):
 def test_arch_reads_qwen2_qwen3_llama_configs():
     a = Arch.from_hf_config(qwen2_config())
     assert (a.qkv_bias, a.qk_norm, a.head_dim, a.rope_theta, a.num_kv_heads) == (True, False, 16, 1e6, 2)
-    q3 = Arch.from_hf_config(qwen2_config(model_type="qwen3", head_dim=32, rope_theta=5e5))
+    q3 = Arch.from_hf_config(qwen2_config(model_type="qwen3", head_dim=32, rope_theta=5e5, rope_parameters=None))
     assert (q3.qkv_bias, q3.qk_norm, q3.head_dim, q3.rope_theta) == (False, True, 32, 5e5)
     ll = Arch.from_hf_config(qwen2_config(model_type="llama", num_key_value_heads=None))
     assert (ll.qkv_bias, ll.qk_norm, ll.num_kv_heads) == (False, False, 4)
@@ -51,7 +51,9 @@ def test_arch_reads_qwen2_qwen3_llama_configs():
 
 @pytest.mark.parametrize("bad, message", [
     ({"model_type": "gpt2"}, "not supported"),
-    ({"use_sliding_window": True}, "sliding"),
+    ({"use_sliding_window": True, "max_window_layers": 1}, "sliding-window attention"),
+    ({"model_type": "mistral", "sliding_window": None}, "does not build model_type 'mistral'"),
+    ({"model_type": "gemma2", "head_dim": 16, "tie_word_embeddings": True}, "does not build model_type 'gemma2'"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "RoPE scaling"),
     ({"model_type": "llama", "attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "SwiGLU"),

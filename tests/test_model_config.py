@@ -80,7 +80,7 @@ def test_normalized_config_reads_alike_in_transformers():
     ({"rope_theta": 10000.0}, "rope_theta 10000 and rope_parameters.rope_theta 100000 disagree"),
     ({"layer_types": ["sliding_attention", "full_attention"] * 15, "sliding_window": 4096}, "sliding-window"),
     ({"use_sliding_window": True, "sliding_window": 4096}, "sliding-window"),
-    ({"model_type": "gemma2"}, "model_type 'gemma2' is not one of"),
+    ({"model_type": "phi3"}, "model_type 'phi3' is not supported"),
     ({"rope_parameters": {"rope_theta": 1e5, "rope_type": "longrope", "factor": 4.0}}, "RoPE type 'longrope'"),
     ({"quantization_config": {"bits": 4}}, "already quantized"),
     ({"num_key_value_heads": 4}, "not a multiple"),

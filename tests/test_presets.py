@@ -14,7 +14,8 @@ from test_tiny import texts
 # Published parameter counts of the checkpoints the presets copy.
 PUBLISHED = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304, "qwen2.5-3b": 3_085_938_688,
              "qwen2.5-7b": 7_615_616_512, "qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360,
-             "llama-3.2-1b": 1_235_814_400}
+             "llama-3.2-1b": 1_235_814_400, "smollm2-135m": 134_515_008, "mistral-7b-v0.1": 7_241_732_096,
+             "gemma-2-2b": 2_614_341_888, "gemma-3-1b": 999_885_952}
 
 
 def shrink(name: str, vocab: int = 4096) -> dict:

@@ -264,7 +264,7 @@ def _build_value(cls: type, name: str, value: Any, where: str) -> Any:
 def check_runnable(cfg: RunConfig) -> None:
     """What ``stoa train --check`` verifies beyond the config's own types and bounds: ``env.module``
     imports, ``env.id`` is registered, and ``model.path`` (if set) is a Hugging Face folder whose
-    config every stack reads alike (:func:`stoa.models.hfconfig.read`).
+    config every stack reads alike and ``learner.kind`` builds (:func:`stoa.models.hfconfig.check_learner`).
 
     Raises:
         ConfigError: naming the key and what to set.
@@ -288,10 +288,10 @@ def check_runnable(cfg: RunConfig) -> None:
                           "give a local folder with config.json, safetensors and tokenizer, or leave it "
                           "empty for a tiny model")
     if cfg.model.path:
-        from stoa.models.hfconfig import ModelConfigError, load
+        from stoa.models.hfconfig import ModelConfigError, check_learner, load
 
         try:
-            load(Path(cfg.model.path).expanduser())
+            check_learner(load(Path(cfg.model.path).expanduser()), cfg.learner.kind)
         except ModelConfigError as e:
             raise ConfigError(f"model.path {cfg.model.path!r} cannot be run: {e}") from None
 

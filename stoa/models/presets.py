@@ -5,8 +5,8 @@ shapes and vocabulary size of the named checkpoint (see :data:`PRESETS`), random
 small byte-level BPE tokenizer trained on ``texts`` (the tokenizer of :mod:`stoa.models.tiny`).
 As in Qwen's own checkpoints, the embedding has more rows than the tokenizer has ids: every id
 the tokenizer can emit is below ``vocab_size``, the rest are padding rows that are never indexed.
-``build_preset(out_dir, "path/to/config.json", texts)`` does the same for any Qwen2, Qwen3 or
-Llama-family ``config.json``.
+``build_preset(out_dir, "path/to/config.json", texts)`` does the same for any Qwen2, Qwen3,
+Llama, Mistral, Gemma 2 or Gemma 3 (text) ``config.json``.
 
 Weights are written one tensor at a time (a tensor in blocks of rows), so building an 8B shape
 needs only a few hundred MB of RAM. Each tensor's values come from its own seeded generator: the
@@ -62,6 +62,31 @@ PRESETS: dict[str, dict[str, Any]] = {
                      "attention_dropout": 0.0, "mlp_bias": False, "tie_word_embeddings": True,
                      "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                                       "original_max_position_embeddings": 8192, "rope_type": "llama3"}},
+    "smollm2-135m": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+                     "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                     "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "rms_norm_eps": 1e-5,
+                     "rope_theta": 100000.0, "max_position_embeddings": 8192, "attention_bias": False,
+                     "attention_dropout": 0.0, "mlp_bias": False, "tie_word_embeddings": True},
+    "mistral-7b-v0.1": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_act": "silu",
+                        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                        "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+                        "rope_theta": 10000.0, "max_position_embeddings": 32768, "sliding_window": 4096,
+                        "attention_dropout": 0.0, "tie_word_embeddings": False},
+    "gemma-2-2b": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+                   "hidden_activation": "gelu_pytorch_tanh", "vocab_size": 256000, "hidden_size": 2304,
+                   "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
+                   "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                   "max_position_embeddings": 8192, "sliding_window": 4096, "query_pre_attn_scalar": 256,
+                   "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "attention_bias": False,
+                   "attention_dropout": 0.0, "tie_word_embeddings": True},
+    "gemma-3-1b": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                   "hidden_activation": "gelu_pytorch_tanh", "vocab_size": 262144, "hidden_size": 1152,
+                   "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
+                   "num_key_value_heads": 1, "head_dim": 256, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                   "rope_local_base_freq": 10000.0, "max_position_embeddings": 32768, "sliding_window": 512,
+                   "sliding_window_pattern": 6, "query_pre_attn_scalar": 256, "attn_logit_softcapping": None,
+                   "final_logit_softcapping": None, "attention_bias": False, "attention_dropout": 0.0,
+                   "tie_word_embeddings": True},
 }
 """Shapes of public checkpoints (their ``config.json`` fields that fix tensor shapes and numerics)."""
 
@@ -73,14 +98,21 @@ def _head_dim(cfg: dict[str, Any]) -> int:
     return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
 
 
-def tensor_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
-    """``(name, shape, init)`` of every tensor of a Qwen2/Qwen3/Llama ``config``, in file order.
+_KINDS = ("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3_text")
 
-    ``init`` is ``"normal"`` (matrices), ``"ones"`` (norms) or ``"zeros"`` (linear biases).
+
+def tensor_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
+    """``(name, shape, init)`` of every tensor of a Qwen2/Qwen3/Llama/Mistral/Gemma 2/Gemma 3
+    ``config``, in file order.
+
+    ``init`` is ``"normal"`` (matrices), ``"ones"`` (norms), or ``"zeros"`` (linear biases, and
+    Gemma's norms, which scale by ``1 + weight``).
     """
     kind = cfg.get("model_type")
-    if kind not in ("qwen2", "qwen3", "llama", "mistral"):
-        raise ValueError(f"model_type {kind!r} is not supported (qwen2, qwen3, llama, mistral)")
+    if kind not in _KINDS:
+        raise ValueError(f"model_type {kind!r} is not supported ({', '.join(_KINDS)})")
+    gemma = kind.startswith("gemma")
+    norm = "zeros" if gemma else "ones"
     h, inter, n = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"])
     hd = _head_dim(cfg)
     q, kv = int(cfg["num_attention_heads"]) * hd, int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) * hd
@@ -88,7 +120,10 @@ def tensor_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
     specs: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (int(cfg["vocab_size"]), h), "normal")]
     for i in range(n):
         p = f"model.layers.{i}."
-        specs += [(p + "input_layernorm.weight", (h,), "ones"), (p + "post_attention_layernorm.weight", (h,), "ones")]
+        specs += [(p + "input_layernorm.weight", (h,), norm), (p + "post_attention_layernorm.weight", (h,), norm)]
+        if gemma:
+            specs += [(p + "pre_feedforward_layernorm.weight", (h,), norm),
+                      (p + "post_feedforward_layernorm.weight", (h,), norm)]
         for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
             specs.append((p + f"self_attn.{proj}.weight", (rows, h), "normal"))
             if qkv_bias:
@@ -96,11 +131,11 @@ def tensor_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
         specs.append((p + "self_attn.o_proj.weight", (h, q), "normal"))
         if cfg.get("attention_bias") and kind != "qwen2":
             specs.append((p + "self_attn.o_proj.bias", (h,), "zeros"))
-        if kind == "qwen3":
-            specs += [(p + "self_attn.q_norm.weight", (hd,), "ones"), (p + "self_attn.k_norm.weight", (hd,), "ones")]
+        if kind in ("qwen3", "gemma3_text"):
+            specs += [(p + "self_attn.q_norm.weight", (hd,), norm), (p + "self_attn.k_norm.weight", (hd,), norm)]
         specs += [(p + "mlp.gate_proj.weight", (inter, h), "normal"), (p + "mlp.up_proj.weight", (inter, h), "normal"),
                   (p + "mlp.down_proj.weight", (h, inter), "normal")]
-    specs.append(("model.norm.weight", (h,), "ones"))
+    specs.append(("model.norm.weight", (h,), norm))
     if not cfg.get("tie_word_embeddings", False):
         specs.append(("lm_head.weight", (int(cfg["vocab_size"]), h), "normal"))
     return specs
@@ -183,7 +218,7 @@ def build_preset(out_dir: str | Path, preset_or_config: str | Path | dict[str, A
     tok.save(str(out / "tokenizer.json"))
     cfg.update(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
                torch_dtype=dtype, use_cache=True, initializer_range=init_std)
-    cfg.setdefault("hidden_act", "silu")
+    cfg.setdefault("hidden_act", "gelu_pytorch_tanh" if str(cfg["model_type"]).startswith("gemma") else "silu")
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": int(cfg.get("max_position_embeddings", 2048)),
         "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None,

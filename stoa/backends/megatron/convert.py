@@ -26,10 +26,12 @@ from typing import Any
 
 import torch
 
+from stoa.models.hfconfig import LEARNERS, ModelConfigError, check_learner
+
 __all__ = ["Arch", "ConversionError", "hf_shapes", "hf_to_megatron", "layer_of", "megatron_names", "megatron_to_hf",
            "padded_vocab", "renumber"]
 
-SUPPORTED = ("qwen2", "qwen3", "llama")
+SUPPORTED = LEARNERS["megatron"]
 
 
 class ConversionError(ValueError):
@@ -83,42 +85,28 @@ class Arch:
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> Arch:
-        """Read (and check) an HF ``config.json`` dict; refuses features Megatron would silently change."""
-        mt = cfg.get("model_type")
-        if mt not in SUPPORTED:
-            raise ConversionError(f"model_type {mt!r} is not supported (one of {SUPPORTED})")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ConversionError(f"hidden_act={cfg.get('hidden_act')!r}: only SwiGLU (silu) is supported")
-        rope = dict(cfg.get("rope_parameters") or {})
-        scaling = cfg.get("rope_scaling") or {}
-        kind = scaling.get("rope_type", scaling.get("type")) if scaling else rope.get("rope_type", "default")
-        if kind not in (None, "default"):
-            raise ConversionError(f"RoPE scaling {kind!r} is not supported")
-        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-        if cfg.get("use_sliding_window", False):
-            raise ConversionError("sliding-window attention is not supported")
-        attn_bias = bool(cfg.get("attention_bias", False))
-        if mt != "qwen2" and attn_bias:
-            # Llama/Qwen3 attention_bias also puts a bias on o_proj, which Megatron ties to the MLP biases.
-            raise ConversionError(f"attention_bias=True is not supported for {mt}")
-        if cfg.get("mlp_bias", False):
-            raise ConversionError("mlp_bias=True is not supported")
-        heads = cfg["num_attention_heads"]
+        """Read (and check) an HF ``config.json`` dict as every stack reads it
+        (:func:`stoa.models.hfconfig.check_learner`); refuses what Megatron would silently change."""
+        try:
+            spec = check_learner(cfg, "megatron")
+        except ModelConfigError as e:
+            raise ConversionError(str(e)) from None
+        mt = spec.model_type
         return cls(
             model_type=mt,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
+            vocab_size=spec.vocab_size,
+            hidden_size=spec.hidden_size,
             intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            num_layers=spec.num_hidden_layers,
+            num_heads=spec.num_attention_heads,
+            num_kv_heads=spec.num_key_value_heads,
+            head_dim=spec.head_dim,
+            rms_norm_eps=spec.rms_norm_eps,
+            rope_theta=spec.rope_theta,
+            tie_word_embeddings=spec.tie_word_embeddings,
             qkv_bias=mt == "qwen2",  # Qwen2 hard-codes q/k/v biases whatever the config says
             qk_norm=mt == "qwen3",
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=spec.max_position_embeddings,
         )
 
     def num_params(self) -> int:

@@ -47,12 +47,13 @@ class MLXEngine:
 
     def __init__(self, hf_dir: Path, model: Any, model_config: dict[str, Any], mode: str, version: int,
                  config: EngineConfig, fast_ops: bool | None = None, worker_id: str = "") -> None:
-        from mlx_lm.models.cache import KVCache, make_prompt_cache
+        from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
         from mlx_lm.utils import load_tokenizer
 
-        if any(type(c) is not KVCache for c in make_prompt_cache(model)):
-            raise EngineError(f"{hf_dir}: the model needs sliding-window or recurrent caches, which the "
-                              "engine's batched full-attention cache does not implement")
+        # Every layer gets a full batched cache; a sliding one masks it (stoa.backends.mlx.attention).
+        if any(type(c) not in (KVCache, RotatingKVCache) for c in make_prompt_cache(model)):
+            raise EngineError(f"{hf_dir}: the model needs recurrent or other non-attention caches, which the "
+                              "engine's batched attention cache does not implement")
         self.hf_dir, self.config, self.version, self._worker_id = hf_dir, config, int(version), str(worker_id)
         self._model, self._mode = model, mode
         self._built = W.built_fields(model)

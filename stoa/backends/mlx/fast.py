@@ -17,6 +17,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from stoa.backends.mlx.attention import set_window, window_of
+
 _LOG2E = 1.4426950408889634
 _MIN = float(mx.finfo(mx.float32).min)
 
@@ -134,6 +136,7 @@ def install(model: nn.Module) -> bool:
         if not (isinstance(layer.self_attn, qwen2.Attention) and isinstance(layer.mlp, qwen2.MLP)):
             return False
     for layer in model.model.layers:
-        layer.self_attn = FastAttention(layer.self_attn)
+        window = window_of(layer.self_attn)
+        layer.self_attn = set_window(FastAttention(layer.self_attn), window)
         layer.mlp = FastMLP(layer.mlp)
     return True

@@ -20,6 +20,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from stoa.backends.engine import EngineError
+from stoa.backends.mlx import attention
 
 GROUP_SIZE, BITS = 64, 8
 
@@ -30,7 +31,7 @@ try:
 except ImportError:  # pragma: no cover - ml_dtypes is a dependency
     BF16 = None
 
-_HEAD_TYPES = {"qwen2", "qwen3", "llama", "mistral"}
+_HEAD_TYPES = {"qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3_text"}
 
 
 def load_model(hf_dir: str | Path, with_weights: bool = True) -> tuple[nn.Module, dict[str, Any]]:
@@ -53,25 +54,43 @@ def load_model(hf_dir: str | Path, with_weights: bool = True) -> tuple[nn.Module
         raise EngineError(str(e)) from None
     # lazy: a skeleton's random init (or its files) is never computed before the state replaces it
     model, cfg = _load(path, lazy=True, strict=with_weights, model_config=norm)
-    wrong = hfconfig.disagreements(hfconfig.read(norm), built_fields(model))
+    spec = hfconfig.read(norm)
+    attention.install(model, spec.windows)
+    wrong = hfconfig.disagreements(spec, built_fields(model))
     if wrong:
         raise EngineError(f"{path}: mlx_lm built the model differently from its config ({'; '.join(wrong)})")
     return model, cfg
 
 
 def built_fields(model: nn.Module) -> dict[str, Any]:
-    """What ``mlx_lm`` built, in :class:`stoa.models.hfconfig.ModelSpec`'s terms."""
+    """What ``mlx_lm`` built (with :func:`stoa.backends.mlx.attention.install`'s windows), in
+    :class:`stoa.models.hfconfig.ModelSpec`'s terms."""
+    from stoa.models.hfconfig import FULL, SLIDING
+
     args = model.args
-    attn = model.model.layers[0].self_attn
+    layers = model.model.layers
+    windows = [attention.window_of(layer.self_attn) for layer in layers]
+    full = next((i for i, w in enumerate(windows) if w is None), 0)
+    slide = next((i for i, w in enumerate(windows) if w is not None), None)
     heads = int(args.num_attention_heads)
+    attn = layers[full].self_attn
     rope = getattr(attn, "rope", None)
+    local = None
+    if args.model_type == "gemma3_text":  # its sliding layers' own RoPE base
+        local = float(getattr(layers[slide].self_attn.rope, "base", 0) if slide is not None
+                      else args.rope_local_base_freq)
     return {"model_type": args.model_type, "vocab_size": int(args.vocab_size), "hidden_size": int(args.hidden_size),
-            "num_hidden_layers": len(model.model.layers), "num_attention_heads": heads,
+            "num_hidden_layers": len(layers), "num_attention_heads": heads,
             "num_key_value_heads": int(getattr(args, "num_key_value_heads", None) or heads),
             "head_dim": int(attn.q_proj.weight.shape[0] // heads),
             "rope_theta": float(getattr(rope, "base", None) or args.rope_theta),
             "rope_scaling": getattr(args, "rope_scaling", None), "rms_norm_eps": float(args.rms_norm_eps),
-            "tie_word_embeddings": bool(getattr(args, "tie_word_embeddings", False))}
+            "tie_word_embeddings": "lm_head" not in model,
+            "layer_types": [FULL if w is None else SLIDING for w in windows],
+            "sliding_window": None if slide is None else windows[slide], "rope_local_theta": local,
+            "attention_scale": float(attn.scale),
+            "attn_logit_softcapping": getattr(attn, "attn_logit_softcapping", None),
+            "final_logit_softcapping": getattr(model, "final_logit_softcapping", None)}
 
 
 def quantize(model: nn.Module, config: dict[str, Any]) -> None:
@@ -203,12 +222,16 @@ def rebuild_float(model: nn.Module, state: dict[str, np.ndarray], stems: set[str
 
 def split_head(model: nn.Module):
     """``(body, head)`` with ``model(x) == head(body(x))`` for the common decoder layouts, so
-    prefill and scoring skip the vocabulary projection where it is not needed; else None."""
+    prefill and scoring skip the vocabulary projection where it is not needed; else None. The
+    head includes Gemma 2's final soft-capping."""
     inner, args = getattr(model, "model", None), getattr(model, "args", None)
     if inner is None or args is None or getattr(model, "model_type", None) not in _HEAD_TYPES:
         return None
-    if getattr(args, "tie_word_embeddings", False):
-        return inner, lambda h: inner.embed_tokens.as_linear(h)
-    if hasattr(model, "lm_head"):
-        return inner, lambda h: model.lm_head(h)
-    return None
+    if "lm_head" in model:
+        project = lambda h: model.lm_head(h)  # noqa: E731 - looked up per call: modules get swapped
+    else:
+        project = lambda h: inner.embed_tokens.as_linear(h)  # noqa: E731
+    cap = getattr(model, "final_logit_softcapping", None)
+    if not cap:
+        return inner, project
+    return inner, lambda h: mx.tanh(project(h) / cap) * cap

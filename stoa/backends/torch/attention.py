@@ -6,7 +6,9 @@ each bucket runs causal SDPA, and the outputs are scattered back. Work is close 
 block-diagonal cost; a dense masked SDPA over the row would cost ``row_len**2`` per head, which
 on a CPU is many times the rest of the model for rows of short episodes. Because no mask is
 built here (the name is not in the mask registry), ``transformers`` passes ``attention_mask=None``;
-called without a layout (a plain ``model(ids)``), it is ordinary causal SDPA.
+called without a layout (a plain ``model(ids)``), it is ordinary causal attention. Sliding
+windows and soft-capped scores (the ``sliding_window`` and ``softcap`` the model's attention
+passes) are applied within each episode, as ``transformers`` applies them to one sequence.
 """
 
 from __future__ import annotations
@@ -37,6 +39,33 @@ class VarlenTensors(NamedTuple):
         )
 
 
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, window: int | None,
+                    softcap: float | None, dropout: float = 0.0) -> torch.Tensor:
+    """Causal attention of rows that each start at position 0: ``q [n, H, w, D]``, ``k``/``v``
+    ``[n, Hkv, w, D]`` -> ``[n, H, w, D]``. ``window``: a query sees the ``window`` latest
+    positions, its own included (transformers' ``sliding_window``); ``softcap``: scores become
+    ``c * tanh(scores / c)`` before the mask (Gemma 2), computed without SDPA, softmax in float32."""
+    w = q.shape[2]
+    mask = None
+    if window is not None and w > window:
+        i = torch.arange(w, device=q.device)
+        mask = (i[:, None] >= i[None]) & (i[:, None] - i[None] < window)
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
+                                              scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    if mask is None:
+        i = torch.arange(w, device=q.device)
+        mask = i[:, None] >= i[None]
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
+    p = F.dropout(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), p=dropout)
+    return torch.matmul(p, v)
+
+
 def varlen_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -46,15 +75,21 @@ def varlen_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     stoa_varlen: VarlenTensors | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """``query [B, H, L, D]``, ``key``/``value [B, Hkv, L, D]`` -> output ``[B, L, H, D]``."""
-    if stoa_varlen is None:  # a plain call (one sequence a row, no layout): ordinary SDPA
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, sliding_window=sliding_window, **kwargs)
-    if sliding_window is not None:
-        raise NotImplementedError("sliding-window attention is not supported by the packed learner")
+    """``query [B, H, L, D]``, ``key``/``value [B, Hkv, L, D]`` -> output ``[B, L, H, D]``.
+    ``sliding_window`` and ``softcap`` as the model's attention passes them (see
+    :func:`dense_attention`)."""
+    if stoa_varlen is None:  # a plain call (one sequence a row from position 0, no layout)
+        if sliding_window is None and softcap is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, **kwargs)
+        if attention_mask is not None:
+            raise NotImplementedError("stoa_varlen takes no padding mask; pack rows with a layout instead")
+        out = dense_attention(query, key, value, scaling, sliding_window, softcap, dropout)
+        return out.transpose(1, 2).contiguous(), None
     b, h, length, d = query.shape
     hkv, dv = key.shape[1], value.shape[-1]
     q = query.transpose(1, 2).reshape(b * length, h, d)
@@ -65,9 +100,7 @@ def varlen_attention(
         qb = q.index_select(0, idx).view(n, w, h, d).transpose(1, 2)
         kb = k.index_select(0, idx).view(n, w, hkv, d).transpose(1, 2)
         vb = v.index_select(0, idx).view(n, w, hkv, dv).transpose(1, 2)
-        ob = F.scaled_dot_product_attention(
-            qb, kb, vb, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=hkv != h
-        )
+        ob = dense_attention(qb, kb, vb, scaling, sliding_window, softcap, dropout)
         outs.append(ob.transpose(1, 2).reshape(n * w, h, dv))
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
     return out.index_select(0, stoa_varlen.slot).view(b, length, h, dv), None

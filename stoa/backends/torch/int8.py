@@ -24,6 +24,7 @@ import torch
 
 from stoa.backends.packing import by_length, padded_tokens
 from stoa.backends.sampling import Draws, margin_plan
+from stoa.backends.torch import families
 from stoa.types import Episode
 
 __all__ = ["Int8ScorerError", "TorchInt8Scorer", "make_scorer", "resolve_device"]
@@ -94,20 +95,26 @@ class TorchInt8Scorer:
         if dtype not in _DTYPES:
             raise Int8ScorerError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         self.hf_dir, self.device, self.dtype = Path(hf_dir), torch.device(device), _DTYPES[dtype]
+        spec = families.read_spec(self.hf_dir, "torch", Int8ScorerError)
+        attn = families.attn_implementation(spec, packed=False)
         cfg = AutoConfig.from_pretrained(self.hf_dir)
         bar = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
         try:
             if any(self.hf_dir.glob("model*.safetensors")):
-                model = AutoModelForCausalLM.from_pretrained(self.hf_dir, dtype=self.dtype, attn_implementation="sdpa")
+                model = AutoModelForCausalLM.from_pretrained(self.hf_dir, dtype=self.dtype, attn_implementation=attn)
             else:
-                model = AutoModelForCausalLM.from_config(cfg, dtype=self.dtype, attn_implementation="sdpa")
+                model = AutoModelForCausalLM.from_config(cfg, dtype=self.dtype, attn_implementation=attn)
         finally:
             if bar:
                 hf_logging.enable_progress_bar()
         self.model = model.to(self.device).eval()
         self.model.config.use_cache = False
-        self._body, self._head = self.model.get_decoder(), self.model.get_output_embeddings()
+        wrong = families.prepare(self.model, spec)
+        if wrong:
+            raise Int8ScorerError(f"{self.hf_dir}: transformers built the model differently from its config "
+                                  f"({'; '.join(wrong)})")
+        self._body, self._head = self.model.get_decoder(), families.head(self.model, spec)
         self._params = dict(self.model.named_parameters(remove_duplicate=True))
         self.vocab_size = int(cfg.vocab_size)
         self.version = -1

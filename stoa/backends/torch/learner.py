@@ -24,7 +24,7 @@ from stoa.backends.learner import (
     read_checkpoint_meta,
 )
 from stoa.backends.packing import MicroBatch, build_micro_batches
-from stoa.backends.torch import attention
+from stoa.backends.torch import attention, families
 from stoa.backends.torch.int8 import resolve_device
 from stoa.backends.torch.objective import ObjectiveBatch
 from stoa.backends.torch.weights import host_arrays
@@ -33,7 +33,6 @@ from stoa.types import Episode
 CHECKPOINT_FORMAT = "stoa.torch_learner.v1"
 _OPTIMIZER_FIELDS = ("lr", "betas", "eps", "weight_decay", "grad_clip", "schedule",
                      "warmup_steps", "total_steps", "min_lr_ratio")
-_SUPPORTED = ("qwen2", "qwen3", "llama")
 MicroLoss = Callable[[MicroBatch, torch.Tensor], torch.Tensor]
 
 
@@ -52,18 +51,11 @@ class TorchLearner(Counters):
     """A Hugging Face causal LM with float32 master weights, trained one packed batch per step."""
 
     def __init__(self, hf_dir: str | Path, config: LearnerConfig = LearnerConfig()) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         self.hf_dir = Path(hf_dir)
-        if not (self.hf_dir / "config.json").is_file():
-            raise LearnerError(f"{self.hf_dir} is not a Hugging Face model folder (no config.json)")
-        hf_config = AutoConfig.from_pretrained(self.hf_dir)
-        if hf_config.model_type not in _SUPPORTED:
-            raise LearnerError(f"model_type {hf_config.model_type!r} is not one of {_SUPPORTED}")
-        if getattr(hf_config, "use_sliding_window", False) or "sliding_attention" in (
-                getattr(hf_config, "layer_types", None) or ()):
-            raise LearnerError("sliding-window attention is not supported by the torch learner")
+        spec = families.read_spec(self.hf_dir, "torch", LearnerError)
         if config.threads:
             torch.set_num_threads(config.threads)
         self.config = config
@@ -71,7 +63,7 @@ class TorchLearner(Counters):
         self._compute_dtype = {"auto": torch.bfloat16 if self.device.type == "cuda" else torch.float32,
                                "float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
         torch.manual_seed(config.seed)
-        attn = attention.NAME if config.packing else "sdpa"
+        attn = families.attn_implementation(spec, packed=config.packing)
         bar = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # a per-load progress bar is noise in trainer logs
         try:
@@ -82,6 +74,10 @@ class TorchLearner(Counters):
             if bar:
                 hf_logging.enable_progress_bar()
         self.model.config.use_cache = False
+        wrong = families.prepare(self.model, spec)
+        if wrong:
+            raise LearnerError(f"{self.hf_dir}: transformers built the model differently from its config "
+                               f"({'; '.join(wrong)})")
         if config.gradient_checkpointing:
             kw = {"use_reentrant": False}
             if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.x name
@@ -89,7 +85,7 @@ class TorchLearner(Counters):
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
         self._body = self.model.get_decoder()
-        self._head = self.model.get_output_embeddings()
+        self._head = families.head(self.model, spec)
         self._params = dict(self.model.named_parameters())
         self._step = 0
         self._version = 0
