@@ -1,7 +1,7 @@
 """The families people fine-tune, on every stack: start-up parity at (near) real shape, then the fleet.
 
     python benchmarks/families.py [--families gemma-3-1b,mistral-7b-v0.1] [--parts parity,fleet]
-                                  [--json PATH] [--workdir DIR]
+                                  [--json PATH] [--workdir DIR] [--quick]
 
 For each preset of :data:`FAMILIES` (random weights, exact tensor names and shapes, see
 ``stoa init-tiny --preset``), each part in its own process:
@@ -250,10 +250,14 @@ def main() -> None:
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--parts", default="parity,fleet")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--quick", action="store_true",
+                    help="A smoke run (under a few minutes): the fleet part of SmolLM2's and Gemma 3's shapes only.")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/stoa-families"))
     ap.add_argument("--wait", type=float, default=3600, help="Seconds to wait for the memory a part needs.")
     ap.add_argument("--one", nargs=2, metavar=("PART", "FAMILY"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.quick:
+        args.families, args.parts = "smollm2-135m,gemma-3-1b", "fleet"
     if args.one:
         part, name = args.one
         work = args.workdir / name

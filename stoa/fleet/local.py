@@ -301,7 +301,11 @@ def _headline(rows: list[dict[str, Any]]) -> list[str]:
 def _fmt(x: Any, pct: bool = False) -> str:
     if x is None:
         return "-"
-    return f"{100 * x:.1f}%" if pct else (f"{x:,.0f}" if isinstance(x, (int, float)) and abs(x) >= 100 else f"{x}")
+    if pct:
+        return f"{100 * x:.1f}%"
+    if isinstance(x, float) and x.is_integer():  # counts come back from metrics.jsonl as floats
+        x = int(x)
+    return f"{x:,.0f}" if isinstance(x, (int, float)) and abs(x) >= 100 else f"{x}"
 
 
 def _summary_md(cfg: RunConfig, s: dict[str, Any]) -> str:
