@@ -80,8 +80,13 @@ def test_bit_parity_with_mlx_on_edge_cases(dtype):
         assert_same_bytes(codes, mq, f"codes {what}")
         assert_same_bytes(scales, ms, f"scales {what}")
         assert_same_bytes(biases, mb, f"biases {what}")
+        # the weights of record: MLX's dequantize of the same codes with the scales taken to float32
         got = dequantize(codes, scales, biases)
-        want = to_np(mx.dequantize(mx.array(mq.view(np.uint32)), to_mx(ms), to_mx(mb), group_size=64, bits=8))
+        f32 = lambda a: to_mx(a).astype(mx.float32)  # noqa: E731
+        want = to_np(mx.dequantize(mx.array(mq.view(np.uint32)), f32(ms), f32(mb), group_size=64, bits=8))
+        with np.errstate(over="ignore", invalid="ignore"):
+            if not np.isfinite(want).all():  # a huge bfloat16 group overflows float32: nothing to compare
+                continue
         assert_same_bytes(got, want, f"dequantize {what}")
 
 

@@ -73,6 +73,29 @@ def test_an_engine_misreading_the_real_models_rope_base_is_refused(real_model, s
     assert honest < parity.INT8_BOUND < misread
 
 
+def test_int8_kernels_and_bfloat16_scales_score_as_the_trainer_does(real_model, stacks):
+    """A state with bfloat16 scales and norms (what a bfloat16 trainer publishes), run through
+    MLX's int8 kernels (the ``quantized`` mode Macs use) and through float32 layers: both score the
+    real model's probes as the trainer's torch re-score does. Computing in the scales' dtype, or
+    rounding ``code * scale`` to it, moved these log-probs by about a nat."""
+    from stoa.backends.mlx import MLXEngine
+    from stoa.backends.torch.int8 import make_scorer
+    from stoa.transport.quant import quantize_state
+
+    learner, _, engine, _ = stacks
+    state = quantize_state(learner.iter_weights("bfloat16"))
+    assert state["model.embed_tokens.scales"].dtype.name == "bfloat16"
+    scorer = make_scorer(real_model, "cpu", "float32")
+    scorer.load_state(0, state)
+    eps = parity.probe_episodes(engine.codec, engine.vocab_size)[:2]
+    ref = scorer.score(eps)
+    for mode in ("quantized", "dequantized"):
+        mine = MLXEngine.from_state(real_model, dict(state), 0, mode=mode)
+        worst = max(float(np.abs(a - b).max()) for a, b in zip(mine.score(eps), ref))
+        print(f"{mode} engine vs torch scorer, bfloat16 scales: {worst:.2e} nat")
+        assert worst < 1e-3, (mode, worst)
+
+
 @pytest.mark.slow
 def test_honest_draws_of_the_real_model_check_under_both_scorers_and_a_cold_sampler_fails(real_model, stacks):
     """Episodes the engine sampled from the real model (its 49,152-token vocabulary and long

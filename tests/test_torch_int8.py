@@ -40,9 +40,13 @@ def test_dequantize_is_bit_identical_to_mlx_rule(dtype):
     ref = quant.dequantize(codes, scales, biases)
     t = lambda a: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if a.dtype == ml_dtypes.bfloat16 \
         else torch.from_numpy(a)  # noqa: E731
-    got = dequantize_torch(torch.from_numpy(codes), t(scales), t(biases))
-    got = got.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if got.dtype == torch.bfloat16 else got.numpy()
-    assert got.dtype == ref.dtype and np.array_equal(got.view(np.uint8), ref.view(np.uint8))
+    got = dequantize_torch(torch.from_numpy(codes), t(scales), t(biases)).numpy()
+    assert ref.dtype == got.dtype == np.float32 and np.array_equal(got.view(np.uint8), ref.view(np.uint8))
+    # MLX's own dequantize of the same codes with float32 scales: the engine's dequantized weights
+    mx = pytest.importorskip("mlx.core")
+    words = mx.array(np.ascontiguousarray(codes).view(np.uint32))
+    f32 = lambda a: mx.array(a.astype(np.float32))  # noqa: E731
+    np.testing.assert_array_equal(np.array(mx.dequantize(words, f32(scales), f32(biases), group_size=64, bits=8)), ref)
 
 
 def test_scores_agree_with_the_mlx_int8_engine(tiny, engine, tmp_path):

@@ -153,7 +153,8 @@ class OtherModel(Adversary):
         self._honest = {k: np.array(v, copy=True) for k, v in engine.state.items()}
         floats = dequantize_state(self._honest)
         rng = np.random.default_rng(12345)
-        other = {k: (rng.normal(0.0, float(v.std()) or 0.02, v.shape).astype(v.dtype) if v.ndim == 2 else v)
+        dtype = lambda k, v: self._honest.get(k[: -len(".weight")] + ".scales", v).dtype  # noqa: E731 - as stored
+        other = {k: (rng.normal(0.0, float(v.std()) or 0.02, v.shape).astype(dtype(k, v)) if v.ndim == 2 else v)
                  for k, v in floats.items()}
         engine.load_state(engine.version, quantize_state(other))
 

@@ -126,7 +126,12 @@ def quantize(w: np.ndarray, group_size: int = 64, bits: int = 8) -> tuple[np.nda
 
 
 def dequantize(codes: np.ndarray, scales: np.ndarray, biases: np.ndarray, group_size: int = 64) -> np.ndarray:
-    """``codes * scales + biases`` per group, equal to ``mx.dequantize`` (result in scales' dtype)."""
+    """The weights of record of an int8 tensor: ``codes * scales + biases`` per group, evaluated
+    in float32 whatever dtype the scales are stored in (float32 result). Every stack computes with
+    exactly these weights: the MLX engine in both modes (``mx.dequantize`` of float32 scales, or
+    its int8 kernels with float32 scales) and the trainer's torch re-score. Rounding the product
+    to bfloat16 first, as ``mx.dequantize`` of bfloat16 scales does, moves a real model's logits
+    by up to about a logit (docs/trust.md)."""
     codes, scales, biases = np.asarray(codes), np.asarray(scales), np.asarray(biases)
     if codes.dtype != np.uint8 or scales.dtype not in FLOAT_DTYPES or biases.dtype != scales.dtype:
         raise ValueError(f"dequantize needs uint8 codes and float scales/biases of one dtype, got "
@@ -135,13 +140,11 @@ def dequantize(codes: np.ndarray, scales: np.ndarray, biases: np.ndarray, group_
     if codes.ndim < 2 or codes.shape[-1] % group_size or scales.shape != gshape or biases.shape != gshape:
         raise ValueError(f"shapes do not match: codes {codes.shape}, scales {scales.shape}, "
                          f"biases {biases.shape}, group_size {group_size}")
-    dt = scales.dtype
     c = codes.reshape(-1, group_size)
     s = scales.reshape(-1, 1).astype(np.float32)
     b = biases.reshape(-1, 1).astype(np.float32)
-    # MLX rounds the product to the weight dtype before adding the bias (no fused multiply-add).
-    with np.errstate(over="ignore", invalid="ignore"):
-        out = ((c * s).astype(dt).astype(np.float32) + b).astype(dt)
+    with np.errstate(over="ignore", invalid="ignore"):  # product, then sum (no fused multiply-add)
+        out = c.astype(np.float32) * s + b
     return out.reshape(codes.shape)
 
 

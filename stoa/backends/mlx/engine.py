@@ -59,8 +59,11 @@ class MLXEngine:
         self._built = W.built_fields(model)
         self._stems = W.quantized_stems(model)
         self._state = W.state_views(model)
+        self._f32_twins: set[str] = set()
         if mode == "dequantized":
             W.dequantize(model)
+        else:
+            self._f32_twins = W.float32_compute(model, self._state)
         on_gpu = mx.metal.is_available()
         self.fast_ops = fast.install(model) if (not on_gpu if fast_ops is None else fast_ops) else False
         split = W.split_head(model)
@@ -157,6 +160,8 @@ class MLXEngine:
                 np.copyto(self._state[k], v)
             if self._mode == "dequantized":
                 W.rebuild_float(self._model, self._state, self._stems, list(self._state))
+            else:
+                W.refresh_float32(self._model, self._state, self._f32_twins)
             self.version = int(version)
         finally:
             self._lock.release()
@@ -177,6 +182,8 @@ class MLXEngine:
             changed = list(changed)
             if changed and self._mode == "dequantized":
                 W.rebuild_float(self._model, self._state, self._stems, changed)
+            elif changed:
+                W.refresh_float32(self._model, self._state, self._f32_twins.intersection(changed))
             self.version = int(version)
             return changed
         finally:

@@ -1,9 +1,13 @@
 """The MLX model and its weight state: int8 codes are the state of record in both compute modes.
 
+Both modes compute in float32 from the same weights, ``code * scale + bias`` evaluated in
+float32 (``stoa.transport.quant.dequantize``), whatever dtype the state stores its scales and
+unquantized tensors in; the trainer's re-score uses the same rule (``stoa.backends.torch.int8``).
 ``quantized``: the model runs MLX's int8 kernels (``QuantizedLinear`` / ``QuantizedEmbedding``)
-and every state array is a numpy view of the model's own buffer, so an in-place PULSE apply is
-the whole update. ``dequantized``: the model runs float32 ``Linear`` / ``Embedding`` layers whose
-weights are ``mx.dequantize`` of the codes (cast to float32); the state keeps the codes, and a
+on the state's codes (numpy views of the model's own buffers, so an in-place PULSE apply reaches
+them) with float32 copies of any bfloat16/float16 scales, biases and unquantized tensors (kept
+current by :func:`refresh_float32`). ``dequantized``: the model runs float32 ``Linear`` /
+``Embedding`` layers whose weights are the dequantized codes; the state keeps the codes, and a
 delta rebuilds only the float tensors it touched.
 """
 
@@ -104,12 +108,31 @@ def quantize(model: nn.Module, config: dict[str, Any]) -> None:
 
 
 def dequantize(model: nn.Module) -> None:
-    """Replace the int8 layers with float32 ones holding ``mx.dequantize`` of their codes."""
+    """Replace the int8 layers with float32 ones holding their dequantized codes (scales and
+    biases taken to float32 first, so nothing is rounded to a narrower dtype on the way)."""
     from mlx_lm.utils import dequantize_model
 
-    dequantize_model(model)
     model.set_dtype(mx.float32)
+    dequantize_model(model)
     mx.eval(model.parameters())
+
+
+def float32_compute(model: nn.Module, state: dict[str, np.ndarray]) -> set[str]:
+    """Quantized mode: give the model float32 copies of its narrower float tensors (scales,
+    biases, norms, ...), so MLX's int8 kernels and every other layer compute in float32 (with
+    bfloat16 scales they would compute in bfloat16, several logits away from the trainer's
+    float32 re-score on a real model: docs/trust.md). Returns the state names now copied."""
+    names = {k for k, v in state.items() if v.dtype != np.uint8 and v.dtype != np.float32}
+    refresh_float32(model, state, names)
+    return names
+
+
+def refresh_float32(model: nn.Module, state: dict[str, np.ndarray], names) -> None:
+    """Quantized mode: re-copy the float32 twins of the state tensors ``names`` into the model."""
+    pairs = [(n, to_mx(state[n]).astype(mx.float32)) for n in sorted(names)]
+    if pairs:
+        model.load_weights(pairs, strict=False)
+        mx.eval([w for _, w in pairs])
 
 
 def quantized_stems(model: nn.Module) -> set[str]:
@@ -210,8 +233,8 @@ def rebuild_float(model: nn.Module, state: dict[str, np.ndarray], stems: set[str
     for t in sorted(targets):
         stem = t[: -len(".weight")]
         if t.endswith(".weight") and stem in stems:
-            w = mx.dequantize(codes_to_mx(state[t]), to_mx(state[stem + ".scales"]), to_mx(state[stem + ".biases"]),
-                              group_size=GROUP_SIZE, bits=BITS)
+            w = mx.dequantize(codes_to_mx(state[t]), to_mx(state[stem + ".scales"]).astype(mx.float32),
+                              to_mx(state[stem + ".biases"]).astype(mx.float32), group_size=GROUP_SIZE, bits=BITS)
         else:
             w = to_mx(state[t])
         pairs.append((t, w.astype(mx.float32)))

@@ -8,9 +8,9 @@ model on the learner's device and scores with the MLX engine's alignment:
 
     scores[i][0] = 0,   scores[i][t] = log softmax(logits[t-1] / T)[tokens[t]]
 
-Dequantization follows MLX's affine rule bit for bit (``stoa.transport.quant.dequantize``:
-``code * scale`` rounded to the scales' dtype, then ``+ bias``), so the weights equal the MLX
-engine's; what remains is the two frameworks' float arithmetic, measured in docs/scale.md.
+Dequantization is the weights of record bit for bit (``stoa.transport.quant.dequantize``:
+``code * scale + bias`` in float32), as in the MLX engine's both modes; what remains is the two
+frameworks' float arithmetic, measured in docs/scale.md.
 """
 
 from __future__ import annotations
@@ -52,15 +52,12 @@ def _to_torch(a: np.ndarray, device: torch.device) -> torch.Tensor:
 
 def dequantize_torch(codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
                      group_size: int = GROUP_SIZE) -> torch.Tensor:
-    """``codes * scales + biases`` per group, rounded as ``mx.dequantize`` rounds (result in
-    scales' dtype): the product is rounded to that dtype before the bias is added."""
-    out_shape, dt = codes.shape, scales.dtype
+    """``codes * scales + biases`` per group in float32 (float32 result), bit for bit the weights
+    of record (``stoa.transport.quant.dequantize``)."""
     w = codes.reshape(-1, group_size).to(torch.float32)
     w.mul_(scales.reshape(-1, 1).to(torch.float32))
-    if dt != torch.float32:  # round the product to the scales' dtype, as MLX does
-        w = w.to(dt).to(torch.float32)
     w.add_(biases.reshape(-1, 1).to(torch.float32))
-    return w.to(dt).reshape(out_shape)
+    return w.reshape(codes.shape)
 
 
 def resolve_device(setting: str, error: type[Exception] = Int8ScorerError) -> str:
