@@ -9,6 +9,7 @@ import pytest
 
 from stoa.transport.exchange import RolloutReader, RolloutWriter, rollout_key
 from stoa.transport.identity import (
+    Ban,
     SealError,
     ban_worker,
     enroll_worker,
@@ -115,3 +116,4 @@ def test_keygen_enroll_and_ban_from_the_command_line(tmp_path):
     kid = key_id(load_private_key(keys / "alice.key").public_key())
     ban = read_ban(LocalStore(store), RUN, kid, load_private_key(keys / "run.key").public_key())
     assert roster.enrolled[kid].worker_id == "alice" and ban.reason == "by-hand: forged rewards"
+    assert Ban.of("alice", "sampling", "sampling: 3 of 32 episodes").reason == "sampling: 3 of 32 episodes"

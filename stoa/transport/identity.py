@@ -285,8 +285,10 @@ class Ban:
 
     @property
     def reason(self) -> str:
-        """``code: detail`` (or the code alone)."""
-        return f"{self.code}: {self.detail}" if self.detail else self.code
+        """``code: detail`` (the detail alone when it already starts so; the code alone without one)."""
+        if not self.detail or self.detail.startswith(f"{self.code}:"):
+            return self.detail or self.code
+        return f"{self.code}: {self.detail}"
 
     def ok(self) -> bool:
         """Whether every field has the shape :meth:`of` gives it."""
