@@ -32,6 +32,16 @@ down; the cells of a cut grid are the same runs as the full grid's, so a larger 
 Check each seed's warm start in ``results.md``: seed 2's fails on this task (p(final turn) 0.001,
 the model never learns to copy the calculator's result), so its cells carry no signal.
 
+``--model PATH`` (a Hugging Face folder, e.g. SmolLM2-135M-Instruct) measures instead, on that
+model, what the gate sees in ``examples/smollm2_addition.toml``'s fleet, without a sweep: the int8
+MLX engine (the workers' policy mu) samples episodes of the example's task at temperature 1; the
+float torch learner scores them at the same version (lag 0) and after one AdamW step at the
+example's learning rate on its demonstrations (lag 1, the lag its single worker runs at). Per lag:
+tokens, the share with ``|pi - mu| > 0.2`` (what DPPO's binary-TV gate masks when the advantage
+pushes that token further away: an upper bound of its share), the share it masks under the
+episodes' own group advantages, KL(mu||pi) (k1, k3) and percentiles of ``|log pi - log mu|``.
+``--quick``: 4 prompts x 4 samples (< 1 min); default 16 x 8. ``--json PATH`` writes the rows.
+
 Resumable: run it again and finished cells are kept. ``--json PATH`` writes
 ``{"quick": ..., "seconds": ..., "cells": [...]}``; each cell has ``objective``, ``lag``, ``seed``,
 ``final_pass_at_1``, ``best_pass_at_1``, ``gate_fraction``, ``kl_mu_pi`` and the rest of
@@ -42,6 +52,7 @@ Resumable: run it again and finished cells are kept. ``--json PATH`` writes
     python benchmarks/offpolicy.py --quick --lag-key trainer.max_lag  # before rollout.lag exists
     python benchmarks/offpolicy.py --task arithmetic --quick          # 226 s on an idle 2-core machine (measured)
     python benchmarks/offpolicy.py --task arithmetic --lags 0 2 4 8 --seeds 0 1   # docs/offpolicy.md's grid
+    python benchmarks/offpolicy.py --model ~/.cache/stoa/models/SmolLM2-135M-Instruct --quick --json real.json
 """
 
 from __future__ import annotations
@@ -179,6 +190,87 @@ def sweep_file(name: str, grid: dict, lag_key: str, parallel: int, settings: dic
     return "\n".join(lines)
 
 
+def _example():
+    """The real-model example's run config and its task's module."""
+    import importlib.util
+    import tomllib
+
+    cfg = tomllib.loads((EXAMPLES / "smollm2_addition.toml").read_text())
+    spec = importlib.util.spec_from_file_location("addition_env", EXAMPLES / cfg["env"]["module"])
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return cfg, mod
+
+
+def lag_row(lag: int, episodes, pi: list, delta: float = 0.2) -> dict:
+    """What the TV gate and the mismatch look like for ``episodes`` scored ``pi`` at ``lag``."""
+    import numpy as np
+
+    groups: dict[str, list[float]] = {}
+    for e in episodes:
+        groups.setdefault(e.group_id, []).append(e.reward)
+    d, gated = [], 0
+    for e, lp in zip(episodes, pi):
+        m = e.loss_mask()[1:]
+        diff = (np.asarray(lp)[1:] - e.behavior_logprobs()[1:])[m]  # log pi - log mu
+        d.append(diff)
+        adv = e.reward - float(np.mean(groups[e.group_id]))
+        tv = np.exp(e.behavior_logprobs()[1:][m] + diff) - np.exp(e.behavior_logprobs()[1:][m])
+        gated += int(((adv > 0) & (tv > delta)).sum() + ((adv < 0) & (tv < -delta)).sum())
+    d = np.concatenate(d).astype(np.float64)
+    mu = np.concatenate([e.behavior_logprobs()[1:][e.loss_mask()[1:]] for e in episodes]).astype(np.float64)
+    tv = np.abs(np.exp(mu + d) - np.exp(mu))
+    r = np.exp(d)  # pi / mu; k1 and k3 estimate KL(mu || pi) over tokens drawn from mu
+    a = np.abs(d)
+    return {"lag": lag, "tokens": int(d.size), "tv_gate_either_sign": float((tv > delta).mean()),
+            "tv_gate_with_advantages": gated / d.size, "kl_k1": float(-d.mean()),
+            "kl_k3": float((r - 1 - np.log(r)).mean()), "abs_dlogp_p50": float(np.percentile(a, 50)),
+            "abs_dlogp_p90": float(np.percentile(a, 90)), "abs_dlogp_p99": float(np.percentile(a, 99)),
+            "abs_dlogp_max": float(a.max()), "max_tv": float(tv.max())}
+
+
+def real_model(args: argparse.Namespace) -> None:
+    """``--model``: the gate's share and the int8-vs-float mismatch on a pretrained model at lags 0 and 1."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from stoa.backends.engine import RolloutRequest, SamplingConfig
+    from stoa.backends.learner import LearnerConfig, make_learner
+    from stoa.backends.mlx import MLXEngine
+    from stoa.fleet.warmstart import Demonstrations
+    from stoa.transport.quant import quantize_state
+
+    t0 = time.time()
+    cfg, mod = _example()
+    kwargs, ro, lr = cfg["env"].get("kwargs", {}), cfg["rollout"], float(cfg["learner"]["lr"])
+    make = lambda: mod.AdditionEnv(split="train", **kwargs)  # noqa: E731
+    prompts, g = (4, 4) if args.quick else (16, 8)
+    learner = make_learner("torch", args.model, LearnerConfig(lr=lr, threads=args.threads))
+    engine = MLXEngine.from_state(args.model, dict(quantize_state(learner.iter_weights("float32"))), 0)
+    sampling = SamplingConfig(temperature=1.0, max_turn_tokens=ro["max_turn_tokens"],
+                              max_episode_tokens=ro["max_episode_tokens"], seed=11)
+    eps = engine.rollout(make, [RolloutRequest(i, f"g{i}", g) for i in range(prompts)], sampling)
+    rows = [lag_row(0, eps, learner.logprobs(eps))]
+    demos = Demonstrations(make, AutoTokenizer.from_pretrained(str(args.model)), "real")
+    learner.sft_step(demos.batch(16, {"oracle": 1.0}, np.random.default_rng(0)))  # one AdamW step at lr
+    rows.append(lag_row(1, eps, learner.logprobs(eps)))
+    print(f"{args.model.name}, int8 MLX engine ({engine.mode}) vs float32 torch, {len(eps)} episodes of "
+          f"{cfg['env']['id']} at T=1; lag 1 = one AdamW step at lr {lr:g}")
+    print(f"{'lag':>3} {'tokens':>7} {'TV gate (either sign)':>22} {'TV gate (advantages)':>21} {'KL k1':>9} "
+          f"{'KL k3':>9} {'|dlogp| p50':>11} {'p90':>9} {'p99':>9} {'max':>9}")
+    for r in rows:
+        print(f"{r['lag']:>3} {r['tokens']:>7} {100 * r['tv_gate_either_sign']:>21.3f}% "
+              f"{100 * r['tv_gate_with_advantages']:>20.3f}% {r['kl_k1']:>9.2e} {r['kl_k3']:>9.2e} "
+              f"{r['abs_dlogp_p50']:>11.2e} {r['abs_dlogp_p90']:>9.2e} {r['abs_dlogp_p99']:>9.2e} "
+              f"{r['abs_dlogp_max']:>9.2e}")
+    seconds = time.time() - t0
+    print(f"{seconds:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps({"model": args.model.name, "quick": args.quick, "lr": lr,
+                                         "engine_mode": engine.mode, "episodes": len(eps), "rows": rows,
+                                         "seconds": round(seconds, 1)}, indent=2) + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="dppo and none x lags 0, 8 x seed 0, small (< 15 min)")
@@ -192,7 +284,11 @@ def main() -> None:
                    help="hard: stoa/SyntheticSearchHard-v0; arithmetic: examples/custom_env.py (it learns)")
     p.add_argument("--objectives", nargs="+", help="objectives (default: the grid's)")
     p.add_argument("--lags", type=int, nargs="+", help="lags (default: the grid's)")
+    p.add_argument("--model", type=Path, help="a Hugging Face folder: measure the gate and mismatch on it (no sweep)")
+    p.add_argument("--threads", type=int, default=2, help="--model: torch threads")
     args = p.parse_args()
+    if args.model:
+        return real_model(args)
 
     if args.task == "arithmetic":
         grid = dict(ARITH_QUICK if args.quick else ARITH_FULL)

@@ -1,6 +1,6 @@
 """PULSE weight deltas vs full int8 checkpoints vs a naive sparse baseline.
 
-Two workloads:
+Three workloads:
 
 * ``tiny``: a tiny Qwen2 (``stoa.models.tiny``) trained for real with torch AdamW through
   ``transformers`` on a causal-LM loss; every optimizer step is exported, quantized with the
@@ -9,6 +9,12 @@ Two workloads:
   taking one Adam step at steady state (``adam_step``), with the learning rate bisected so that
   0.1%, 0.5% and 2% of the int8 codes change. The previous version is itself a steady-state version of the policy
   (bf16 codes move once from MLX's float32 scale to the stored one on the first kept version).
+* ``--model PATH`` (a Hugging Face folder, e.g. SmolLM2-135M-Instruct): that model trained for real
+  with torch AdamW on supervised chat-template demonstrations (short additions, loss on the
+  answer), at ``examples/smollm2_addition.toml``'s learning rate and at 1e-6, 1e-5 and 1e-4 (or
+  ``--lrs``); float32 weights exported and quantized as the trainer does, each step measured
+  after the one-off settling step (``--quick``: the example's rate, one measured step). Replaces
+  the other two workloads.
 
 Per row: full int8 state bytes (the safetensors anchor), delta bytes and their ratio; bits per
 changed code (code tensors only) against the entropy bound (per tensor: n*H(k/n) for the change
@@ -19,7 +25,7 @@ link, to fetch a full checkpoint vs a delta. ``--json PATH`` writes every row pl
 synthetic case, ``bits_per_changed_code``, ``entropy_bound_bits_per_changed_code`` and
 ``ratio_vs_naive`` at the top level.
 
-    python benchmarks/pulse.py [--quick] [--json out.json] [--params 110e6]
+    python benchmarks/pulse.py [--quick] [--json out.json] [--params 110e6] [--model PATH]
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import tomllib
 
 import ml_dtypes
 import numpy as np
@@ -240,6 +248,71 @@ def tiny_rows(steps: int, lrs: list[float], policy: RequantPolicy, quick: bool) 
     return rows
 
 
+# --- a pretrained model, real optimizer steps ------------------------------------------------------
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "smollm2_addition.toml"
+
+
+def example_lr() -> float:
+    """The RL learning rate of the real-model example (``[learner] lr``)."""
+    return float(tomllib.loads(EXAMPLE.read_text())["learner"]["lr"])
+
+
+def model_rows(path: Path, steps: int, lrs: list[float], policy: RequantPolicy, batch: int = 8) -> list[dict]:
+    """Each learning rate: fresh AdamW on the model, ``steps + 1`` SFT steps, the last ``steps`` measured."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    rng = np.random.default_rng(0)
+    rows_ids, rows_labels = [], []
+    for a, b in rng.integers(10, 100, size=(batch, 2)):
+        chat = [{"role": "user", "content": f"What is {a} + {b}? Reply with <answer> number </answer>."}]
+        prompt = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+        full = prompt + tok.encode(f"<answer> {a + b} </answer>", add_special_tokens=False) + [tok.eos_token_id]
+        rows_ids.append(full)
+        rows_labels.append([-100] * len(prompt) + full[len(prompt):])
+    width = max(map(len, rows_ids))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows_ids])
+    labels = torch.tensor([r + [-100] * (width - len(r)) for r in rows_labels])
+    attn = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows_ids])
+    rows = []
+    for lr in lrs:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        tied = model.config.tie_word_embeddings
+
+        def export() -> dict[str, np.ndarray]:
+            sd = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+            if tied:
+                sd.pop("lm_head.weight", None)
+            return {k: v for k, v in sd.items() if "inv_freq" not in k}
+
+        state = quantize_state(export())
+        history = []
+        for step in range(steps + 1):
+            loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            new = quantize_state(export(), previous=state, policy=policy)
+            if step > 0:  # the first kept version is the one-off settling step
+                history.append(measure(f"{path.name} AdamW lr={lr:g}", state, new))
+            state = new
+        row = {k: (float(np.mean([h[k] for h in history])) if isinstance(history[0][k], (int, float))
+                   else history[0][k]) for k in history[0]}
+        row.update(steps=len(history), lr=lr, params=int(sum(p.numel() for p in model.parameters())),
+                   per_step=[{k: h[k] for k in ("code_change_rate", "ratio_delta_vs_full", "delta_bytes")}
+                             for h in history])
+        rows.append(row)
+        print(f"[pulse] {row['case']}: {100 * row['code_change_rate']:.3f}% codes changed, delta "
+              f"{100 * row['ratio_delta_vs_full']:.2f}% of full", file=sys.stderr)
+        del model, opt
+    return rows
+
+
 # --- report ----------------------------------------------------------------------------------------
 
 def fmt_bytes(n: float) -> str:
@@ -271,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", type=float, default=110e6, help="synthetic model size (>= 100M for the report)")
     ap.add_argument("--rates", default="0.001,0.005,0.02", help="synthetic code change rates to tune for")
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--model", type=Path, help="a Hugging Face folder: measure real steps of that model instead")
+    ap.add_argument("--lrs", help="--model's learning rates (default: the example's, then 1e-6,1e-5,1e-4)")
+    ap.add_argument("--steps", type=int, help="--model's measured steps per learning rate (default 2; quick 1)")
     args = ap.parse_args(argv)
     try:
         import torch
@@ -281,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     policy = RequantPolicy()
     t_start = time.perf_counter()
     rows: list[dict] = []
+    if args.model:
+        return model_main(args, policy, t_start)
     rates = [0.005] if args.quick else [float(x) for x in args.rates.split(",")]
     tiny_lrs = [2e-6] if args.quick else [2e-6, 1e-5]
     rows += tiny_rows(steps=1 if args.quick else 4, lrs=tiny_lrs, policy=policy, quick=args.quick)
@@ -315,6 +393,25 @@ def main(argv: list[str] | None = None) -> int:
         out = {k: main_row[k] for k in ("bits_per_changed_code", "entropy_bound_bits_per_changed_code",
                                         "ratio_vs_naive", "ratio_delta_vs_full", "code_change_rate")}
         out["rows"] = rows
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+def model_main(args: argparse.Namespace, policy: RequantPolicy, t_start: float) -> int:
+    ex = example_lr()
+    lrs = [float(x) for x in args.lrs.split(",")] if args.lrs else [ex] if args.quick else [ex, 1e-6, 1e-5, 1e-4]
+    steps = args.steps or (1 if args.quick else 2)
+    rows = model_rows(args.model, steps, lrs, policy)
+    print_table(rows)
+    print(f"\n{args.model.name}: {rows[0]['params'] / 1e6:.0f}M parameters, {steps} measured step(s) per learning "
+          f"rate after the settling step; the example's learning rate is {ex:g}. Total "
+          f"{time.perf_counter() - t_start:.0f} s.")
+    if args.json:
+        main_row = next((r for r in rows if r["lr"] == ex), rows[0])
+        out = {k: main_row[k] for k in ("bits_per_changed_code", "entropy_bound_bits_per_changed_code",
+                                        "ratio_vs_naive", "ratio_delta_vs_full", "code_change_rate", "lr")}
+        out.update(model=args.model.name, example_lr=ex, rows=rows)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0

@@ -16,7 +16,11 @@ corpus) and a ~100M-parameter random Qwen2 (same tokenizer; 12 layers, width 768
 * **mismatch**: per model token, int8 engine log-prob vs float32 torch (transformers) log-prob of
   the same tokens: mean |delta|, and KL(mu || pi) by the k1 and k3 estimators.
 
-    python benchmarks/rollout.py [--quick] [--json out.json] [--threads 2]
+``--model PATH`` (a Hugging Face folder, e.g. SmolLM2-135M-Instruct) measures that model instead
+of the two built ones, with the same prompts and the same comparisons. llama.cpp is not compared:
+``llama_cpp`` in the JSON says why (``llama-cpp-python`` is optional and often fails to build).
+
+    python benchmarks/rollout.py [--quick] [--json out.json] [--threads 2] [--model PATH]
 """
 
 from __future__ import annotations
@@ -39,6 +43,17 @@ SCALES = {
     "quick": {"tiny": (8, 8, 16, 48, 32, 64, 4, 8, 8, 2), "qwen2-100m": (2, 1, 6, 4, 8, 4, 0, 0, 1, 1)},
     "full": {"tiny": (32, 8, 16, 128, 64, 64, 16, 16, 16, 3), "qwen2-100m": (8, 4, 16, 16, 32, 16, 4, 8, 8, 3)},
 }
+MODEL_SCALES = {"quick": (1, 2, 8, 4, 16, 4, 0, 0, 2, 1), "full": (4, 4, 16, 16, 32, 16, 0, 0, 8, 3)}
+"""``--model``'s workload (same fields as SCALES)."""
+
+
+def llama_cpp_status() -> str:
+    """Why llama.cpp is not in the comparison."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "skipped: llama-cpp-python is not installed (optional; its build failed on this machine kind)"
+    return "skipped: not measured by this benchmark (it needs a GGUF of the model)"
 
 
 def _reexec(threads: int) -> None:
@@ -183,6 +198,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--threads", type=int, default=2, help="BLAS / torch threads")
     ap.add_argument("--skip-mismatch", action="store_true", help="do not load torch")
+    ap.add_argument("--model", type=Path, help="a Hugging Face folder to measure instead of the built models")
     args = ap.parse_args()
     _reexec(args.threads)
     import stoa.envs
@@ -196,8 +212,11 @@ def main() -> None:
     make_env = lambda: stoa.envs.make("stoa/SyntheticSearch-v0", config=corpus)  # noqa: E731
     t_start = time.perf_counter()
     results: dict = {"quick": args.quick, "threads": args.threads, "models": {}}
+    if args.model:
+        scale = {args.model.name: MODEL_SCALES["quick" if args.quick else "full"]}
+        results["llama_cpp"] = llama_cpp_status()
     with tempfile.TemporaryDirectory() as tmp:
-        models = build_models(Path(tmp), corpus)
+        models = {args.model.name: args.model} if args.model else build_models(Path(tmp), corpus)
         for name, path in models.items():
             prompts, g, turn, st_prompts, st_tokens, batch, om_prompts, om_tokens, n_mismatch, repeats = scale[name]
             res: dict = {"params": n_params(path), "batch": batch}
@@ -221,7 +240,8 @@ def main() -> None:
     ms = results["models"]
     results["ratio_vs_mlx_lm_batch_generate"] = min(m["single_turn"]["ratio_vs_mlx_lm_batch_generate"]
                                                     for m in ms.values())
-    results["prefill_saved_fraction"] = ms["tiny"]["multi_turn_kv_reuse"]["prefill_saved_fraction"]
+    first = ms.get("tiny", next(iter(ms.values())))
+    results["prefill_saved_fraction"] = first["multi_turn_kv_reuse"]["prefill_saved_fraction"]
     results["wall_s"] = time.perf_counter() - t_start
     print_table(results)
     if args.json:
@@ -261,7 +281,10 @@ def print_table(r: dict) -> None:
                   f"   KL k1 {mm['kl_k1']:.2e}, k3 {mm['kl_k3']:.2e}, max|d| {mm['max_abs_dlogprob']:.2e}"
                   f" ({mm['tokens']} tokens)")
     print(f"ratio_vs_mlx_lm_batch_generate (min over models) {r['ratio_vs_mlx_lm_batch_generate']:.2f}; "
-          f"prefill_saved_fraction (tiny) {r['prefill_saved_fraction']:.3f}; wall {r['wall_s']:.0f} s")
+          f"prefill_saved_fraction ({next(iter(r['models']))}) {r['prefill_saved_fraction']:.3f}; "
+          f"wall {r['wall_s']:.0f} s")
+    if "llama_cpp" in r:
+        print(f"llama.cpp: {r['llama_cpp']}")
 
 
 if __name__ == "__main__":

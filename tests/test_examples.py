@@ -23,3 +23,19 @@ def test_example_configs_load():
     for path in sorted((ROOT / "examples").glob("*.toml")):
         cfg = load_config(path)
         assert cfg.name and cfg.seed is not None, path
+
+
+def test_the_real_model_example_finds_its_model_under_home(real_model, tmp_path):
+    """`model.path = "~/..."` is expanded wherever it is read, so the example runs for any user
+    after `make setup` (which builds the model into ~/.cache/stoa/models)."""
+    from stoa.fleet.config import check_runnable, load_config
+    from stoa.fleet.trainer import prepare_model
+
+    cfg = load_config(ROOT / "examples" / "smollm2_addition.toml")
+    assert cfg.model.path.startswith("~/")
+    if Path(cfg.model.path).expanduser() != real_model:
+        import pytest
+
+        pytest.skip(f"the real model is built in {real_model}, not where the example looks ({cfg.model.path})")
+    check_runnable(cfg)  # imports examples/addition_env.py, reads the model's config
+    assert prepare_model(cfg, tmp_path) == real_model
