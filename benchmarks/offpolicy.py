@@ -40,7 +40,7 @@ example's learning rate on its demonstrations (lag 1, the lag its single worker 
 tokens, the share with ``|pi - mu| > 0.2`` (what DPPO's binary-TV gate masks when the advantage
 pushes that token further away: an upper bound of its share), the share it masks under the
 episodes' own group advantages, KL(mu||pi) (k1, k3) and percentiles of ``|log pi - log mu|``.
-``--quick``: 4 prompts x 4 samples (< 1 min); default 16 x 8. ``--json PATH`` writes the rows.
+``--quick``: 4 prompts x 4 samples (about a minute); default 16 x 8. ``--json PATH`` writes the rows.
 
 Resumable: run it again and finished cells are kept. ``--json PATH`` writes
 ``{"quick": ..., "seconds": ..., "cells": [...]}``; each cell has ``objective``, ``lag``, ``seed``,
