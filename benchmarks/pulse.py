@@ -198,6 +198,27 @@ def tune_lr(target: float, policy: RequantPolicy, seed: int) -> float:
     return math.sqrt(lo * hi)
 
 
+def measured_steps(case: str, loss_fn, opt, export, steps: int, policy: RequantPolicy) -> tuple[dict, list[dict]]:
+    """``steps + 1`` optimizer steps, each exported and quantized as the trainer does; the last
+    ``steps`` measured (the first kept version is the one-off settling step). Returns the mean row
+    (with ``steps``) and the per-step rows."""
+    state = quantize_state(export())
+    history = []
+    for step in range(steps + 1):
+        loss = loss_fn()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        new = quantize_state(export(), previous=state, policy=policy)
+        if step > 0:
+            history.append(measure(case, state, new))
+        state = new
+    row = {k: (float(np.mean([h[k] for h in history])) if isinstance(history[0][k], (int, float))
+               else history[0][k]) for k in history[0]}
+    row["steps"] = len(history)
+    return row, history
+
+
 # --- tiny model, real torch optimizer steps ----------------------------------------------------------
 
 def tiny_rows(steps: int, lrs: list[float], policy: RequantPolicy, quick: bool) -> list[dict]:
@@ -229,20 +250,8 @@ def tiny_rows(steps: int, lrs: list[float], policy: RequantPolicy, quick: bool) 
 
             vocab = model.config.vocab_size
             batch = torch.from_numpy(rng.integers(0, vocab, (8, 64)))
-            state = quantize_state(export())
-            history = []
-            for step in range(steps + 1):
-                loss = model(input_ids=batch, labels=batch).loss
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                new = quantize_state(export(), previous=state, policy=policy)
-                if step > 0:  # the first kept version is the one-off settling step
-                    history.append(measure(f"tiny AdamW lr={lr:g}", state, new))
-                state = new
-            row = {k: (float(np.mean([h[k] for h in history])) if isinstance(history[0][k], (int, float))
-                       else history[0][k]) for k in history[0]}
-            row["steps"] = len(history)
+            row, _ = measured_steps(f"tiny AdamW lr={lr:g}", lambda: model(input_ids=batch, labels=batch).loss,
+                                    opt, export, steps, policy)
             row["params"] = int(sum(p.numel() for p in model.parameters()))
             rows.append(row)
     return rows
@@ -290,20 +299,10 @@ def model_rows(path: Path, steps: int, lrs: list[float], policy: RequantPolicy, 
                 sd.pop("lm_head.weight", None)
             return {k: v for k, v in sd.items() if "inv_freq" not in k}
 
-        state = quantize_state(export())
-        history = []
-        for step in range(steps + 1):
-            loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            new = quantize_state(export(), previous=state, policy=policy)
-            if step > 0:  # the first kept version is the one-off settling step
-                history.append(measure(f"{path.name} AdamW lr={lr:g}", state, new))
-            state = new
-        row = {k: (float(np.mean([h[k] for h in history])) if isinstance(history[0][k], (int, float))
-                   else history[0][k]) for k in history[0]}
-        row.update(steps=len(history), lr=lr, params=int(sum(p.numel() for p in model.parameters())),
+        row, history = measured_steps(f"{path.name} AdamW lr={lr:g}",
+                                      lambda: model(input_ids=ids, attention_mask=attn, labels=labels).loss,
+                                      opt, export, steps, policy)
+        row.update(lr=lr, params=int(sum(p.numel() for p in model.parameters())),
                    per_step=[{k: h[k] for k in ("code_change_rate", "ratio_delta_vs_full", "delta_bytes")}
                              for h in history])
         rows.append(row)
