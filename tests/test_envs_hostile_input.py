@@ -97,7 +97,7 @@ def test_slow_clients_do_not_stop_others_and_are_disconnected(bm25):
         half_line = _connect(srv.port)
         half_line.sendall(b"POST /retrieve HT")
         short_body = _connect(srv.port)  # promises 100 bytes, sends 10
-        short_body.sendall(b"POST /retrieve HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"queries\"")
+        short_body.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"queries\"")
         client = HTTPRetriever(srv.url, retries=0, timeout=10)
         for i in range(5):  # answered while the three hold their sockets
             [[hit, *_]] = client.search([f"Protein{i}"], 3)
@@ -132,23 +132,93 @@ def test_trickling_client_is_cut_off_at_the_request_deadline(bm25):
         assert hit.id == "d3"
 
 
-def test_connection_cap_answers_busy_then_recovers(bm25):
-    # A long deadline: the holders keep their slots until they hang up themselves.
-    limits = ServerLimits(max_connections=3, request_timeout=120.0)
+def test_held_connections_do_not_lock_out_honest_clients(bm25):
+    """The slow-client attack: an attacker fills every connection slot with half-sent requests and
+    re-opens each one the server drops. Honest clients (no retries) are still answered, because a
+    newcomer evicts the connection that has waited longest for its request."""
+    limits = ServerLimits(max_connections=16, request_timeout=60.0)
     with _Serving(bm25, limits) as srv:
-        holders = [_connect(srv.port) for _ in range(3)]
-        for h in holders:
-            h.sendall(b"GET /hea")
-        extra = _connect(srv.port)  # accepted after the holders: no slot left
+        stop, held, reopened = threading.Event(), [], [0]
+
+        def attacker() -> None:
+            for _ in range(16):
+                s = _connect(srv.port)
+                s.sendall(b"POST /retrieve HTTP/1.1\r\nContent-Le")
+                held.append(s)
+            deadline = time.monotonic() + 60  # bounded: stops by itself
+            while not stop.is_set() and time.monotonic() < deadline:
+                for i, s in enumerate(held):
+                    if select.select([s], [], [], 0)[0]:  # dropped by the server: open another
+                        s.close()
+                        held[i] = _connect(srv.port)
+                        held[i].sendall(b"POST /retrieve HTTP/1.1\r\nContent-Le")
+                        reopened[0] += 1
+                time.sleep(0.01)
+
+        t = threading.Thread(target=attacker, daemon=True)
+        t.start()
+        while len(held) < 16:
+            time.sleep(0.01)
+        client = HTTPRetriever(srv.url, retries=0, timeout=10)
+        for i in range(20):
+            [[hit, *_]] = client.search([f"Protein{i}"], 3)
+            assert hit.id == f"d{i}"
+        stop.set()
+        t.join()
+        for s in held:
+            s.close()
+        assert srv.srv.refused == 0 and srv.srv.evicted >= 1
+
+
+class _Gate:
+    """A retriever whose searches wait until the test opens the gate."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.gate, self.inside = inner, threading.Event(), threading.Semaphore(0)
+
+    def search(self, queries, k):
+        self.inside.release()
+        self.gate.wait(30)
+        return self.inner.search(queries, k)
+
+
+def test_busy_only_when_every_connection_is_searching(bm25):
+    gated = _Gate(bm25)
+    with _Serving(gated, ServerLimits(max_connections=2, max_concurrent=2, request_timeout=30.0)) as srv:
+        answers = []
+        workers = [threading.Thread(target=lambda q=q: answers.append(_post(srv.url, json.dumps({"queries": [q]}).encode())))
+                   for q in ("Protein1", "Protein2")]
+        for w in workers:
+            w.start()
+        for _ in workers:  # both connections are inside a search
+            assert gated.inside.acquire(timeout=30)
+        extra = _connect(srv.port)
         reply = _read_to_close(extra)
         extra.close()
-        assert reply.startswith(b"HTTP/1.1 503") and b"too many open connections" in reply
-        assert srv.srv.refused == 1
-        for h in holders:
-            h.close()
-        # The client retries a 503, so once the holders are gone it gets its answer.
-        [[hit, *_]] = HTTPRetriever(srv.url, retries=6).search(["Protein4"], 3)
-        assert hit.id == "d4"
+        assert reply.startswith(b"HTTP/1.1 503") and b"every connection is searching" in reply
+        assert srv.srv.refused == 1 and srv.srv.evicted == 0
+        gated.gate.set()
+        for w in workers:
+            w.join(30)
+        assert sorted(code for code, _ in answers) == [200, 200]
+
+
+def test_the_longest_waiting_connection_is_evicted_first(bm25):
+    with _Serving(bm25, ServerLimits(max_connections=3, request_timeout=60.0)) as srv:
+        holders = []
+        for _ in range(3):
+            holders.append(_connect(srv.port))
+            holders[-1].sendall(b"GET /hea")
+            time.sleep(0.05)
+        newest = _connect(srv.port)
+        newest.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert newest.recv(65536).startswith(b"HTTP/1.1 200")
+        assert _closed_by_peer(holders[0], wait=30)
+        for h in holders[1:]:  # still open: the server has not written to or closed them
+            assert not select.select([h], [], [], 0.2)[0]
+        for s in (*holders, newest):
+            s.close()
+        assert srv.srv.evicted == 1
 
 
 # -- the server: request and answer bounds ---------------------------------------------------------
@@ -158,12 +228,12 @@ def test_oversized_and_unframed_bodies_are_refused(bm25):
     with _Serving(bm25, ServerLimits(max_body_bytes=4096, request_timeout=5.0)) as srv:
         # Headers only: the server must answer from them, without waiting for (or reading) a body.
         s = _connect(srv.port)
-        s.sendall(b"POST /retrieve HTTP/1.1\r\nContent-Length: 2000000\r\n\r\n")
+        s.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000\r\n\r\n")
         reply = _read_to_close(s)  # the server answers and hangs up
         assert reply.startswith(b"HTTP/1.1 413") and b"body over 4096 bytes" in reply
         s.close()
         s = _connect(srv.port)
-        s.sendall(b"POST /retrieve HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n")
+        s.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
         assert _read_to_close(s).startswith(b"HTTP/1.1 411")
         s.close()
 

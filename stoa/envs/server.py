@@ -4,14 +4,21 @@
 bool (optional)}`` answers ``{"result": [[item, ...] per query]}``. Each item is the document
 ``{"id", "contents", "title", "text"}`` (``contents`` is Search-R1's ``"<title>"\\n<text>``), wrapped
 as ``{"document": doc, "score": float}`` when ``return_scores`` is true. ``GET /health`` answers
-``{"status": "ok", "num_docs": n}``. Bad requests get HTTP 400/404/411/413 with ``{"error": message}``;
-a server at its connection cap answers 503 at once and closes.
+``{"status": "ok", "num_docs": n}``. Bad requests get HTTP 400/404/411/413 with ``{"error": message}``.
 
 Bounds (:class:`ServerLimits`; a request beyond one is refused, never truncated silently): the
-request body size, queries per request, query length, ``topk``, ``queries x topk``, the size of
-the answer (checked while it is built, so it is never held whole beyond the cap), concurrent
+request head and body size, queries per request, query length, ``topk``, ``queries x topk``, the
+size of the answer (checked while it is built, so it is never held whole beyond the cap), open
 connections, concurrent searches, and the time to receive one request: a client that sends
 nothing, or trickles bytes, is disconnected when ``request_timeout`` runs out, whatever it sends.
+
+Connections held open cannot lock honest clients out. The server is one asyncio loop (HTTP/1.1
+parsed by ``h11``), so an open connection costs a few kilobytes, not a thread. At the
+``max_connections`` cap a new connection *evicts* the open connection that has waited longest
+for the rest of a request (or idled longest between keep-alive requests); only when every open
+connection is inside a search is the newcomer answered 503. An honest request arrives whole within
+a round trip, so it is never the oldest waiting one; an attacker holding half-sent requests loses
+one of them for every connection anyone opens, however many it keeps opening.
 
 The answer is bounded relative to the request: at most ``max_amplification`` (256) times the
 request body's bytes. Documents are cut (to ``max_doc_chars``, and to an equal share of that
@@ -25,20 +32,23 @@ with :class:`stoa.envs.retrieval.HTTPRetriever` or any Search-R1 client.
 
 from __future__ import annotations
 
-import io
+import asyncio
+import http
 import json
 import math
 import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+import h11
 
 from stoa.envs.retrieval import Hit, Retriever
 
-__all__ = ["make_server", "serve", "ServerLimits"]
+__all__ = ["RetrieverServer", "ServerLimits", "make_server", "serve"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,8 @@ class ServerLimits:
 
     max_body_bytes: int = 1 << 20
     """Largest request body."""
+    max_head_bytes: int = 16 << 10
+    """Largest request line plus headers (431/400 beyond it)."""
     max_queries: int = 1024
     """Most queries in one request."""
     max_topk: int = 100
@@ -67,15 +79,17 @@ class ServerLimits:
     """``topk`` when the request omits it (Search-R1's default)."""
     max_concurrent: int = 4
     """Requests searched at once; each holds a float32 score per document (64 MB for 16M)."""
-    max_connections: int = 64
-    """Open connections served at once (one thread each); more are answered 503 and closed."""
+    max_connections: int = 256
+    """Open connections at once. At the cap a newcomer evicts the connection that has waited
+    longest for a request; it is answered 503 only when every open connection is searching.
+    Memory bound: about ``max_connections x (max_head_bytes + max_body_bytes)`` of buffered input."""
     request_timeout: float = 30.0
     """Seconds to receive one whole request (and to send its answer), idle keep-alive included."""
 
     def __post_init__(self) -> None:
-        ints = (self.max_body_bytes, self.max_queries, self.max_topk, self.max_query_chars, self.max_results,
-                self.max_response_bytes, self.max_concurrent, self.max_connections, self.max_doc_chars,
-                self.max_amplification)
+        ints = (self.max_body_bytes, self.max_head_bytes, self.max_queries, self.max_topk, self.max_query_chars,
+                self.max_results, self.max_response_bytes, self.max_concurrent, self.max_connections,
+                self.max_doc_chars, self.max_amplification)
         if min(ints) < 1:
             raise ValueError("every server limit must be >= 1")
         if not 1 <= self.default_topk <= self.max_topk:
@@ -93,67 +107,25 @@ def _doc(h: Hit, chars: int) -> dict[str, Any]:
     return {"id": _cut(h.id, 256), "contents": f'"{title}"\n{text}', "title": title, "text": text}
 
 
-class _DeadlineReader(io.RawIOBase):
-    """A socket's input under one deadline per request: each recv waits only for what is left,
-    so a client trickling a byte at a time cannot hold a thread past the deadline."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self.deadline = math.inf
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("request not received before the deadline")
-        self._sock.settimeout(left)
-        return self._sock.recv_into(b)
-
-
-_BUSY = json.dumps({"error": "server busy: too many open connections, retry later"}).encode()
+_BUSY = json.dumps({"error": "server busy: every connection is searching, retry later"}).encode()
 _BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
                   b"Connection: close\r\nContent-Length: " + str(len(_BUSY)).encode() + b"\r\n\r\n" + _BUSY)
 
 
-class _Server(ThreadingHTTPServer):
-    """One daemon thread per connection, at most ``max_connections`` at once."""
+class _Refusal(Exception):
+    """A request answered with an error status (and, with ``close``, the connection closed)."""
 
-    daemon_threads = True
-    block_on_close = False
+    def __init__(self, code: int, message: str, close: bool = False) -> None:
+        super().__init__(message)
+        self.code, self.message, self.close = code, message, close
 
-    def __init__(self, address: tuple[str, int], handler: type, limits: ServerLimits) -> None:
-        self._conns = threading.BoundedSemaphore(limits.max_connections)
-        self.refused = 0
-        """Connections answered 503 because the cap was reached."""
-        super().__init__(address, handler)
 
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._conns.acquire(blocking=False):
-            self.refused += 1
-            try:  # a fresh socket's send buffer is empty: this never blocks the accept loop
-                request.setblocking(False)
-                request.send(_BUSY_RESPONSE)
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._conns.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._conns.release()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        if not isinstance(sys.exc_info()[1], OSError):  # a client that went away is not news
-            super().handle_error(request, client_address)
+@dataclass(eq=False)
+class _Conn:
+    task: asyncio.Task | None
+    writer: asyncio.StreamWriter
+    waiting_since: float
+    searching: bool = False
 
 
 def _answer(hits: list[list[Hit]], scores: bool, budget: int, max_chars: int) -> bytes | None:
@@ -178,122 +150,241 @@ def _answer(hits: list[list[Hit]], scores: bool, budget: int, max_chars: int) ->
     return None
 
 
-def make_server(retriever: Retriever, host: str = "127.0.0.1", port: int = 0,
-                limits: ServerLimits | None = None) -> ThreadingHTTPServer:
-    """A ready (not yet serving) HTTP server; ``port=0`` picks a free port (``server.server_address``).
-    Call ``serve_forever()`` (e.g. in a thread) and ``shutdown()``. One thread per connection, at
-    most ``limits.max_connections``; at most ``limits.max_concurrent`` searches run at once (the
-    retriever must be thread-safe for reads, as the BM25 ones are)."""
-    lim = limits or ServerLimits()
-    slots = threading.BoundedSemaphore(lim.max_concurrent)
-    num_docs = len(retriever) if hasattr(retriever, "__len__") else None
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+class RetrieverServer:
+    """The server of the module docstring: bound at construction (``server_address`` is known at
+    once), serving in :meth:`serve_forever` until :meth:`shutdown` (from another thread).
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
-            pass
+    Counters (read them from any thread): ``refused`` (newcomers answered 503: every open
+    connection was searching), ``evicted`` (waiting connections closed to admit a newcomer),
+    ``timed_out`` (connections closed at their request deadline)."""
 
-        def setup(self) -> None:
-            super().setup()
-            self._reader = _DeadlineReader(self.connection)
-            self.rfile = io.BufferedReader(self._reader)
+    def __init__(self, retriever: Retriever, host: str = "127.0.0.1", port: int = 0,
+                 limits: ServerLimits | None = None) -> None:
+        self.retriever, self.limits = retriever, limits or ServerLimits()
+        self.num_docs = len(retriever) if hasattr(retriever, "__len__") else None
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.create_server((host, port), family=family, backlog=1024)
+        self.server_address: tuple[Any, ...] = self._sock.getsockname()
+        self.refused = self.evicted = self.timed_out = 0
+        self._conns: set[_Conn] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._done = threading.Event()
+        self._started = threading.Event()
+        self._closed = False
 
-        def handle_one_request(self) -> None:
-            self._reader.deadline = time.monotonic() + lim.request_timeout
-            super().handle_one_request()
+    # -- life cycle -------------------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        """Serve in the calling thread until :meth:`shutdown`."""
+        self._done.clear()
+        try:
+            asyncio.run(self._main())
+        finally:
+            self._done.set()
 
-        def _send(self, code: int, body: Any = None, raw: bytes | None = None) -> None:
-            raw = json.dumps(body, ensure_ascii=False).encode() if raw is None else raw
-            self.connection.settimeout(lim.request_timeout)  # sendall's total time, since 3.5
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(raw)))
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(raw)
-
-        def _refuse(self, code: int, message: str, *, close: bool = False) -> None:
-            self.close_connection = self.close_connection or close
-            self._send(code, {"error": message})
-
-        def do_GET(self) -> None:  # noqa: N802 - stdlib name
-            if self.path.rstrip("/") == "/health":
-                self._send(200, {"status": "ok", "num_docs": num_docs})
-            else:
-                self._refuse(404, f"no route GET {self.path[:200]}")
-
-        def do_POST(self) -> None:  # noqa: N802 - stdlib name
-            if self.path.rstrip("/") != "/retrieve":
-                self._refuse(404, f"no route POST {self.path[:200]} (use /retrieve)", close=True)
-                return
-            if self.headers.get("Transfer-Encoding") is not None:
-                self._refuse(411, "send the body with a Content-Length, not chunked", close=True)
-                return
+    def shutdown(self) -> None:
+        """Stop :meth:`serve_forever` and wait until it has returned (a no-op if it never ran)."""
+        if not self._started.is_set() or self._done.is_set():
+            return
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None:
             try:
-                length = int(self.headers.get("Content-Length", ""))
-            except ValueError:
-                self._refuse(411, "Content-Length required", close=True)
-                return
-            if not 0 <= length <= lim.max_body_bytes:
-                self._refuse(413, f"body over {lim.max_body_bytes} bytes", close=True)
-                return
-            body = self.rfile.read(length)
-            try:
-                queries, k, scores = self._validate(json.loads(body))
-            except RecursionError:
-                self._refuse(400, "the body is nested too deeply")
-                return
-            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-                self._refuse(400, str(e)[:500])
-                return
-            try:
-                hits = self._search(queries, k)
-            except Exception as e:  # report backend failures to the client, keep serving
-                self._refuse(500, f"retrieval failed: {type(e).__name__}: {e}"[:2000])
-                return
-            budget = min(lim.max_response_bytes, lim.max_amplification * max(length, 1))
-            answer = _answer(hits, scores, budget, lim.max_doc_chars)
-            if answer is None:
-                self._refuse(413, f"the answer would be over {budget} bytes ({lim.max_amplification} x the request, "
-                                  f"at most {lim.max_response_bytes}) even with documents cut: ask for fewer "
-                                  "queries or a smaller topk")
-                return
-            self._send(200, raw=answer)
+                loop.call_soon_threadsafe(stop.set)
+            except RuntimeError:  # the loop already closed
+                pass
+        self._done.wait()
 
-        def _search(self, queries: list[str], k: int) -> list[list[Hit]]:
-            out: list[list[Hit]] = []
+    def server_close(self) -> None:
+        """Close the listening socket (after :meth:`shutdown`, or instead of serving)."""
+        if not self._closed:
+            self._closed = True
+            self._sock.close()
+
+    async def _main(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        pool = ThreadPoolExecutor(self.limits.max_concurrent, thread_name_prefix="stoa-retrieve")
+        self._pool = pool
+        server = await asyncio.start_server(self._accept, sock=self._sock, limit=self.limits.max_head_bytes)
+        self._started.set()
+        try:
+            await self._stop.wait()
+        finally:
+            server.close()
+            for c in list(self._conns):
+                c.writer.transport.abort()
+                if c.task is not None:
+                    c.task.cancel()
+            await asyncio.gather(*(c.task for c in list(self._conns) if c.task is not None), return_exceptions=True)
+            pool.shutdown(wait=False, cancel_futures=True)
+            self._closed = True  # start_server owned the socket and closed it
+
+    # -- connections ------------------------------------------------------------------------------
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = _Conn(asyncio.current_task(), writer, time.monotonic())
+        if len(self._conns) >= self.limits.max_connections:
+            waiting = [c for c in self._conns if not c.searching]
+            if not waiting:
+                self.refused += 1
+                writer.write(_BUSY_RESPONSE)
+                writer.close()
+                return
+            victim = min(waiting, key=lambda c: c.waiting_since)
+            self._conns.discard(victim)
+            self.evicted += 1
+            victim.writer.transport.abort()
+            if victim.task is not None:
+                victim.task.cancel()
+        self._conns.add(conn)
+        try:
+            await self._serve(conn, reader, writer)
+        except (asyncio.CancelledError, ConnectionError, OSError):
+            writer.transport.abort()
+        finally:
+            self._conns.discard(conn)
+            writer.close()  # sends what is still buffered, then closes
+
+    async def _serve(self, conn: _Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        lim = self.limits
+        h = h11.Connection(h11.SERVER, max_incomplete_event_size=lim.max_head_bytes)
+        while True:
+            conn.waiting_since, conn.searching = time.monotonic(), False
+            deadline = time.monotonic() + lim.request_timeout
+            try:
+                event = await self._next(h, reader, deadline)
+                if isinstance(event, h11.ConnectionClosed):
+                    return
+                assert isinstance(event, h11.Request)
+                code, body = await self._handle(h, reader, event, deadline, conn)
+                close = False
+            except _Refusal as r:
+                code, body, close = r.code, json.dumps({"error": r.message}, ensure_ascii=False).encode(), r.close
+            except h11.RemoteProtocolError as e:
+                code, close = e.error_status_hint, True
+                body = json.dumps({"error": f"malformed request: {e}"[:500]}).encode()
+            except TimeoutError:
+                self.timed_out += 1
+                return
+            close = close or h.their_state is not h11.DONE
+            headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+            if close:
+                headers.append(("Connection", "close"))
+            try:
+                out = h.send(h11.Response(status_code=code, headers=headers, reason=http.HTTPStatus(code).phrase))
+                out += h.send(h11.Data(data=body)) + h.send(h11.EndOfMessage())
+            except h11.LocalProtocolError:  # no answer is possible here (the client broke the protocol)
+                return
+            writer.write(out)
+            await asyncio.wait_for(writer.drain(), lim.request_timeout)
+            if close or h.our_state is not h11.DONE or h.their_state is not h11.DONE:
+                return
+            h.start_next_cycle()
+
+    async def _next(self, h: h11.Connection, reader: asyncio.StreamReader, deadline: float) -> Any:
+        """The next h11 event, reading (under the request deadline) while h11 needs data."""
+        while True:
+            event = h.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            try:
+                data = await asyncio.wait_for(reader.read(65536), left)
+            except asyncio.TimeoutError:
+                raise TimeoutError from None
+            h.receive_data(data)
+
+    async def _handle(self, h: h11.Connection, reader: asyncio.StreamReader, req: h11.Request, deadline: float,
+                      conn: _Conn) -> tuple[int, bytes]:
+        lim = self.limits
+        method, path = req.method.decode("latin-1"), req.target.decode("latin-1").split("?", 1)[0].rstrip("/")
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in req.headers}
+        if method == "GET":
+            if path == "/health":
+                return 200, json.dumps({"status": "ok", "num_docs": self.num_docs}).encode()
+            raise _Refusal(404, f"no route GET {path[:200]}", close="content-length" in headers)
+        if method != "POST" or path != "/retrieve":
+            raise _Refusal(404, f"no route {method[:10]} {path[:200]} (use POST /retrieve)", close=True)
+        if "transfer-encoding" in headers:
+            raise _Refusal(411, "send the body with a Content-Length, not chunked", close=True)
+        try:
+            length = int(headers.get("content-length", ""))
+        except ValueError:
+            raise _Refusal(411, "Content-Length required", close=True) from None
+        if not 0 <= length <= lim.max_body_bytes:
+            raise _Refusal(413, f"body over {lim.max_body_bytes} bytes", close=True)
+        parts = []
+        while True:
+            event = await self._next(h, reader, deadline)
+            if isinstance(event, h11.EndOfMessage):
+                break
+            if not isinstance(event, h11.Data):  # ConnectionClosed mid-body
+                raise TimeoutError
+            parts.append(bytes(event.data))
+        body = b"".join(parts)
+        try:
+            queries, k, scores = self._validate(json.loads(body))
+        except RecursionError:
+            raise _Refusal(400, "the body is nested too deeply") from None
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise _Refusal(400, str(e)[:500]) from None
+        budget = min(lim.max_response_bytes, lim.max_amplification * max(length, 1))
+        conn.searching = True
+        try:
+            answer = await asyncio.get_running_loop().run_in_executor(self._pool, self._search, queries, k,
+                                                                      scores, budget)
+        finally:
+            conn.searching = False
+        if answer is None:
+            raise _Refusal(413, f"the answer would be over {budget} bytes ({lim.max_amplification} x the request, "
+                                f"at most {lim.max_response_bytes}) even with documents cut: ask for fewer "
+                                "queries or a smaller topk")
+        return 200, answer
+
+    def _search(self, queries: list[str], k: int, scores: bool, budget: int) -> bytes | None:
+        """Runs in the search pool (``max_concurrent`` threads): the hits and their JSON answer."""
+        hits: list[list[Hit]] = []
+        try:
             for start in range(0, len(queries), 32):
-                with slots:
-                    out += [list(h[:k]) for h in retriever.search(queries[start : start + 32], k)]
-            return out
+                hits += [list(h[:k]) for h in self.retriever.search(queries[start : start + 32], k)]
+        except Exception as e:  # report backend failures to the client, keep serving
+            raise _Refusal(500, f"retrieval failed: {type(e).__name__}: {e}"[:2000]) from None
+        return _answer(hits, scores, budget, self.limits.max_doc_chars)
 
-        def _validate(self, req: Any) -> tuple[list[str], int, bool]:
-            if not isinstance(req, dict):
-                raise ValueError("the body must be a JSON object")
-            unknown = set(req) - {"queries", "topk", "return_scores"}
-            if unknown:
-                raise ValueError(f"unknown fields {sorted(unknown)[:10]}")
-            queries = req.get("queries")
-            if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
-                raise ValueError("'queries' must be a list of strings")
-            if not 1 <= len(queries) <= lim.max_queries:
-                raise ValueError(f"between 1 and {lim.max_queries} queries per request")
-            if any(len(q) > lim.max_query_chars for q in queries):
-                raise ValueError(f"a query is over {lim.max_query_chars} characters")
-            k = req.get("topk")
-            k = lim.default_topk if k is None else k
-            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= lim.max_topk:
-                raise ValueError(f"'topk' must be an int in [1, {lim.max_topk}]")
-            if len(queries) * k > lim.max_results:
-                raise ValueError(f"{len(queries)} queries x topk {k} is over {lim.max_results} documents per request")
-            scores = req.get("return_scores", False)
-            if not isinstance(scores, bool):
-                raise ValueError("'return_scores' must be a boolean")
-            return queries, k, scores
+    def _validate(self, req: Any) -> tuple[list[str], int, bool]:
+        lim = self.limits
+        if not isinstance(req, dict):
+            raise ValueError("the body must be a JSON object")
+        unknown = set(req) - {"queries", "topk", "return_scores"}
+        if unknown:
+            raise ValueError(f"unknown fields {sorted(unknown)[:10]}")
+        queries = req.get("queries")
+        if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
+            raise ValueError("'queries' must be a list of strings")
+        if not 1 <= len(queries) <= lim.max_queries:
+            raise ValueError(f"between 1 and {lim.max_queries} queries per request")
+        if any(len(q) > lim.max_query_chars for q in queries):
+            raise ValueError(f"a query is over {lim.max_query_chars} characters")
+        k = req.get("topk")
+        k = lim.default_topk if k is None else k
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= lim.max_topk:
+            raise ValueError(f"'topk' must be an int in [1, {lim.max_topk}]")
+        if len(queries) * k > lim.max_results:
+            raise ValueError(f"{len(queries)} queries x topk {k} is over {lim.max_results} documents per request")
+        scores = req.get("return_scores", False)
+        if not isinstance(scores, bool):
+            raise ValueError("'return_scores' must be a boolean")
+        return queries, k, scores
 
-    return _Server((host, port), Handler, lim)
+
+def make_server(retriever: Retriever, host: str = "127.0.0.1", port: int = 0,
+                limits: ServerLimits | None = None) -> RetrieverServer:
+    """A ready (not yet serving) server; ``port=0`` picks a free port (``server.server_address``).
+    Call ``serve_forever()`` (e.g. in a thread), then ``shutdown()`` and ``server_close()``. At most
+    ``limits.max_concurrent`` searches run at once, in a thread pool (the retriever must be
+    thread-safe for reads, as the BM25 ones are)."""
+    return RetrieverServer(retriever, host, port, limits)
 
 
 def serve(retriever: Retriever, host: str = "127.0.0.1", port: int = 8000, limits: ServerLimits | None = None) -> None:
