@@ -179,7 +179,7 @@ def multirank(args) -> None:
     import torch
 
     from stoa.backends.learner import LearnerConfig, make_learner
-    from stoa.fleet.distributed import Ranks, follow
+    from stoa.fleet.trainer.distributed import Ranks, follow
 
     if args.dry_run:
         _dry_run_shims()

@@ -237,7 +237,7 @@ def real_model(args: argparse.Namespace) -> None:
     from stoa.backends.engine import RolloutRequest, SamplingConfig
     from stoa.backends.learner import LearnerConfig, make_learner
     from stoa.backends.mlx import MLXEngine
-    from stoa.fleet.warmstart import Demonstrations
+    from stoa.fleet.trainer.warmstart import Demonstrations
     from stoa.transport.quant import quantize_state
 
     t0 = time.time()

@@ -91,7 +91,7 @@ def part_mlx(model: Path, work: Path, groups: int) -> dict:
 
     from stoa.backends.engine import RolloutRequest, SamplingConfig
     from stoa.backends.mlx import MLXEngine
-    from stoa.fleet.heldstates import HeldStates
+    from stoa.fleet.trainer.heldstates import HeldStates
     from stoa.types import encode_episodes
 
     make_env = _env()
@@ -145,7 +145,7 @@ def part_torch(model: Path, work: Path, threads: int) -> dict:
     import torch
 
     from stoa.backends.torch.int8 import TorchInt8Scorer
-    from stoa.fleet.heldstates import HeldStates
+    from stoa.fleet.trainer.heldstates import HeldStates
     from stoa.types import decode_episodes
 
     torch.set_num_threads(threads)
@@ -190,7 +190,7 @@ def _states(work: Path, n: int):
     """``n`` successive int8 states: the MLX part's state, then 0.5% of codes moved per version."""
     import numpy as np
 
-    from stoa.fleet.heldstates import HeldStates
+    from stoa.fleet.trainer.heldstates import HeldStates
 
     base = HeldStates(work / "held", keep=2).get(0)
     rng = np.random.default_rng(0)
@@ -223,7 +223,7 @@ def part_held(model: Path, work: Path, kind: str, max_lag: int) -> dict:
 
     import numpy as np
 
-    from stoa.fleet.heldstates import HeldStates
+    from stoa.fleet.trainer.heldstates import HeldStates
 
     base_rss = rss()["VmRSS"]
     n = max_lag + 1

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from stoa.fleet.invite import INVITE_FORMAT, Invite, default_cache_dir, read_invite, write_invite
+from stoa.fleet.worker.invite import INVITE_FORMAT, Invite, default_cache_dir, read_invite, write_invite
 from stoa.transport.signing import generate_private_key
 
 

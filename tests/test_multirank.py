@@ -77,7 +77,7 @@ def test_learner_megatron_section_is_typed_and_checked(tmp_path):
 def test_control_messages_round_trip_and_unmirrored_calls_are_refused():
     from types import SimpleNamespace
 
-    from stoa.fleet.distributed import LeaderLearner, Message
+    from stoa.fleet.trainer.distributed import LeaderLearner, Message
 
     m = Message("train_step", {"episode_bytes": 2, "objective": {"kind": "x", "cap": float("inf")}}, b"\x00\x01")
     assert Message.decode(m.encode()) == m

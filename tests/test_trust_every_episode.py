@@ -15,8 +15,9 @@ import pytest
 
 pytest.importorskip("mlx.core", reason="the MLX engine needs mlx")
 
-from stoa.fleet.trust import TrustConfig, TrustGate  # noqa: E402
-from stoa.fleet.trust.audit import AuditConfig  # noqa: E402
+from stoa.fleet.trust.gate import TrustGate
+from stoa.fleet.trust.section import TrustConfig  # noqa: E402
+from stoa.fleet.trust.section import AuditConfig  # noqa: E402
 from stoa.transport.signing import generate_private_key  # noqa: E402
 
 from trust_helpers import RUN, AtVersion, Echo, assigned, batch_of  # noqa: E402

@@ -10,8 +10,10 @@ import json
 import numpy as np
 import pytest
 
-from stoa.fleet.trust import TrustConfig, TrustGate
-from stoa.fleet.trust.audit import AuditConfig, LogprobAudit, TokenStats, episode_stats, spot_check
+from stoa.fleet.trust.audit import LogprobAudit, TokenStats, episode_stats, spot_check
+from stoa.fleet.trust.gate import TrustGate
+from stoa.fleet.trust.section import TrustConfig
+from stoa.fleet.trust.section import AuditConfig
 from stoa.transport.signing import generate_private_key
 
 from trust_helpers import AtVersion, Echo, RUN, assigned, batch_of, episodes, forge_logprobs
@@ -146,7 +148,7 @@ def test_after_a_restart_a_claimed_version_is_rebuilt_from_the_chain_or_the_batc
     import stoa.envs
     from stoa.backends.engine import RolloutRequest, SamplingConfig, make_engine
     from stoa.fleet.config import RolloutConfig
-    from stoa.fleet.policies import HeldPolicies
+    from stoa.fleet.trainer.policies import HeldPolicies
     from stoa.testing.synthetic import perturb_codes
     from stoa.transport.chain import WeightPublisher
     from stoa.transport.store import LocalStore

@@ -25,20 +25,23 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from stoa.fleet.config import RunConfig
 from stoa.fleet.intake.copies import Copies
 from stoa.fleet.intake.pool import Pool, Taken
-from stoa.fleet.trust import FloatScorer, Ledger, TrustGate, batch_problem, scoped
+from stoa.fleet.trust.admission import batch_problem
 from stoa.fleet.trust.assign import Assignment, assignment, assignment_problem, is_probation
+from stoa.fleet.trust.gate import TrustGate, scoped
+from stoa.fleet.trust.ledger import Ledger
 from stoa.fleet.trust.records import public_reason
+from stoa.fleet.trust.review import FloatScorer
 from stoa.transport import layout
-from stoa.transport.identity import assignment_salt
 from stoa.transport.exchange import Batch, Rejection, RolloutReader, write_progress
+from stoa.transport.identity import assignment_salt
 from stoa.transport.sequence import write_floors
 from stoa.transport.store import StoreError
 
 if TYPE_CHECKING:
-    from stoa.fleet.config import RunConfig
-    from stoa.fleet.policies import HeldPolicies
+    from stoa.fleet.trainer.policies import HeldPolicies
     from stoa.transport.identity import BatchSeal
     from stoa.transport.store import ObjectStore
     from stoa.types import Category, Episode

@@ -27,17 +27,16 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from stoa.fleet.trust.audit import AuditConfig
 from stoa.fleet.trust.planted import count_planted
 from stoa.fleet.trust.records import REPORT_KIND, Records, TrustReport, build_report, public_reason
 from stoa.fleet.trust.review import FloatScorer, Int8Scorer, Review, Verdict
 from stoa.fleet.trust.roster import Membership
+from stoa.fleet.trust.section import TrustConfig
 from stoa.transport import layout
 from stoa.transport.identity import Ban, BatchSeal, Roster
 from stoa.transport.signing import sign_document
@@ -51,56 +50,11 @@ if TYPE_CHECKING:
     from stoa.transport.exchange import Batch, Rejection
     from stoa.types import Episode
 
-__all__ = ["TrustConfig", "TrustGate", "group_episodes", "scoped"]
+__all__ = ["TrustGate", "group_episodes", "scoped"]
 
 log = logging.getLogger("stoa.trust")
 
 _REPORT_EVERY_S = 2.0
-
-
-@dataclass(frozen=True)
-class TrustConfig:
-    """Who may upload rollouts and how the trainer checks what they upload (``[trust]``; ``docs/trust.md``)."""
-
-    mode: Literal["open", "enrolled"] = "open"
-    """``open``: any worker key, bound to its worker id by its first accepted batch; ``enrolled``:
-    only keys enrolled in the run's signed roster (``stoa enroll``)."""
-    replay: bool = True
-    """Replay every episode through the trainer's own environment before training on it (tasks
-    that declare ``replayable``); a mismatch rejects the batch."""
-    audit: AuditConfig = AuditConfig()
-    """The log-prob audit and its spot-checks (``[trust.audit]``)."""
-    ban_after: int = 2
-    """Rejected batches from one key (replay, duplicate, invalid, ...) before it is banned; 0 = never."""
-    max_worker_share: float = 1.0
-    """Most of one optimizer step's groups that may come from one worker key (1.0 = no cap)."""
-    max_hashes: int = 16384
-    """Accepted batch and group hashes remembered to refuse copies (bounded memory, checkpointed;
-    a copy older than ``trainer.max_lag`` versions is dropped as stale anyway)."""
-    newcomers_per_poll: int = 4
-    """Batches reviewed per poll from keys with no accepted work yet, one per key, chosen at random
-    (the others wait, at most 64 per allowed batch); enrolled keys and keys with accepted work are
-    never held back."""
-    idle_expiry_hours: float = 24.0
-    """In an open run, a key bound by its work but with no accepted batch for this long loses its
-    binding when the roster is full and a newcomer's accepted work needs the room."""
-    reward_range: tuple[float, float] = (-1000.0, 1000.0)
-    """Rewards a worker may report; a batch with one outside is quarantined (workers are strangers)."""
-
-    def __post_init__(self) -> None:
-        if self.ban_after < 0:
-            raise ValueError("trust.ban_after must be >= 0")
-        if not 0 < self.max_worker_share <= 1:
-            raise ValueError("trust.max_worker_share must lie in (0, 1]")
-        if self.max_hashes < 1:
-            raise ValueError("trust.max_hashes must be >= 1")
-        if self.newcomers_per_poll < 1:
-            raise ValueError("trust.newcomers_per_poll must be >= 1")
-        if not self.idle_expiry_hours > 0:
-            raise ValueError("trust.idle_expiry_hours must be > 0")
-        lo, hi = self.reward_range
-        if not (math.isfinite(lo) and math.isfinite(hi) and lo <= hi and max(abs(lo), abs(hi)) < 1e30):
-            raise ValueError("trust.reward_range must be two finite numbers lo <= hi (|x| < 1e30)")
 
 
 def scoped(key_id: str, group_id: str) -> str:

@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from stoa.fleet.trust.audit import AuditConfig, LogprobAudit, compare_logprobs, episode_stats, spot_check
+from stoa.fleet.trust.audit import LogprobAudit, compare_logprobs, episode_stats, spot_check
 from stoa.fleet.trust.replay import layout_digest
+from stoa.fleet.trust.section import AuditConfig
 from stoa.types import Category
 
 if TYPE_CHECKING:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from stoa.fleet.trust.section import TrustConfig
 from stoa.transport.identity import (
     Ban,
     BatchSeal,
@@ -43,7 +44,6 @@ from stoa.transport.signing import SignatureError
 from stoa.transport.store import LocalStore, ObjectStore, StoreError
 
 if TYPE_CHECKING:
-    from stoa.fleet.trust.gate import TrustConfig
     from stoa.fleet.trust.records import Records
     from stoa.transport.exchange import Batch
 

@@ -26,11 +26,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from stoa.fleet.worker.section import RolloutConfig
+
 if TYPE_CHECKING:
     from stoa.backends.engine import RolloutEngine, TextCodec
     from stoa.backends.sampling import Draws
     from stoa.backends.torch.int8 import TorchInt8Scorer
-    from stoa.fleet.config import RolloutConfig
     from stoa.transport.chain import WeightSubscriber
     from stoa.types import Episode
 
@@ -69,7 +70,7 @@ class HeldPolicies:
     def __init__(self, model_dir: Path, rollout: RolloutConfig, max_lag: int, directory: Path,
                  chain: WeightSubscriber | None = None, scorer: str = "engine", device: str = "cpu",
                  dtype: str = "float32"):
-        from stoa.fleet.heldstates import HeldStates
+        from stoa.fleet.trainer.heldstates import HeldStates
 
         if scorer not in ("auto", "engine", "torch"):
             raise ValueError(f"scorer={scorer!r} must be auto, engine or torch")

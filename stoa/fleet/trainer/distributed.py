@@ -41,10 +41,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from stoa.fleet.config import RunConfig
 from stoa.types import Limits, decode_episodes, encode_episodes
 
 if TYPE_CHECKING:
-    from stoa.fleet.config import RunConfig
     from stoa.types import Episode
 
 __all__ = ["LeaderLearner", "Message", "RankFailed", "Ranks", "broadcast_object_bytes", "follow", "local_rank", "rank",

@@ -116,7 +116,7 @@ def fleet_status(store: ObjectStore, run: str, public_key: Any = None) -> dict[s
             head = _version(json.loads(json.loads(store.get(layout.pointer(run), max_bytes=64 << 10))["body"])["version"])
         except (StoreError, ValueError, KeyError, TypeError):  # missing, oversized or malformed
             head = None
-    from stoa.fleet.trust import read_trust_report
+    from stoa.fleet.trust.records import read_trust_report
     from stoa.transport.signing import SignatureError
 
     try:
@@ -167,7 +167,7 @@ def _rejected(w: dict[str, Any]) -> str:
 def trust_lines(store: ObjectStore, run: str, public_key: Any) -> list[tuple[str, str]]:
     """One line per worker key of the trainer's trust report, verified under the run's key (for the
     live view); empty without one, or when it does not verify."""
-    from stoa.fleet.trust import read_trust_report
+    from stoa.fleet.trust.records import read_trust_report
     from stoa.transport.signing import SignatureError
 
     try:
