@@ -248,3 +248,24 @@ def test_adversaries_are_reached_only_from_the_testing_package():
                    and any(d.startswith("stoa.testing") for d in deps))
     assert reach == ["stoa.cli"], reach
     assert "stoa.testing.adversaries" not in run_py("import sys, stoa.cli; print(sorted(sys.modules))").stdout
+
+
+def test_the_fleet_reaches_backends_by_name():
+    """Engines, learners and int8 scorers are chosen by name through their registries
+    (``stoa.backends.engine``, ``.learner``, ``.scorer``): no fleet module imports a backend's
+    own package (the Megatron learner's options, a config leaf, excepted)."""
+    graph = _import_graph()
+    backends = ("stoa.backends.mlx", "stoa.backends.torch", "stoa.backends.megatron")
+    reach = sorted((m, d) for m, deps in graph.items() if m.startswith("stoa.fleet") for d in deps
+                   if d.startswith(backends) and d != "stoa.backends.megatron.options")
+    assert not reach, reach
+
+
+def test_an_int8_scorer_is_chosen_by_name():
+    import pytest
+
+    from stoa.backends.scorer import SCORERS, make_scorer
+
+    assert SCORERS == {"torch": "stoa.backends.torch.int8"}
+    with pytest.raises(ValueError, match="unknown int8 scorer 'nope'; known: \\['torch'\\]"):
+        make_scorer("nope", "/nowhere")
