@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 import stoa
+from stoa.errors import ExpectedFailure
 
 app = typer.Typer(
     name="stoa",
@@ -580,12 +581,13 @@ def export(
     typer.echo(f"wrote {path} (load it with transformers' from_pretrained or mlx_lm.load)")
 
 
-class UserError(Exception):
-    """An expected failure: ``main`` prints its one-line message (naming the fix) and exits with ``code``."""
+class UserError(ExpectedFailure):
+    """A failure of a command's own arguments: ``main`` prints its one-line message (naming the
+    fix) and exits with ``code``."""
 
     def __init__(self, message: str, code: int = 1):
         super().__init__(message)
-        self.code = code
+        self.code = self.exit_code = code
 
 
 _CREDENTIALS_FIX = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or put them in the URL: "
@@ -601,25 +603,27 @@ def _chain(e: BaseException) -> list[BaseException]:
 
 
 def explain(e: BaseException) -> tuple[str, int] | None:
-    """The one-line message and exit code of an expected failure, or None for anything else (a bug:
-    its traceback is shown)."""
-    names = {type(x).__name__ for x in _chain(e)}
-    codes = {(getattr(x, "response", None) or {}).get("Error", {}).get("Code") for x in _chain(e)} - {None}
-    if isinstance(e, UserError):
-        return str(e), e.code
-    if type(e).__name__ in ("ConfigError", "StoreURLError", "ExportError", "SweepError"):
-        return str(e), 2
-    if names & {"NoCredentialsError", "PartialCredentialsError"}:
+    """The one-line message and exit code of an expected failure (:class:`stoa.errors.ExpectedFailure`,
+    or the S3 client's credential and connection errors behind one), or None for anything else (a
+    bug: its traceback is shown). The user's own input (exit code 2, and a command's arguments)
+    is said as it is; a store's refusal is said by its cause when the S3 client gives one."""
+    from botocore import exceptions as s3
+
+    chain = _chain(e)
+    codes = {(getattr(x, "response", None) or {}).get("Error", {}).get("Code") for x in chain} - {None}
+    if isinstance(e, UserError) or (isinstance(e, ExpectedFailure) and e.exit_code == 2):
+        return str(e), e.exit_code
+    if any(isinstance(x, (s3.NoCredentialsError, s3.PartialCredentialsError)) for x in chain):
         return f"no S3 credentials for the store: {_CREDENTIALS_FIX}", 1
     if codes & {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"}:
         return f"the store refused the S3 credentials ({sorted(codes)[0]}): check them; {_CREDENTIALS_FIX}", 1
     if codes & {"NoSuchBucket"}:
         return f"{e}: the bucket does not exist; create it, or fix the bucket name in --store", 1
-    if names & {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ConnectionRefusedError"}:
+    unreachable = (s3.EndpointConnectionError, s3.ConnectTimeoutError, s3.ConnectionClosedError, ConnectionRefusedError)
+    if any(isinstance(x, unreachable) for x in chain):
         return f"cannot reach the store: {e} (check the endpoint in --store and your network)", 1
-    if type(e).__name__ in ("StoreError", "KeyNotFound", "RunNotFound", "SignatureError", "PointerError", "SealError",
-                            "RankFailed", "LearnerError", "RetrieverError", "StartRefused"):
-        return str(e), 1
+    if isinstance(e, ExpectedFailure):
+        return str(e), e.exit_code
     return None
 
 

@@ -269,3 +269,16 @@ def test_an_int8_scorer_is_chosen_by_name():
     assert SCORERS == {"torch": "stoa.backends.torch.int8"}
     with pytest.raises(ValueError, match="unknown int8 scorer 'nope'; known: \\['torch'\\]"):
         make_scorer("nope", "/nowhere")
+
+
+def test_the_worker_id_rule_is_written_once():
+    """Every writer and reader of a worker id (the exchange, the sequence floors, the roster and
+    bans, the invite) checks ``stoa.transport.layout.WORKER_ID``; the pattern is written once."""
+    from pathlib import Path
+
+    from stoa.transport.layout import WORKER_ID
+
+    root = Path(__file__).resolve().parents[1] / "stoa"
+    holders = [p.relative_to(root).as_posix() for p in root.rglob("*.py") if WORKER_ID.pattern in p.read_text()]
+    assert holders == ["transport/layout.py"], holders
+    assert WORKER_ID.fullmatch("worker-0") and not WORKER_ID.fullmatch(".hidden") and not WORKER_ID.fullmatch("a/b")

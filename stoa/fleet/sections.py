@@ -7,16 +7,20 @@ dataclass in the ``section`` module of the room that uses it: ``[rollout]`` in
 :mod:`stoa.fleet.trust.section`; ``[fleet]`` in :mod:`stoa.fleet.operator.section`; ``[env]`` in
 :mod:`stoa.fleet.task`. Each checks its own bounds at construction with :func:`check`;
 :mod:`stoa.fleet.config` assembles them. A section is a leaf: it imports this module and leaf
-types, nothing that runs, so reading a config loads no process. This module imports nothing of Stoa.
+types, nothing that runs, so reading a config loads no process. This module imports only :mod:`stoa.errors`.
 """
 
 from __future__ import annotations
 
+from stoa.errors import ExpectedFailure
+
 __all__ = ["ConfigError", "check"]
 
 
-class ConfigError(ValueError):
+class ConfigError(ExpectedFailure, ValueError):
     """The run configuration is invalid; the message names the key."""
+
+    exit_code = 2
 
 
 def check(cond: bool, msg: str) -> None:

@@ -64,7 +64,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_WORKER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _NAME_RE = re.compile(r"s(\d{12})-v(\d{12})\.episodes")
 _MAX_NUM = 10**12 - 1
 _STATE_FORMAT = "stoa.rollout_reader.v1"
@@ -77,7 +76,7 @@ _MAX_UPLOAD_TRIES = 64  # each try lists past every number taken at that moment
 
 
 def _check_worker(worker_id: str) -> str:
-    if not isinstance(worker_id, str) or not _WORKER_RE.fullmatch(worker_id):
+    if not isinstance(worker_id, str) or not layout.WORKER_ID.fullmatch(worker_id):
         raise ValueError(f"worker id {worker_id!r} must be 1-64 characters of [A-Za-z0-9._-], not starting with . _ or -")
     return worker_id
 
@@ -116,7 +115,7 @@ def parse_rollout_key(run: str, key: str) -> tuple[str, int, int] | None:
     """``(worker, seq, version)`` of a well-named batch key of ``run`` (see :func:`rollout_key`), else None."""
     worker, _, name = key.removeprefix(layout.rollouts(run)).partition("/")
     m = _NAME_RE.fullmatch(name) if key.startswith(layout.rollouts(run)) else None
-    return (worker, int(m.group(1)), int(m.group(2))) if m and _WORKER_RE.fullmatch(worker) else None
+    return (worker, int(m.group(1)), int(m.group(2))) if m and layout.WORKER_ID.fullmatch(worker) else None
 
 
 @dataclass(frozen=True)
@@ -705,7 +704,7 @@ class Progress:
         if not isinstance(taken, dict) or len(taken) > _MAX_PROGRESS_WORKERS:
             raise SignatureError(f"{where}: taken must map at most {_MAX_PROGRESS_WORKERS} workers to counts")
         for w, n in taken.items():
-            if not _WORKER_RE.fullmatch(w) or isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= _MAX_NUM:
+            if not layout.WORKER_ID.fullmatch(w) or isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= _MAX_NUM:
                 raise SignatureError(f"{where}: bad entry {_shown(w)}: {str(n)[:20]}")
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
             raise SignatureError(f"{where}: time must be a finite number")

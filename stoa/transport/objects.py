@@ -12,7 +12,7 @@ semantics every S3-compatible service offers:
   a poll costs what is new, not what exists; ``delete`` is idempotent.
 
 Keys are ``/``-separated relative paths, checked by :func:`validate_key` before any I/O. This
-module imports nothing of Stoa: both implementations build on it (``LocalStore`` in
+module imports only :mod:`stoa.errors`: both implementations build on it (``LocalStore`` in
 :mod:`stoa.transport.store`, ``S3Store`` in :mod:`stoa.transport.s3`), and :mod:`stoa.transport.store`
 names all of it for its callers.
 """
@@ -20,6 +20,8 @@ names all of it for its callers.
 from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
+
+from stoa.errors import ExpectedFailure
 
 __all__ = ["KeyNotFound", "MAX_KEY_BYTES", "ObjectStore", "ObjectTooLarge", "RESERVED_SEGMENT", "StoreError",
            "as_bytes", "check_max_bytes", "validate_key", "validate_prefix", "validate_start_after"]
@@ -30,7 +32,7 @@ RESERVED_SEGMENT = ".stoa-tmp"
 """First key segment reserved for LocalStore's temp files; never a valid key."""
 
 
-class StoreError(RuntimeError):
+class StoreError(ExpectedFailure, RuntimeError):
     """An object store operation failed (after retries); the message names the key and cause."""
 
 

@@ -41,6 +41,7 @@ __all__ = [
 ]
 
 
+from stoa.errors import ExpectedFailure
 from stoa.transport.objects import (  # the contract every store keeps, named here for its callers
     RESERVED_SEGMENT,
     KeyNotFound,
@@ -369,8 +370,10 @@ def _unlink_quiet(name: str, dir_fd: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-class StoreURLError(ValueError):
+class StoreURLError(ExpectedFailure, ValueError):
     """A store location that names no usable store (the message says what to write instead)."""
+
+    exit_code = 2
 
 
 _SCHEME_HINTS = {

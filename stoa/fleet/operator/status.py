@@ -21,6 +21,7 @@ import time
 import unicodedata
 from typing import Any
 
+from stoa.errors import ExpectedFailure
 from stoa.fleet.run import read_heartbeats
 from stoa.transport import layout
 from stoa.transport.exchange import is_finished
@@ -58,7 +59,7 @@ def _eval_row(body: Any) -> dict[str, Any] | None:
     return {"version": body["version"], **metrics}
 
 
-class RunNotFound(LookupError):
+class RunNotFound(ExpectedFailure, LookupError):
     """The store holds no such run (the message names the runs it does hold, where it can list them)."""
 
 

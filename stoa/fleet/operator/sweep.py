@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from stoa.backends.export import ExportError, export_checkpoint
+from stoa.errors import ExpectedFailure
 from stoa.fleet.config import ConfigError, load_config
 from stoa.fleet.metrics import read_metrics
 
@@ -75,8 +76,10 @@ _FINISHED = "summary.json"
 _WARM_MARKER = "warmstart.json"
 
 
-class SweepError(ValueError):
+class SweepError(ExpectedFailure, ValueError):
     """The sweep file is invalid, or a shared warm start could not be turned into a model folder."""
+
+    exit_code = 2
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from stoa.errors import ExpectedFailure
 from stoa.fleet.config import RunConfig
 from stoa.types import Limits, decode_episodes, encode_episodes
 
@@ -71,7 +72,7 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
-class RankFailed(RuntimeError):
+class RankFailed(ExpectedFailure, RuntimeError):
     """Another rank (rank 0) failed and said why; this rank stops too."""
 
 

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from stoa.errors import ExpectedFailure
 from stoa.fleet.config import RunConfig
 from stoa.fleet.intake import Intake, Taken
 from stoa.fleet.metrics import MetricsSink
@@ -72,7 +73,7 @@ __all__ = ["StartRefused", "Trainer", "eval_metrics", "prepare_model", "successe
 log = logging.getLogger("stoa.trainer")
 
 
-class StartRefused(RuntimeError):
+class StartRefused(ExpectedFailure, RuntimeError):
     """This start would clobber a live run (weights already published, or published under
     another key); nothing was written to the store."""
 

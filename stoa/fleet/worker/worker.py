@@ -64,6 +64,7 @@ from stoa.fleet.run import Heartbeat, fetch_run, write_heartbeat
 from stoa.fleet.task import EnvConfig, import_env_module
 from stoa.fleet.trust.assign import assignment
 from stoa.fleet.worker.follower import LayoutChanged, LiveWeights
+from stoa.fleet.worker.invite import check_worker_id
 from stoa.fleet.worker.section import RolloutConfig
 from stoa.transport.chain import SYNC_ERRORS, PointerError, SyncResult
 from stoa.transport.exchange import RolloutWriter, SequenceTaken, is_finished, read_progress
@@ -168,11 +169,9 @@ class Worker:
                  max_batches: int | None = None, wait_seconds: float = 600.0, private_key: Any = None,
                  max_seconds: float | None = None, progress_every: float = 30.0, keep_weights: bool = True,
                  wrap_engine: WrapEngine | None = None):
-        from stoa.fleet.worker.invite import check_worker_id  # before anything is written under a path it names
-
         self.store, self.run_name = store, run
         self.public_key = load_public_key(public_key)
-        self.worker_id, self.cache_dir = check_worker_id(worker_id), Path(cache_dir)
+        self.worker_id, self.cache_dir = check_worker_id(worker_id), Path(cache_dir)  # before a path names it
         self.private_key = load_or_create_worker_key(self.cache_dir / "worker.key") if private_key is None else private_key
         if isinstance(self.private_key, (str, os.PathLike)):
             self.private_key = load_or_create_worker_key(self.private_key)
