@@ -1,7 +1,7 @@
 """A home-internet fleet on one machine: PULSE deltas vs full checkpoints over shaped links to real S3.
 
 A trainer publishes real weight versions into a real S3 server (SeaweedFS on loopback) through
-a datacenter link; 14 sync-only followers (``stoa.fleet.follower``, the production subscriber
+a datacenter link; 14 sync-only followers (``stoa.fleet.worker.follower``, the production subscriber
 path) and 2 generating workers follow the chain, each through its own emulated home link
 (``stoa.testing.links``: a per-link asyncio proxy with token-bucket bandwidth per direction,
 latency, jitter, and for one link random resets and stalls). Each workload runs twice: with

@@ -11,7 +11,7 @@ Builds a random-weight model of the preset's exact shape (``stoa init-tiny --pre
      agreement with MLX (max and p99 per-token |log-prob difference|, and the sampling
      margins of the generated tokens) and speed;
    - ``held``: trainer RAM for the int8 states a spot-check may claim at ``max_lag`` 8: a dict of
-     states in RAM (the baseline) vs :class:`stoa.fleet.heldstates.HeldStates` on disk;
+     states in RAM (the baseline) vs :class:`stoa.fleet.trainer.heldstates.HeldStates` on disk;
    - ``pulse``: quantize, PULSE delta at a 0.5% code change rate vs the full state, apply, hash;
    - ``publish`` (only when named in ``--parts``): one publish's export + quantize on the torch
      learner, the whole float copy first (the baseline) vs one tensor at a time, peak RSS above

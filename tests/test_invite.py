@@ -1,4 +1,4 @@
-"""Invites (stoa.fleet.invite): every field is checked before anything is written, so an invite
+"""Invites (stoa.fleet.worker.invite): every field is checked before anything is written, so an invite
 cannot make `stoa worker --invite` write outside its cache (docs/volunteer.md)."""
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ A sweep file names a run config and the axes of the grid::
     [lag_set.8]                           # overrides of the cells of one lag (or one seed: seed_set)
     "trainer.max_lag" = 9
 
-Each cell is one ``stoa train`` (:func:`stoa.fleet.local.train_local`, in its own process): the
+Each cell is one ``stoa train`` (:func:`stoa.fleet.operator.launcher.train_local`, in its own process): the
 trainer and the config's int8 MLX workers meeting in a LocalStore through PULSE, in
 ``<runs>/<name>/cells/<objective>-lag<L>-seed<S>/``. ``"none"`` (no correction) is ``reinforce``:
 the plain policy gradient, with no importance weight, gate or clip. Every cell's config is

@@ -217,7 +217,7 @@ class LeaderLearner:
     def __getattr__(self, name: str) -> Any:
         if name in LeaderLearner._LOCAL:
             return getattr(self.learner, name)
-        raise AttributeError(f"{name!r} is not mirrored to the other ranks; add it to stoa.fleet.distributed")
+        raise AttributeError(f"{name!r} is not mirrored to the other ranks; add it to stoa.fleet.trainer.distributed")
 
     def logprobs(self, episodes: Sequence[Episode], temperature: float | None = 1.0, *,
                  model_only: bool = False) -> list[np.ndarray]:

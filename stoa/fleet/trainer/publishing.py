@@ -12,7 +12,7 @@ took it. From that record:
   (:func:`next_version`), and says what the store lost when its head is below the record;
 * a version's int8 state is held for spot-checks only once the store has taken that version,
   and a held state whose hash differs from the published one is replaced
-  (:meth:`stoa.fleet.policies.HeldPolicies.keep`).
+  (:meth:`stoa.fleet.trainer.policies.HeldPolicies.keep`).
 """
 
 from __future__ import annotations

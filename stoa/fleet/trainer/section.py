@@ -51,7 +51,7 @@ class TrainerConfig:
     """How often the trainer lists new rollouts while waiting."""
     mismatch_every: int = 0
     """Every this many steps, split the behaviour/trainer mismatch into its int8 and staleness parts
-    (``stoa.fleet.mismatch``: one extra int8 prefill and one float scoring pass); 0 = never."""
+    (``stoa.fleet.trainer.mismatch``: one extra int8 prefill and one float scoring pass); 0 = never."""
     int8_scorer: Literal["auto", "engine", "torch"] = "auto"
     """What re-scores episodes under a version's int8 weights (spot-checks, sampling checks, the
     mismatch split): ``engine`` (the rollout engine, on the host), ``torch`` (the int8 state

@@ -21,7 +21,7 @@ continues it (a second SIGINT stops at once).
 Versions are publication counters: version v is the policy after v weight updates *as
 published*. After a crash the trainer resumes from its newest checkpoint and publishes the next
 version above the checkpoint's, the store's head and the newest version its run folder recorded
-as published (:mod:`stoa.fleet.publishing`: the store is not trusted, so a deleted or rolled-back
+as published (:mod:`stoa.fleet.trainer.publishing`: the store is not trusted, so a deleted or rolled-back
 pointer never makes a label repeat), and re-delivers exactly the batches
 its checkpoint had not trained on (``RolloutReader.state(pending=...)``): no episode is lost or
 counted twice. ``<run_dir>/ledger.jsonl`` records the fate of every group (trained at which step,
@@ -29,7 +29,7 @@ or dropped and why) and a marker per checkpoint; on resume it is cut back to the
 marker, so it always describes exactly the training the current weights contain.
 
 Under ``torchrun`` (several ranks, Megatron learner) this loop runs on rank 0 alone and its
-learner calls are mirrored to the other ranks (:mod:`stoa.fleet.distributed`).
+learner calls are mirrored to the other ranks (:mod:`stoa.fleet.trainer.distributed`).
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ class Trainer:
         private_key: the run's ed25519 signing key.
         resume: continue from the newest checkpoint in ``run_dir`` (if any).
         on_row: called with every metrics row (for a live view).
-        ranks: under torchrun, rank 0's :class:`stoa.fleet.distributed.Ranks` (the learner's
+        ranks: under torchrun, rank 0's :class:`stoa.fleet.trainer.distributed.Ranks` (the learner's
             calls are mirrored to the other ranks); None in a single process.
     """
 
@@ -205,7 +205,7 @@ class Trainer:
 
         cfg = self.cfg
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and self.ranks is None:
-            raise RuntimeError("under torchrun the trainer runs through stoa.fleet.distributed.run_ranks "
+            raise RuntimeError("under torchrun the trainer runs through stoa.fleet.trainer.distributed.run_ranks "
                                "(as `stoa trainer` does), which makes every rank follow rank 0")
         import_env_module(cfg.env)
         task = self._make_env(cfg.env.train_split).unwrapped
@@ -277,7 +277,7 @@ class Trainer:
 
     def _publish(self, **metadata: Any) -> PublishResult:
         """Quantize the learner's weights to int8, publish them as ``self.version``, hold them for
-        spot-checks (:func:`stoa.fleet.publishing.publish_once`: a label is used once)."""
+        spot-checks (:func:`stoa.fleet.trainer.publishing.publish_once`: a label is used once)."""
         from stoa.transport.quant import quantize_state
 
         t0 = time.perf_counter()
@@ -408,7 +408,7 @@ class Trainer:
         self.counters.groups_trained += len(taken.groups)
 
     def _mismatch(self, episodes: list[Episode]) -> dict[str, float]:
-        """The int8 and staleness parts of the behaviour/trainer gap (``stoa.fleet.mismatch``):
+        """The int8 and staleness parts of the behaviour/trainer gap (``stoa.fleet.trainer.mismatch``):
         score the step's episodes with the float learner and with the int8 policy of this version."""
         from stoa.fleet.trainer.mismatch import decompose
 

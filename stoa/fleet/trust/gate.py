@@ -10,7 +10,7 @@ lives in three modules, each owning one kind:
   :class:`~stoa.fleet.trust.records.TrustReport`;
 * :mod:`~stoa.fleet.trust.review` (:class:`~stoa.fleet.trust.review.Review`): replay, the log-prob
   audit, spot-checks and the sampling check, each returning a typed
-  :class:`~stoa.fleet.trust.review.Verdict` and changing nothing else.
+  :class:`~stoa.types.Verdict` and changing nothing else.
 
 The gate applies verdicts: a confirmed forgery bans its key, ``ban_after`` strikes ban it too;
 the ban goes into the key's signed ban document, the trainer's ban log and the ledger

@@ -59,7 +59,7 @@ class FloatScorer(Protocol):
 
 
 class Int8Scorer(Protocol):
-    """The int8 policies workers sampled from (:class:`stoa.fleet.policies.HeldPolicies` is one)."""
+    """The int8 policies workers sampled from (:class:`stoa.fleet.trainer.policies.HeldPolicies` is one)."""
 
     def score(self, version: int, episodes: Sequence[Episode]) -> list[np.ndarray] | None:
         """Prefill log-probs of ``version``'s int8 policy, aligned with ``Episode.tokens()``; None

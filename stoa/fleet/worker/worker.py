@@ -3,7 +3,7 @@
 :meth:`Worker.run` (``stoa worker --invite FILE``, or ``--store URL --run NAME --public-key KEY``)::
 
     fetch and verify the run (signed config + model files); import the code of its task
-    join the weights (stoa.fleet.follower.LiveWeights): those the last session kept in the cache,
+    join the weights (stoa.fleet.worker.follower.LiveWeights): those the last session kept in the cache,
         caught up by deltas, else the newest anchor + deltas (waiting for the first publish)
     start the int8 engine on them (checked against the run's model, wrapped by wrap_engine)
     until the run is finished, the worker is banned, a limit is reached or the user stops it:
