@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from stoa.fleet.worker.section import RolloutConfig
 from stoa.types import Episode, Segment
 
 __all__ = ["INT8_BOUND", "SAME_WEIGHTS_BOUND", "Parity", "ParityError", "check", "check_floor", "check_trainer", "gap",
@@ -148,7 +149,7 @@ def check(model_dir: str | Path, learner: Any, engine: Any, scorer: Any = None,
     return got
 
 
-def check_trainer(model_dir: str | Path, learner: Any, rollout: Any, scorer: str, device: str,
+def check_trainer(model_dir: str | Path, learner: Any, rollout: RolloutConfig, scorer: str, device: str,
                   dtype: str = "float32") -> Parity:
     """:func:`check` on the trainer's own stacks: the learner's current weights quantized to
     int8, run by a rollout engine as ``rollout`` (the run's ``[rollout]``) configures it and,
