@@ -1,7 +1,7 @@
 """A home-internet fleet on one machine: PULSE deltas vs full checkpoints over shaped links to real S3.
 
 A trainer publishes real weight versions into a real S3 server (SeaweedFS on loopback) through
-a datacenter link; 14 sync-only followers (``stoa.fleet.follower``, the production subscriber
+a datacenter link; 14 sync-only followers (``stoa.fleet.worker.follower``, the production subscriber
 path) and 2 generating workers follow the chain, each through its own emulated home link
 (``stoa.testing.links``: a per-link asyncio proxy with token-bucket bandwidth per direction,
 latency, jitter, and for one link random resets and stalls). Each workload runs twice: with
@@ -68,7 +68,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pulse import BF16, adam_step, init_weight, llama_shapes, tune_lr
 
-from stoa.fleet.follower import Follower, FollowerConfig
+from stoa.fleet.worker.follower import Follower, FollowerConfig
 from stoa.testing.links import SHAPING, LinkNet, LinkProfile
 from stoa.testing.seaweed import SeaweedFS
 from stoa.testing.synthetic import synthetic_episodes
@@ -217,12 +217,12 @@ class _Links:
 
 
 def _follower_procs(specs: list[tuple[str, str]], url_for, public_hex: str, args, tmp: Path, env: dict):
-    """Start one ``python -m stoa.fleet.follower`` per (name, endpoint)."""
+    """Start one ``python -m stoa.fleet.worker.follower`` per (name, endpoint)."""
     procs = []
     for name, endpoint in specs:
         out = tmp / f"{name}.jsonl"
         procs.append((name, out, subprocess.Popen(
-            [sys.executable, "-m", "stoa.fleet.follower", "--store", url_for(endpoint), "--run", "run",
+            [sys.executable, "-m", "stoa.fleet.worker.follower", "--store", url_for(endpoint), "--run", "run",
              "--public-key", public_hex, "--name", name, "--poll", str(args.poll_s), "--duration", "3600",
              "--read-timeout", str(S3_CFG["read_timeout_s"]), "--check", args.check, "--out", str(out)],
             env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / f"{name}.log", "w"))))

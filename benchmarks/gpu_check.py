@@ -17,7 +17,7 @@ backward; ``N`` = parameters in matmuls, LM head included; causal attention). ``
 every phase on CPU at toy sizes (with the CPU shims the tests use) to check the script itself.
 
 ``--multirank`` (run under ``torchrun``, one process per GPU) checks the multi-rank trainer's
-learner path instead: rank 0 drives the mirrored learner of :mod:`stoa.fleet.distributed` (what
+learner path instead: rank 0 drives the mirrored learner of :mod:`stoa.fleet.trainer.distributed` (what
 ``torchrun ... stoa trainer`` runs), the other ranks follow. For each layout (TP=2 and DP=2 on
 two GPUs, TP=1 on one): 3 float32 DPPO steps on the small model, whose exported weights are
 compared with the torch learner's after the same steps on rank 0 (``fp32_weights_max_abs_diff``),
@@ -179,7 +179,7 @@ def multirank(args) -> None:
     import torch
 
     from stoa.backends.learner import LearnerConfig, make_learner
-    from stoa.fleet.distributed import Ranks, follow
+    from stoa.fleet.trainer.distributed import Ranks, follow
 
     if args.dry_run:
         _dry_run_shims()

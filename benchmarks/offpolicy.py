@@ -7,7 +7,7 @@ the policy lag forced by the run-config key ``--lag-key`` (``rollout.lag``: work
 the version ``lag`` behind the trainer's head). The staleness gate is widened with the lag
 (``trainer.max_lag = lag + 3``) so forced-stale groups are trained on, not dropped. Each seed's
 warm start runs once and is shared by that seed's cells (paired comparisons, see
-``stoa/fleet/sweep.py``).
+``stoa/fleet/operator/sweep.py``).
 
 The grid (objective names as the sweep knows them):
 
@@ -45,7 +45,7 @@ episodes' own group advantages, KL(mu||pi) (k1, k3) and percentiles of ``|log pi
 Resumable: run it again and finished cells are kept. ``--json PATH`` writes
 ``{"quick": ..., "seconds": ..., "cells": [...]}``; each cell has ``objective``, ``lag``, ``seed``,
 ``final_pass_at_1``, ``best_pass_at_1``, ``gate_fraction``, ``kl_mu_pi`` and the rest of
-:func:`stoa.fleet.sweep.cell_result`. The table and plots are in ``<runs>/<name>/results.md``.
+:func:`stoa.fleet.operator.sweep.cell_result`. The table and plots are in ``<runs>/<name>/results.md``.
 
     python benchmarks/offpolicy.py --quick --json quick.json          # < 15 min on 2 cores
     python benchmarks/offpolicy.py --json study.json                  # the study: many CPU-hours
@@ -237,7 +237,7 @@ def real_model(args: argparse.Namespace) -> None:
     from stoa.backends.engine import RolloutRequest, SamplingConfig
     from stoa.backends.learner import LearnerConfig, make_learner
     from stoa.backends.mlx import MLXEngine
-    from stoa.fleet.warmstart import Demonstrations
+    from stoa.fleet.trainer.warmstart import Demonstrations
     from stoa.transport.quant import quantize_state
 
     t0 = time.time()

@@ -11,7 +11,7 @@ Builds a random-weight model of the preset's exact shape (``stoa init-tiny --pre
      agreement with MLX (max and p99 per-token |log-prob difference|, and the sampling
      margins of the generated tokens) and speed;
    - ``held``: trainer RAM for the int8 states a spot-check may claim at ``max_lag`` 8: a dict of
-     states in RAM (the baseline) vs :class:`stoa.fleet.heldstates.HeldStates` on disk;
+     states in RAM (the baseline) vs :class:`stoa.fleet.trainer.heldstates.HeldStates` on disk;
    - ``pulse``: quantize, PULSE delta at a 0.5% code change rate vs the full state, apply, hash;
    - ``publish`` (only when named in ``--parts``): one publish's export + quantize on the torch
      learner, the whole float copy first (the baseline) vs one tensor at a time, peak RSS above
@@ -91,7 +91,7 @@ def part_mlx(model: Path, work: Path, groups: int) -> dict:
 
     from stoa.backends.engine import RolloutRequest, SamplingConfig
     from stoa.backends.mlx import MLXEngine
-    from stoa.fleet.heldstates import HeldStates
+    from stoa.fleet.trainer.heldstates import HeldStates
     from stoa.types import encode_episodes
 
     make_env = _env()
@@ -145,7 +145,7 @@ def part_torch(model: Path, work: Path, threads: int) -> dict:
     import torch
 
     from stoa.backends.torch.int8 import TorchInt8Scorer
-    from stoa.fleet.heldstates import HeldStates
+    from stoa.fleet.trainer.heldstates import HeldStates
     from stoa.types import decode_episodes
 
     torch.set_num_threads(threads)
@@ -190,7 +190,7 @@ def _states(work: Path, n: int):
     """``n`` successive int8 states: the MLX part's state, then 0.5% of codes moved per version."""
     import numpy as np
 
-    from stoa.fleet.heldstates import HeldStates
+    from stoa.fleet.trainer.heldstates import HeldStates
 
     base = HeldStates(work / "held", keep=2).get(0)
     rng = np.random.default_rng(0)
@@ -223,7 +223,7 @@ def part_held(model: Path, work: Path, kind: str, max_lag: int) -> dict:
 
     import numpy as np
 
-    from stoa.fleet.heldstates import HeldStates
+    from stoa.fleet.trainer.heldstates import HeldStates
 
     base_rss = rss()["VmRSS"]
     n = max_lag + 1

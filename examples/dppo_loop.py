@@ -70,7 +70,7 @@ def main(args: Args) -> dict[str, float]:
     from stoa.backends.learner import LearnerConfig, make_learner
     from stoa.backends.mlx import MLXEngine
     from stoa.envs.synthetic import SyntheticConfig, generate, tokenizer_texts
-    from stoa.fleet.warmstart import Demonstrations
+    from stoa.fleet.trainer.warmstart import Demonstrations
     from stoa.models.tiny import TinyConfig, build_tiny
     from stoa.transport import pulse
     from stoa.transport.quant import quantize_state

@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 import stoa
+from stoa.errors import ExpectedFailure
 
 app = typer.Typer(
     name="stoa",
@@ -272,7 +273,7 @@ def train(
 ) -> None:
     """Run a whole fleet locally: the trainer plus N int8 workers meeting in runs/<name>/store (or --store)."""
     from stoa.fleet.config import ConfigError, check_runnable, load_config
-    from stoa.fleet.local import train_local
+    from stoa.fleet.operator.launcher import train_local
 
     try:
         cfg = load_config(config, _parse_sets(set_))
@@ -296,7 +297,7 @@ def sweep(
     report: Annotated[bool, typer.Option("--report", help="Only rewrite the report from finished cells.")] = False,
 ) -> None:
     """Run a grid of fleet runs (each a `stoa train`), resumably; write results.json, results.md, plots."""
-    from stoa.fleet.sweep import SweepError, collect, load_sweep, run_sweep, validate, write_report
+    from stoa.fleet.operator.sweep import SweepError, collect, load_sweep, run_sweep, validate, write_report
 
     try:
         spec = load_sweep(sweep_file, **({} if parallel is None else {"parallel": parallel}))
@@ -336,7 +337,7 @@ def trainer(
 
     Several GPUs: `torchrun --nproc-per-node N -m stoa trainer ...` with learner.kind = "megatron"."""
     from stoa.fleet.config import ConfigError, check_runnable, load_config
-    from stoa.fleet.trainer import Trainer
+    from stoa.fleet.trainer.trainer import Trainer
     from stoa.transport.store import open_store
 
     _setup_logging(verbose)
@@ -348,7 +349,7 @@ def trainer(
         raise typer.Exit(2) from None
     run_dir = run_dir or Path("runs") / cfg.name
     private_key = _private_key(key)
-    from stoa.fleet import distributed
+    from stoa.fleet.trainer import distributed
 
     if distributed.world_size() > 1:  # under torchrun: rank 0 runs the loop, the other ranks follow it
         try:
@@ -400,7 +401,7 @@ def worker(
 
     Exit status: 0 run finished / limit reached / stopped; 2 configuration error; 3 banned;
     4 no such run; 5 store unreachable (see docs/volunteer.md)."""
-    from stoa.fleet.invite import (
+    from stoa.fleet.worker.invite import (
         check_run,
         check_worker_id,
         default_cache_dir,
@@ -408,7 +409,7 @@ def worker(
         default_worker_id,
         read_invite,
     )
-    from stoa.fleet.worker import EXIT_CONFIG, Worker
+    from stoa.fleet.worker.worker import EXIT_CONFIG, Worker
     from stoa.transport.identity import load_or_create_worker_key
     from stoa.transport.signing import load_private_key, load_public_key
     from stoa.transport.store import open_store
@@ -453,7 +454,7 @@ def worker(
     if follow_only:
         import logging
 
-        from stoa.fleet.follower import Follower
+        from stoa.fleet.worker.follower import Follower
 
         f = Follower(the_store, run, public_key, name=id or "follower")
         f.run(on_record=lambda r: logging.getLogger("stoa.follow").info(
@@ -483,7 +484,7 @@ def invite_cmd(
     note: Annotated[str, typer.Option(help="A note kept in the roster with --enroll (who, which machine).")] = "",
 ) -> None:
     """Write an invite: all a volunteer needs to run `stoa worker --invite FILE` (no store credentials)."""
-    from stoa.fleet.invite import Invite, write_invite
+    from stoa.fleet.worker.invite import Invite, write_invite
     from stoa.transport.signing import generate_private_key, key_id, load_private_key, load_public_key
 
     try:
@@ -529,7 +530,7 @@ def status(
     """Show the fleet: workers and their last heartbeat, versions, lag, throughput, trust, evaluations.
 
     Give --public-key to verify what the trainer signed; without it, those documents are marked unverified."""
-    from stoa.fleet.status import show_status
+    from stoa.fleet.operator.status import show_status
     from stoa.transport.store import open_store
 
     if every <= 0:
@@ -548,7 +549,7 @@ def report(
     public_key: Annotated[Optional[str], typer.Option(help="The run's public key, to verify the store's trust report (default: <run_dir>/keys/run.pub if there; without one it is shown marked unverified).")] = None,
 ) -> None:
     """Write plots, summary.json and summary.md for a run folder (also a trainer-only run's) and print the summary."""
-    from stoa.fleet.local import write_report
+    from stoa.fleet.operator.report import write_report
     from stoa.transport.store import open_store
 
     if store is None and (run_dir / "store").is_dir():
@@ -580,12 +581,13 @@ def export(
     typer.echo(f"wrote {path} (load it with transformers' from_pretrained or mlx_lm.load)")
 
 
-class UserError(Exception):
-    """An expected failure: ``main`` prints its one-line message (naming the fix) and exits with ``code``."""
+class UserError(ExpectedFailure):
+    """A failure of a command's own arguments: ``main`` prints its one-line message (naming the
+    fix) and exits with ``code``."""
 
     def __init__(self, message: str, code: int = 1):
         super().__init__(message)
-        self.code = code
+        self.code = self.exit_code = code
 
 
 _CREDENTIALS_FIX = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or put them in the URL: "
@@ -601,25 +603,27 @@ def _chain(e: BaseException) -> list[BaseException]:
 
 
 def explain(e: BaseException) -> tuple[str, int] | None:
-    """The one-line message and exit code of an expected failure, or None for anything else (a bug:
-    its traceback is shown)."""
-    names = {type(x).__name__ for x in _chain(e)}
-    codes = {(getattr(x, "response", None) or {}).get("Error", {}).get("Code") for x in _chain(e)} - {None}
-    if isinstance(e, UserError):
-        return str(e), e.code
-    if type(e).__name__ in ("ConfigError", "StoreURLError", "ExportError", "SweepError"):
-        return str(e), 2
-    if names & {"NoCredentialsError", "PartialCredentialsError"}:
+    """The one-line message and exit code of an expected failure (:class:`stoa.errors.ExpectedFailure`,
+    or the S3 client's credential and connection errors behind one), or None for anything else (a
+    bug: its traceback is shown). The user's own input (exit code 2, and a command's arguments)
+    is said as it is; a store's refusal is said by its cause when the S3 client gives one."""
+    from botocore import exceptions as s3
+
+    chain = _chain(e)
+    codes = {(getattr(x, "response", None) or {}).get("Error", {}).get("Code") for x in chain} - {None}
+    if isinstance(e, UserError) or (isinstance(e, ExpectedFailure) and e.exit_code == 2):
+        return str(e), e.exit_code
+    if any(isinstance(x, (s3.NoCredentialsError, s3.PartialCredentialsError)) for x in chain):
         return f"no S3 credentials for the store: {_CREDENTIALS_FIX}", 1
     if codes & {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"}:
         return f"the store refused the S3 credentials ({sorted(codes)[0]}): check them; {_CREDENTIALS_FIX}", 1
     if codes & {"NoSuchBucket"}:
         return f"{e}: the bucket does not exist; create it, or fix the bucket name in --store", 1
-    if names & {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ConnectionRefusedError"}:
+    unreachable = (s3.EndpointConnectionError, s3.ConnectTimeoutError, s3.ConnectionClosedError, ConnectionRefusedError)
+    if any(isinstance(x, unreachable) for x in chain):
         return f"cannot reach the store: {e} (check the endpoint in --store and your network)", 1
-    if type(e).__name__ in ("StoreError", "KeyNotFound", "RunNotFound", "SignatureError", "PointerError", "SealError",
-                            "RankFailed", "LearnerError", "RetrieverError", "StartRefused"):
-        return str(e), 1
+    if isinstance(e, ExpectedFailure):
+        return str(e), e.exit_code
     return None
 
 

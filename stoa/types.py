@@ -46,6 +46,7 @@ __all__ = [
     "EpisodeError",
     "Limits",
     "Segment",
+    "Verdict",
     "decode_episodes",
     "encode_episodes",
 ]
@@ -67,6 +68,17 @@ Category = Literal["replay", "duplicate", "invalid", "audit", "sampling", "assig
 checking its content (``docs/trust.md``); ``future``: a version the trainer has not reached (no
 strike: a tampered store can show an honest worker such a label); ``banned``: queued when its key
 was banned."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Why a batch is refused: what every check returns (``None`` to pass), from the reader's
+    screen of a seal to the trainer's review of the content."""
+
+    category: Category
+    reason: str
+    ban: bool = False
+    """A confirmed forgery: the sending key is banned at once (with ``reason``)."""
 
 
 class EpisodeError(ValueError):

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from helpers import random_episodes  # noqa: E402
 from stoa.algos import resolve_objective  # noqa: E402
 from stoa.backends.learner import LearnerConfig  # noqa: E402
-from stoa.fleet.distributed import Ranks, follow  # noqa: E402
+from stoa.fleet.trainer.distributed import Ranks, follow  # noqa: E402
 
 model_dir, out, tp = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 torch.set_num_threads(1)

@@ -119,3 +119,166 @@ def test_no_module_imports_or_reaches_into_anothers_private_names():
                   if isinstance(node, ast.Attribute) and private(node.attr) and isinstance(node.value, ast.Name)
                   and node.value.id in modules]
     assert not found, found
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the stoa modules it imports, from an AST scan of stoa/ (every import counts: at
+    module top, inside a function, under ``TYPE_CHECKING``). ``from p import m`` names module ``m``
+    when it is one, else ``p``; a module's own package is not an arrow (Python's package faces)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = {}
+    for path in (root / "stoa").rglob("*.py"):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def known(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for module, path in files.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [known(a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else known(base) for a in node.names]
+            else:
+                continue
+            graph[module] |= {t for t in targets if t and t != module}
+    return graph
+
+
+ALLOWED_CIRCLES: dict[frozenset[str], str] = {}
+"""Import circles kept on purpose, each with its one-line reason (none today)."""
+
+
+def test_no_import_circle_in_stoa():
+    """An AST scan of stoa/: no import circle, lazy and type-only imports included (a module that
+    needs another's name either sits below it or the name moves to a leaf both import)."""
+    graph = _import_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1 and frozenset(comp) not in ALLOWED_CIRCLES:
+                circles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not circles, circles
+
+
+def test_the_scan_sees_a_circle_when_there_is_one():
+    graph = _import_graph()
+    assert "stoa.fleet.config" in graph["stoa.fleet.trainer.trainer"]  # the runtime imports the assembly
+    assert not any(m.startswith("stoa.fleet.trainer") for m in graph["stoa.fleet.config"]
+                   if m != "stoa.fleet.trainer.section")  # never the reverse
+    assert "stoa.backends.megatron.checkpoint" in graph["stoa.backends.megatron.learner"]  # relative imports count
+
+
+def test_reading_a_config_imports_no_process():
+    """``stoa.fleet.config`` (what a volunteer's machine reads first) loads the sections and leaf
+    types only: no torch, no trainer or worker process, nothing of trust/ but its section."""
+    code = ("import sys; import stoa.fleet.config\n"
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('stoa.fleet'))))")
+    r = run_py(code)
+    assert r.returncode == 0, r.stderr
+    loaded = set(r.stdout.split())
+    faces = {"stoa.fleet", "stoa.fleet.trainer", "stoa.fleet.worker", "stoa.fleet.trust", "stoa.fleet.operator"}
+    leaves = {"stoa.fleet.config", "stoa.fleet.sections", "stoa.fleet.task", "stoa.fleet.trainer.section",
+              "stoa.fleet.worker.section", "stoa.fleet.trust.section", "stoa.fleet.operator.section"}
+    assert loaded <= faces | leaves, sorted(loaded - faces - leaves)
+    r = run_py("import sys, stoa.fleet.config; print('torch' in sys.modules, 'stoa.fleet.trust.gate' in sys.modules)")
+    assert r.returncode == 0 and r.stdout.split() == ["False", "False"], r.stderr
+
+
+def test_sections_are_leaves():
+    """A room's section.py imports only fleet/sections.py and leaf types (never a process)."""
+    graph = _import_graph()
+    leaf_types = {"stoa.fleet.sections", "stoa.models.tiny", "stoa.backends.engine"}
+    for module in [m for m in graph if m.endswith(".section")] + ["stoa.fleet.task"]:
+        extra = {m for m in graph[module] if m not in leaf_types and not m.startswith("stoa.plugins")
+                 and not m.startswith("stoa.envs")}
+        assert not extra, (module, extra)
+
+
+def test_the_package_faces_stay_importable():
+    """``stoa.fleet.trainer``, ``stoa.fleet.worker`` and ``stoa.fleet.config`` keep the names
+    examples and users' scripts import."""
+    from stoa.fleet.config import RolloutConfig, RunConfig, TrainerConfig, TrustConfig, load_config  # noqa: F401
+    from stoa.fleet.trainer import EvalConfig, ModelConfig, StartRefused, Trainer  # noqa: F401
+    from stoa.fleet.worker import EXIT_BANNED, Worker, WorkerExit  # noqa: F401
+    from stoa.fleet.worker import RolloutConfig as R
+
+    assert R is RolloutConfig and Trainer.__module__ == "stoa.fleet.trainer.trainer"
+
+
+def test_adversaries_are_reached_only_from_the_testing_package():
+    """Nothing of the product imports ``stoa.testing``, but the ``--adversary`` option of
+    ``stoa worker`` (a test tool of the CLI: imported inside that command, only when given)."""
+    graph = _import_graph()
+    reach = sorted(m for m, deps in graph.items() if not m.startswith("stoa.testing")
+                   and any(d.startswith("stoa.testing") for d in deps))
+    assert reach == ["stoa.cli"], reach
+    assert "stoa.testing.adversaries" not in run_py("import sys, stoa.cli; print(sorted(sys.modules))").stdout
+
+
+def test_the_fleet_reaches_backends_by_name():
+    """Engines, learners and int8 scorers are chosen by name through their registries
+    (``stoa.backends.engine``, ``.learner``, ``.scorer``): no fleet module imports a backend's
+    own package (the Megatron learner's options, a config leaf, excepted)."""
+    graph = _import_graph()
+    backends = ("stoa.backends.mlx", "stoa.backends.torch", "stoa.backends.megatron")
+    reach = sorted((m, d) for m, deps in graph.items() if m.startswith("stoa.fleet") for d in deps
+                   if d.startswith(backends) and d != "stoa.backends.megatron.options")
+    assert not reach, reach
+
+
+def test_an_int8_scorer_is_chosen_by_name():
+    import pytest
+
+    from stoa.backends.scorer import SCORERS, make_scorer
+
+    assert SCORERS == {"torch": "stoa.backends.torch.int8"}
+    with pytest.raises(ValueError, match="unknown int8 scorer 'nope'; known: \\['torch'\\]"):
+        make_scorer("nope", "/nowhere")
+
+
+def test_the_worker_id_rule_is_written_once():
+    """Every writer and reader of a worker id (the exchange, the sequence floors, the roster and
+    bans, the invite) checks ``stoa.transport.layout.WORKER_ID``; the pattern is written once."""
+    from pathlib import Path
+
+    from stoa.transport.layout import WORKER_ID
+
+    root = Path(__file__).resolve().parents[1] / "stoa"
+    holders = [p.relative_to(root).as_posix() for p in root.rglob("*.py") if WORKER_ID.pattern in p.read_text()]
+    assert holders == ["transport/layout.py"], holders
+    assert WORKER_ID.fullmatch("worker-0") and not WORKER_ID.fullmatch(".hidden") and not WORKER_ID.fullmatch("a/b")

@@ -85,3 +85,44 @@ def test_env_module_is_read_beside_the_config_from_any_working_directory(tmp_pat
     r = stoa("train", EXAMPLE, "--check", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert f'"module": "{ROOT / "examples" / "custom_env.py"}"' in r.stdout
+
+
+def test_expected_failures_are_told_by_type_not_by_name():
+    """``explain`` picks one-line errors by their base class (stoa.errors.ExpectedFailure), never by
+    a class's name: a subclass, or a class renamed tomorrow, stays one line; a bug stays a traceback."""
+    import inspect
+
+    from stoa.backends.export import ExportError
+    from stoa.backends.learner import LearnerError
+    from stoa.cli import explain
+    from stoa.envs.retrieval import RetrieverError
+    from stoa.errors import ExpectedFailure
+    from stoa.fleet.operator.status import RunNotFound
+    from stoa.fleet.operator.sweep import SweepError
+    from stoa.fleet.sections import ConfigError
+    from stoa.fleet.trainer.distributed import RankFailed
+    from stoa.fleet.trainer.trainer import StartRefused
+    from stoa.transport.identity import SealError
+    from stoa.transport.signing import SignatureError
+    from stoa.transport.store import KeyNotFound, StoreError
+    from stoa.transport.subscriber import PointerError
+
+    for cls, code in ((ConfigError, 2), (StoreURLError, 2), (ExportError, 2), (SweepError, 2), (StoreError, 1),
+                      (KeyNotFound, 1), (RunNotFound, 1), (SignatureError, 1), (PointerError, 1), (SealError, 1),
+                      (RankFailed, 1), (LearnerError, 1), (RetrieverError, 1), (StartRefused, 1)):
+        assert issubclass(cls, ExpectedFailure) and cls.exit_code == code, cls
+        renamed = type("Renamed" + cls.__name__, (cls,), {})
+        assert explain(renamed("what failed; the fix")) == ("what failed; the fix", code), cls
+    assert explain(RuntimeError("a bug")) is None and explain(ValueError("a bug")) is None
+    source = inspect.getsource(explain)
+    assert not any(f'"{name}"' in source for name in ("ConfigError", "StoreError", "StartRefused", "RankFailed"))
+
+
+def test_a_trust_section_out_of_bounds_is_a_config_error():
+    from stoa.fleet.sections import ConfigError
+    from stoa.fleet.trust.section import AuditConfig, TrustConfig
+
+    with pytest.raises(ConfigError, match="trust.ban_after must be >= 0"):
+        TrustConfig(ban_after=-1)
+    with pytest.raises(ConfigError, match="trust.audit.sampling_band"):
+        AuditConfig(sampling_band=0.0)

@@ -58,14 +58,19 @@ def test_a_key_that_moved_names_its_new_place():
     assert load_config(DEMO, {"trust.reward_range": [0.0, 1.0]}).trust.reward_range == (0.0, 1.0)
 
 
-def test_each_section_lives_beside_the_code_that_uses_it():
-    from stoa.fleet import config, local, publishing, task, trainer, warmstart, worker
+def test_each_section_lives_in_the_room_that_uses_it():
+    from stoa.fleet import config, task
+    from stoa.fleet.operator import section as operator
+    from stoa.fleet.trainer import section as trainer
+    from stoa.fleet.trust import section as trust
+    from stoa.fleet.worker import section as worker
 
     homes = {"rollout": worker, "trainer": trainer, "eval": trainer, "model": trainer, "env": task,
-             "warmstart": warmstart, "pulse": publishing, "fleet": local}
+             "warmstart": trainer, "pulse": trainer, "fleet": operator, "trust": trust}
     for section, home in homes.items():
         cls = type(getattr(RunConfig(), section))
         assert cls.__module__ == home.__name__ and getattr(config, cls.__name__) is cls, section
+    assert type(RunConfig().trust.audit).__module__ == trust.__name__
 
 
 def test_the_objective_is_resolved_once_with_its_own_config(tmp_path):

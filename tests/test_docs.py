@@ -121,7 +121,7 @@ def test_each_toml_example_loads(where, body, tmp_path):
         assert "stoa.envs" in data["project"]["entry-points"]
         return
     if "objectives" in data:  # a sweep file: resolve every cell against the demo config
-        from stoa.fleet.sweep import load_sweep, validate
+        from stoa.fleet.operator.sweep import load_sweep, validate
 
         (tmp_path / "sweep.toml").write_text(body.replace(f'config = "{data["config"]}"',
                                                          f'config = "{ROOT / "examples" / "papersearch_tiny.toml"}"'))

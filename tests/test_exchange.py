@@ -11,7 +11,7 @@ import pytest
 
 from stoa.transport.exchange import RolloutReader, RolloutWriter, rollout_key
 from stoa.transport.store import LocalStore, StoreError
-from stoa.types import Episode, Segment, encode_episodes
+from stoa.types import Episode, Segment, Verdict, encode_episodes
 
 RUN = "runs/r1"
 
@@ -270,9 +270,12 @@ def test_planted_objects_cannot_stop_or_steal_a_sealing_writers_numbers(store):
     assert restarted.next_seq == 1  # its own newest sealed object, not the planted number
     keys = [restarted.upload(episodes("w", 2, tag=t), 2) for t in (1, 2)]
     assert [k.rsplit("/", 1)[1][:13] for k in keys] == ["s000000000001", "s000000000003"]  # 2 was taken
-    reader = RolloutReader(store, RUN, screen=lambda seal: None if seal.key_id == restarted.key_id
-                           else ("refused", "not w's key"))
-    got = reader.poll()
+    class OnlyW:  # the caller's admission: w's key only
+        def screen(self, seal):
+            return None if seal.key_id == restarted.key_id else Verdict("refused", "not w's key")
+
+    reader = RolloutReader(store, RUN)
+    got = reader.poll(admission=OnlyW())
     assert [b.seq for b in got] == [0, 1, 3] and {b.key_id for b in got} == {restarted.key_id}
     (rej,) = reader.last_report.rejected
     assert rej.category == "refused" and "not w's key" in rej.reason

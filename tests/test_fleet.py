@@ -20,11 +20,11 @@ import pytest
 
 from stoa.fleet.config import load_config
 from stoa.fleet.metrics import read_metrics
-from stoa.fleet.status import fleet_status
+from stoa.fleet.operator.status import fleet_status
 from stoa.transport.chain import WeightSubscriber
-from stoa.transport.signing import generate_private_key, save_keypair
 from stoa.transport.exchange import rollout_key
 from stoa.transport.pulse import state_hash
+from stoa.transport.signing import generate_private_key, save_keypair
 from stoa.transport.store import LocalStore
 from stoa.types import Episode, Segment, encode_episodes
 

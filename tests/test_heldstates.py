@@ -5,7 +5,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from stoa.fleet.heldstates import CorruptStateError, HeldStates
+from stoa.fleet.trainer.heldstates import CorruptStateError, HeldStates
 
 
 def state(seed: int) -> dict[str, np.ndarray]:
@@ -92,7 +92,7 @@ def test_rejects_bad_input(tmp_path):
 
 def test_a_held_state_recorded_with_another_hash_is_replaced_when_that_version_is_published(tmp_path):
     from stoa.fleet.config import RolloutConfig
-    from stoa.fleet.policies import HeldPolicies
+    from stoa.fleet.trainer.policies import HeldPolicies
 
     policies = HeldPolicies(tmp_path / "model", RolloutConfig(), max_lag=2, directory=tmp_path / "held")
     policies.keep(3, state(1), "hash-of-1")

@@ -21,7 +21,7 @@ from stoa.transport.identity import (
     seal_batch,
 )
 from stoa.transport.signing import SignatureError, generate_private_key, key_id
-from stoa.types import encode_episodes
+from stoa.types import Verdict, encode_episodes
 
 from trust_helpers import RUN, episodes
 
@@ -51,13 +51,15 @@ def test_the_reader_checks_seals_against_names_and_the_roster(store):
     store.put(rollout_key(RUN, "w", 5, 0), encode_episodes(episodes("w", seed=2)))  # unsigned
     RolloutWriter(store, RUN, "z", private_key=other).upload(episodes("z"), 0)  # a key the policy refuses
     allowed = {w.key_id}
-    def screen(s):  # the intake's rule (an enrolled roster), as the reader's caller gives it
-        if s is None:
-            return "unsigned", "unsigned batch"
-        return None if s.key_id in allowed else ("refused", f"key {s.key_id} unknown")
 
-    reader = RolloutReader(store, RUN, screen=screen)
-    (batch,) = reader.poll()
+    class Enrolled:  # the intake's rule (an enrolled roster), as the reader's caller gives it
+        def screen(self, s):
+            if s is None:
+                return Verdict("unsigned", "unsigned batch")
+            return None if s.key_id in allowed else Verdict("refused", f"key {s.key_id} unknown")
+
+    reader = RolloutReader(store, RUN)
+    (batch,) = reader.poll(admission=Enrolled())
     assert batch.key == good and batch.key_id == w.key_id and len(batch.sha256) == 64
     why = {r.key.split("/")[-2]: (r.category, r.reason) for r in reader.last_report.rejected}
     assert why["x"][0] == "signature" and "copied or renamed" in why["x"][1]

@@ -50,7 +50,7 @@ def test_extras_by_role():
 WORKER_RUN = """
 import sys
 import numpy as np
-import stoa, stoa.cli, stoa.fleet.worker, stoa.fleet.status, stoa.transport.s3
+import stoa, stoa.cli, stoa.fleet.worker.worker, stoa.fleet.operator.status, stoa.transport.s3
 import stoa.envs
 from stoa.backends.engine import EngineConfig, RolloutRequest, SamplingConfig, make_engine
 from stoa.envs.synthetic import SyntheticConfig, generate, tokenizer_texts

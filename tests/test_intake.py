@@ -12,8 +12,8 @@ import pytest
 
 from stoa.fleet.config import RunConfig
 from stoa.fleet.intake import Intake
-from stoa.fleet.trust import Ledger
 from stoa.fleet.trust.assign import assignment
+from stoa.fleet.trust.ledger import Ledger
 from stoa.transport.exchange import Batch, PollLimits, RolloutWriter, rollout_key
 from stoa.transport.identity import enroll_worker, seal_batch
 from stoa.transport.signing import generate_private_key, key_id

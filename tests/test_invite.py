@@ -1,4 +1,4 @@
-"""Invites (stoa.fleet.invite): every field is checked before anything is written, so an invite
+"""Invites (stoa.fleet.worker.invite): every field is checked before anything is written, so an invite
 cannot make `stoa worker --invite` write outside its cache (docs/volunteer.md)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from stoa.fleet.invite import INVITE_FORMAT, Invite, default_cache_dir, read_invite, write_invite
+from stoa.fleet.worker.invite import INVITE_FORMAT, Invite, default_cache_dir, read_invite, write_invite
 from stoa.transport.signing import generate_private_key
 
 

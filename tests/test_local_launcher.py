@@ -12,7 +12,7 @@ from pathlib import Path
 from rich.console import Console
 
 from stoa.fleet.config import load_config
-from stoa.fleet.local import _watch
+from stoa.fleet.operator.launcher import _watch
 from stoa.transport.store import LocalStore
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "arithmetic_tiny.toml"
@@ -52,7 +52,7 @@ def test_the_launcher_stops_with_the_reason_when_every_worker_has_exited(tmp_pat
 
 
 def test_a_finished_run_or_a_live_worker_is_not_a_fleet_gone():
-    from stoa.fleet.local import no_worker_left
+    from stoa.fleet.operator.launcher import no_worker_left
 
     trainer, alive, done = proc("import time; time.sleep(120)"), proc("import time; time.sleep(120)"), proc("pass")
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stoa.fleet.mismatch import decompose
+from stoa.fleet.trainer.mismatch import decompose
 from stoa.types import Episode, Segment
 
 

@@ -1,7 +1,7 @@
 """The trainer on several ranks (CPU, gloo): Megatron TP=2 and DP=2, equivalence, a fleet, kill -9.
 
 Every multi-rank process here is a real process: the learner checks start two ranks of
-``tests/_multirank_learner.py`` (rank 0 drives the mirrored learner of ``stoa.fleet.distributed``,
+``tests/_multirank_learner.py`` (rank 0 drives the mirrored learner of ``stoa.fleet.trainer.distributed``,
 rank 1 follows it); the fleet checks run ``torchrun --nproc-per-node 2`` of the real ``stoa
 trainer`` (through ``tests/_cpu_megatron_trainer.py``, which applies the CPU megatron shims)
 with a real ``stoa worker``. CPU only: no test here needs a GPU (``benchmarks/gpu_check.sh``
@@ -77,7 +77,7 @@ def test_learner_megatron_section_is_typed_and_checked(tmp_path):
 def test_control_messages_round_trip_and_unmirrored_calls_are_refused():
     from types import SimpleNamespace
 
-    from stoa.fleet.distributed import LeaderLearner, Message
+    from stoa.fleet.trainer.distributed import LeaderLearner, Message
 
     m = Message("train_step", {"episode_bytes": 2, "objective": {"kind": "x", "cap": float("inf")}}, b"\x00\x01")
     assert Message.decode(m.encode()) == m

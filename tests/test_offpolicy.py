@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from stoa.fleet.config import import_env_module, load_config
-from stoa.fleet.sweep import load_sweep, validate
+from stoa.fleet.operator.sweep import load_sweep, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 

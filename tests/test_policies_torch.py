@@ -11,7 +11,7 @@ pytest.importorskip("mlx.core", reason="the reference engine needs mlx")
 pytest.importorskip("torch", reason="the scorer needs torch")
 
 from stoa.fleet.config import ConfigError, RolloutConfig, load_config  # noqa: E402
-from stoa.fleet.policies import HeldPolicies  # noqa: E402
+from stoa.fleet.trainer.policies import HeldPolicies  # noqa: E402
 
 from helpers import tiny_fleet_config  # noqa: E402
 
@@ -62,7 +62,7 @@ def test_auto_scores_on_torch_for_a_small_model_and_on_the_engine_for_a_large_on
     import json
     import shutil
 
-    from stoa.fleet import policies as mod
+    from stoa.fleet.trainer import policies as mod
 
     assert HeldPolicies(tiny_model, RolloutConfig(), 1, tmp_path / "a", scorer="auto", device="cpu").scorer == "torch"
     big = tmp_path / "big"

@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import stoa.fleet.heldstates as heldstates
+import stoa.fleet.trainer.heldstates as heldstates
 from stoa.fleet.config import load_config
-from stoa.fleet.heldstates import HeldStates
-from stoa.fleet.policies import HeldPolicies
+from stoa.fleet.trainer.heldstates import HeldStates
+from stoa.fleet.trainer.policies import HeldPolicies
 from stoa.fleet.trainer import Trainer
 from stoa.transport.chain import SYNC_ERRORS, WeightPublisher, WeightSubscriber
 from stoa.transport.pulse import state_hash
@@ -281,7 +281,7 @@ def scenario(tmp_path: Path, key, monkeypatch, at: int | None) -> tuple[Trainer,
     step 3 on (store writes, the run folder's record and held states); ``at`` kills the trainer
     at that write. Then ``--resume`` again (no crash) and one more step. Returns the last trainer,
     the worker and how many writes were counted."""
-    import stoa.fleet.publishing as publishing
+    import stoa.fleet.trainer.publishing as publishing
 
     counter = Counter(at)
     for module in (publishing, heldstates):  # the run folder's durable writes
@@ -322,7 +322,7 @@ def test_a_batch_from_a_version_the_trainer_has_not_reached_is_refused_without_a
     from helpers import tiny_fleet_config
 
     from stoa.fleet.intake import Intake
-    from stoa.fleet.trust import Ledger
+    from stoa.fleet.trust.ledger import Ledger
     from stoa.transport.exchange import RolloutWriter
     from stoa.types import Episode, Segment
 

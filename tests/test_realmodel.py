@@ -107,7 +107,8 @@ def test_honest_draws_of_the_real_model_check_under_both_scorers_and_a_cold_samp
     from pathlib import Path
 
     from stoa.backends.engine import RolloutRequest, SamplingConfig
-    from stoa.fleet.trust.audit import AuditConfig, compare_logprobs
+    from stoa.fleet.trust.audit import compare_logprobs
+    from stoa.fleet.trust.section import AuditConfig
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     from custom_env import ArithmeticEnv

@@ -14,8 +14,8 @@ import pytest
 from rich.console import Console
 
 from stoa.fleet.config import RunConfig
-from stoa.fleet.local import _plain_line
 from stoa.fleet.metrics import MetricsSink
+from stoa.fleet.operator.launcher import _plain_line
 from stoa.transport.signing import generate_private_key, sign_document
 from stoa.transport.store import LocalStore
 

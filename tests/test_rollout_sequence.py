@@ -9,14 +9,19 @@ import numpy as np
 from stoa.transport.exchange import RolloutReader, RolloutWriter, rollout_key
 from stoa.transport.signing import generate_private_key
 from stoa.transport.store import LocalStore
-from stoa.types import Episode, Segment
+from stoa.types import Episode, Segment, Verdict
 
 RUN = "runs/r1"
 
 
-def sealed_only(seal):
-    """The reader's screen: what the trainer's intake refuses unread (here, unsealed objects)."""
-    return ("unsigned", "unsealed") if seal is None else None
+class SealedOnly:
+    """The reader's admission: what the trainer's intake refuses unread (here, unsealed objects)."""
+
+    def screen(self, seal):
+        return Verdict("unsigned", "unsealed") if seal is None else None
+
+
+sealed_only = SealedOnly()
 
 
 def episodes(worker: str, version: int, tag: int) -> list[Episode]:
@@ -31,17 +36,17 @@ def test_a_deleted_newest_batch_never_makes_a_restarted_worker_reuse_a_settled_n
 
     store, me = LocalStore(tmp_path / "store"), generate_private_key()
     cache = SequenceFile(tmp_path / "cache" / "sequence.json")
-    reader = RolloutReader(store, RUN, screen=sealed_only)
+    reader = RolloutReader(store, RUN)
     w = RememberingWriter(store, RUN, "w", me, cache)
     keys = [w.upload(episodes("w", 1, i), 1) for i in range(3)]
-    assert [b.seq for b in reader.poll()] == [0, 1, 2]
+    assert [b.seq for b in reader.poll(admission=sealed_only)] == [0, 1, 2]
     reader.prune()  # consumed batches go, the newest stays
     store.delete(keys[-1])  # one DELETE by whoever can write to the store
     assert RolloutWriter(store, RUN, "w", private_key=me).next_seq == 0  # the store alone forgot everything
     restarted = RememberingWriter(store, RUN, "w", me, cache)
     assert restarted.next_seq == 3
     restarted.upload(episodes("w", 2, 9), 2)
-    assert [b.seq for b in reader.poll()] == [3]  # read, not skipped as settled
+    assert [b.seq for b in reader.poll(admission=sealed_only)] == [3]  # read, not skipped as settled
     assert RememberingWriter(store, "runs/other", "w", me, cache).next_seq == 0  # another run's number is not ours
 
 
@@ -49,10 +54,10 @@ def test_a_worker_that_lost_its_cache_too_is_told_by_the_trainers_signed_floor(t
     from stoa.transport.sequence import RememberingWriter, SequenceFile, catch_up, read_floor, write_floors
 
     store, me, run_key = LocalStore(tmp_path / "store"), generate_private_key(), generate_private_key()
-    reader = RolloutReader(store, RUN, screen=sealed_only)
+    reader = RolloutReader(store, RUN)
     w = RememberingWriter(store, RUN, "w", me, SequenceFile(tmp_path / "a" / "sequence.json"))
     keys = [w.upload(episodes("w", 1, i), 1) for i in range(3)]
-    assert len(reader.poll()) == 3
+    assert len(reader.poll(admission=sealed_only)) == 3
     write_floors(store, RUN, reader.next_numbers(), run_key)
     assert read_floor(store, RUN, run_key.public_key(), "w") == 3
     for k in keys:
@@ -63,7 +68,7 @@ def test_a_worker_that_lost_its_cache_too_is_told_by_the_trainers_signed_floor(t
     assert told is not None and "settled" in told and "continuing at 3" in told
     assert fresh.next_seq == 3 and SequenceFile(tmp_path / "b" / "sequence.json").read(RUN) == 3
     fresh.upload(episodes("w", 2, 9), 2)
-    assert [b.seq for b in reader.poll()] == [3]
+    assert [b.seq for b in reader.poll(admission=sealed_only)] == [3]
     # A floor document signed by another key is ignored, never followed, never a stall.
     write_floors(store, RUN, {"w": 10**6}, generate_private_key())
     assert catch_up(fresh, store, RUN, run_key.public_key()) is None and fresh.next_seq == 4

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from rich.console import Console, Group
 
+from stoa.fleet.operator.status import clean, fleet_status, render
 from stoa.fleet.run import Heartbeat, write_heartbeat
-from stoa.fleet.status import clean, fleet_status, render
 from stoa.transport.signing import generate_private_key, sign_document
 from stoa.transport.store import LocalStore
 

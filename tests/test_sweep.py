@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from stoa.fleet.sweep import SweepError, load_sweep, plan_cells, validate
+from stoa.fleet.operator.sweep import SweepError, load_sweep, plan_cells, validate
 
 from helpers import tiny_fleet_config
 

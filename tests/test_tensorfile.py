@@ -9,7 +9,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from stoa.fleet.heldstates import HeldStates
+from stoa.fleet.trainer.heldstates import HeldStates
 from stoa.transport import pulse, tensorfile
 
 

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch", reason="the scorer needs torch")
 
 from stoa.backends.mlx import MLXEngine  # noqa: E402
 from stoa.backends.torch.int8 import Int8ScorerError, TorchInt8Scorer, dequantize_torch  # noqa: E402
-from stoa.fleet.heldstates import HeldStates  # noqa: E402
+from stoa.fleet.trainer.heldstates import HeldStates  # noqa: E402
 from stoa.models.tiny import TinyConfig, build_tiny  # noqa: E402
 from stoa.transport import quant  # noqa: E402
 

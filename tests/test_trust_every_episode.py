@@ -15,8 +15,9 @@ import pytest
 
 pytest.importorskip("mlx.core", reason="the MLX engine needs mlx")
 
-from stoa.fleet.trust import TrustConfig, TrustGate  # noqa: E402
-from stoa.fleet.trust.audit import AuditConfig  # noqa: E402
+from stoa.fleet.trust.gate import TrustGate
+from stoa.fleet.trust.section import TrustConfig  # noqa: E402
+from stoa.fleet.trust.section import AuditConfig  # noqa: E402
 from stoa.transport.signing import generate_private_key  # noqa: E402
 
 from trust_helpers import RUN, AtVersion, Echo, assigned, batch_of  # noqa: E402
@@ -62,12 +63,13 @@ def _gate(engine, tmp_path, **audit):
     from stoa.transport.store import LocalStore
 
     return TrustGate(TrustConfig(audit=AuditConfig(random_spot_check=0.0, **audit)), LocalStore(tmp_path), RUN,
-                     generate_private_key(), float_scorer=Echo(), int8=AtVersion(engine), assign=assigned(1))
+                     generate_private_key(), float_scorer=Echo(), int8=AtVersion(engine))
 
 
 def _judge(gate, batches, kid: str):
     """Each batch under its own key (a ban ends a key): the verdicts."""
-    return [gate.review([batch_of(f"{kid}{i}", f"{kid}{i}", b, i)], 0)[0] for i, b in enumerate(batches)]
+    return [gate.review([batch_of(f"{kid}{i}", f"{kid}{i}", b, i)], 0, [assigned(1)])[0]
+            for i, b in enumerate(batches)]
 
 
 def test_honest_batches_pass_and_every_episode_is_checked(engine_and_groups, tmp_path):

@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 
 from stoa.fleet.intake.copies import group_prints
-from stoa.fleet.trust import TrustConfig, TrustGate, Verdict, read_trust_report, scoped
+from stoa.fleet.trust.gate import TrustGate, scoped
+from stoa.fleet.trust.records import read_trust_report
+from stoa.fleet.trust.review import Verdict
+from stoa.fleet.trust.section import TrustConfig
 from stoa.transport.signing import generate_private_key
 
 from trust_helpers import ListLedger, RUN, batch_of, episodes

@@ -10,8 +10,10 @@ import json
 import numpy as np
 import pytest
 
-from stoa.fleet.trust import TrustConfig, TrustGate
-from stoa.fleet.trust.audit import AuditConfig, LogprobAudit, TokenStats, episode_stats, spot_check
+from stoa.fleet.trust.audit import LogprobAudit, TokenStats, episode_stats, spot_check
+from stoa.fleet.trust.gate import TrustGate
+from stoa.fleet.trust.section import TrustConfig
+from stoa.fleet.trust.section import AuditConfig
 from stoa.transport.signing import generate_private_key
 
 from trust_helpers import AtVersion, Echo, RUN, assigned, batch_of, episodes, forge_logprobs
@@ -25,7 +27,7 @@ def test_which_episodes_are_audited_is_not_predictable_from_the_run_config():
         def __init__(self):
             self.asked: list[tuple[str, int]] = []
 
-        def logprobs(self, eps, temperature=1.0):  # no model_only: the gate scores every token then
+        def logprobs(self, eps, temperature=1.0, *, model_only=False):  # as FloatScorer declares it
             out = []
             for e in eps:
                 self.asked.append((e.group_id, e.sample_index))
@@ -146,7 +148,7 @@ def test_after_a_restart_a_claimed_version_is_rebuilt_from_the_chain_or_the_batc
     import stoa.envs
     from stoa.backends.engine import RolloutRequest, SamplingConfig, make_engine
     from stoa.fleet.config import RolloutConfig
-    from stoa.fleet.policies import HeldPolicies
+    from stoa.fleet.trainer.policies import HeldPolicies
     from stoa.testing.synthetic import perturb_codes
     from stoa.transport.chain import WeightPublisher
     from stoa.transport.store import LocalStore
@@ -204,9 +206,9 @@ def test_every_batch_has_its_draws_rederived_and_a_cold_sampler_is_banned(engine
     margins = engine.sampling_margins(honest, [1] * len(honest))
     assert all((m > -1e-5).all() for m in margins)  # every honest token is the rule's draw
     gate = TrustGate(TrustConfig(audit=AuditConfig(random_spot_check=0.0)), LocalStore(tmp_path), RUN,
-                     generate_private_key(), float_scorer=Echo(), int8=AtVersion(engine), assign=assigned(1))
-    assert gate.review([batch_of("hk", "h", honest)], 0) == [None]
-    (verdict,) = gate.review([batch_of("ck", "c", cold, 1)], 0)
+                     generate_private_key(), float_scorer=Echo(), int8=AtVersion(engine))
+    assert gate.review([batch_of("hk", "h", honest)], 0, [assigned(1)]) == [None]
+    (verdict,) = gate.review([batch_of("ck", "c", cold, 1)], 0, [assigned(1)])
     assert verdict.category == "sampling" and "sampling rule does not draw" in verdict.reason and gate.is_banned("ck"), verdict
     assert gate.counts["sampled_tokens_checked"] > 0 and gate.metrics()["trust/sampling_s"] >= 0
 
@@ -223,9 +225,9 @@ def test_a_variant_copy_is_caught_by_its_repeated_tokens(engine_and_episodes, tm
     variant[2] = twin
     gate = TrustGate(TrustConfig(audit=AuditConfig(random_spot_check=0.0, sampling_episodes=0, every_episode=False)),
                      LocalStore(tmp_path),
-                     RUN, generate_private_key(), float_scorer=Echo(), int8=AtVersion(engine), assign=assigned(1))
-    assert gate.review([batch_of("hk", "h", honest[4:8])], 0) == [None]  # nothing repeated: nothing re-derived
-    (verdict,) = gate.review([batch_of("vk", "v", variant, 1)], 0)
+                     RUN, generate_private_key(), float_scorer=Echo(), int8=AtVersion(engine))
+    assert gate.review([batch_of("hk", "h", honest[4:8])], 0, [assigned(1)]) == [None]  # nothing repeated: nothing re-derived
+    (verdict,) = gate.review([batch_of("vk", "v", variant, 1)], 0, [assigned(1)])
     assert verdict.category == "sampling" and gate.is_banned("vk"), verdict
 
 
@@ -237,14 +239,15 @@ def test_two_keys_whose_converged_policy_plays_alike_are_not_struck_for_copying(
 
     engine, honest = engine_and_episodes
     gate = TrustGate(TrustConfig(audit=AuditConfig(random_spot_check=0.0)), LocalStore(tmp_path), RUN,
-                     generate_private_key(), float_scorer=Echo(), int8=AtVersion(engine), assign=assigned(1))
+                     generate_private_key(), float_scorer=Echo(), int8=AtVersion(engine))
     alike = copy.deepcopy(honest[:4])
     for e in alike:
         e.worker_id = "b"
-    assert gate.review([batch_of("ak", "a", honest[:4])], 0) == [None]
-    assert gate.review([batch_of("bk", "b", alike, 1)], 0) == [None]  # later: no "copied" strike
+    assert gate.review([batch_of("ak", "a", honest[:4])], 0, [assigned(1)]) == [None]
+    assert gate.review([batch_of("bk", "b", alike, 1)], 0, [assigned(1)]) == [None]  # later: no "copied" strike
     again = copy.deepcopy(alike)
-    assert gate.review([batch_of("ak", "a", honest[:4], 2), batch_of("bk", "b", again, 3)], 0) == [None, None]  # one poll
+    assert gate.review([batch_of("ak", "a", honest[:4], 2), batch_of("bk", "b", again, 3)], 0,
+                       [assigned(1)] * 2) == [None, None]  # one poll
     assert gate.records["bk"].strikes == 0 and gate.records["ak"].strikes == 0
 
 

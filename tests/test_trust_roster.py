@@ -9,7 +9,8 @@ import json
 import time
 from dataclasses import replace
 
-from stoa.fleet.trust import TrustConfig, TrustGate
+from stoa.fleet.trust.gate import TrustGate
+from stoa.fleet.trust.section import TrustConfig
 from stoa.transport.identity import ban_worker, enroll_worker, public_hex, read_roster, roster_key
 from stoa.transport.signing import generate_private_key, key_id
 
@@ -118,7 +119,8 @@ def test_bans_are_compact_and_one_small_write_each_whatever_their_number(tmp_pat
     trust report over the 1 MiB status reads after ~256. Now a ban is its own small document."""
     import numpy as np
 
-    from stoa.fleet.trust import batch_problem, read_trust_report
+    from stoa.fleet.trust.admission import batch_problem
+    from stoa.fleet.trust.records import read_trust_report
     from stoa.transport.store import LocalStore
     from stoa.types import Episode, Segment
 

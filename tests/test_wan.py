@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 import numpy as np
 import pytest
 
-from stoa.fleet.follower import Follower, FollowerConfig
+from stoa.fleet.worker.follower import Follower, FollowerConfig
 from stoa.testing.links import LinkNet, LinkProfile
 from stoa.testing.seaweed import SeaweedFS, find_weed
 from stoa.testing.synthetic import perturb_codes, synthetic_episodes, synthetic_state
@@ -365,7 +365,7 @@ def test_follower_process_and_stoa_worker_follow_only(tmp_path):
     state = synthetic_state(100_000, seed=4)
     pub.publish(1, state)
     out = tmp_path / "records.jsonl"
-    follower = subprocess.Popen([sys.executable, "-m", "stoa.fleet.follower", "--store", str(tmp_path / "store"),
+    follower = subprocess.Popen([sys.executable, "-m", "stoa.fleet.worker.follower", "--store", str(tmp_path / "store"),
                                  "--run", "run", "--public-key", pub_hex, "--poll", "0.1", "--until-version", "3",
                                  "--duration", "120", "--out", str(out), "--name", "p1"], env=_env())
     log_path = tmp_path / "worker.log"

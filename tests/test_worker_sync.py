@@ -10,7 +10,7 @@ pytest.importorskip("mlx.core", reason="the worker's engine needs mlx")
 
 import stoa.envs  # noqa: E402
 from stoa.backends.engine import RolloutRequest, SamplingConfig, make_engine  # noqa: E402
-from stoa.fleet.follower import LiveWeights  # noqa: E402
+from stoa.fleet.worker.follower import LiveWeights  # noqa: E402
 from stoa.testing.synthetic import perturb_codes  # noqa: E402
 from stoa.transport import pulse  # noqa: E402
 from stoa.transport.chain import WeightPublisher  # noqa: E402

@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from stoa.errors import ExpectedFailure
+
 __all__ = ["ExportError", "export_checkpoint", "find_checkpoint", "find_model_dir"]
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -26,8 +28,10 @@ _ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 _FORMATS = {"stoa.torch_learner.v1": "torch", "stoa.megatron_learner.v1": "megatron"}
 
 
-class ExportError(ValueError):
+class ExportError(ExpectedFailure, ValueError):
     """The checkpoint or the model folder cannot be exported (the message names what to pass)."""
+
+    exit_code = 2
 
 
 def find_checkpoint(path: Path) -> Path:

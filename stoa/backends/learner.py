@@ -58,6 +58,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
+from stoa.errors import ExpectedFailure
+
 if TYPE_CHECKING:
     from stoa.algos import Objective
     from stoa.types import Episode
@@ -72,7 +74,7 @@ BACKENDS: dict[str, str] = {
 """Backend name -> module. The module exports ``make(hf_dir, config, **options) -> Learner``."""
 
 
-class LearnerError(ValueError):
+class LearnerError(ExpectedFailure, ValueError):
     """A learner was given something it cannot use (bad batch, bad checkpoint, bad model folder)."""
 
 

@@ -32,6 +32,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from stoa.errors import ExpectedFailure
+
 __all__ = [
     "Document", "Hit", "Retriever", "RetrieverError", "BM25SRetriever", "RankBM25Retriever",
     "HTTPRetriever", "bm25_tokenize", "load_retriever", "document_from_contents", "TOKENIZER_VERSION",
@@ -88,7 +90,7 @@ class Retriever(Protocol):
         ...
 
 
-class RetrieverError(RuntimeError):
+class RetrieverError(ExpectedFailure, RuntimeError):
     """A retriever could not answer, or its index/server gave malformed data."""
 
 

@@ -1,34 +1,38 @@
 """Run configuration: a TOML file resolved into frozen dataclasses, one per component.
 
 A run config has a top-level ``name`` and ``seed`` and one table per component; each table's
-dataclass lives beside the code that uses it, and this module assembles them::
+dataclass is a leaf in the ``section`` module of the room that uses it, and this module
+assembles them::
 
     name = "papersearch-tiny"
     seed = 0
-    [model]      # which weights: a local HF folder, or a tiny model (stoa.fleet.trainer.ModelConfig)
+    [model]      # which weights: a local HF folder, or a tiny model (stoa.fleet.trainer.section.ModelConfig)
     [model.tiny] # the tiny model's shape (stoa.models.tiny.TinyConfig)
     [env]        # gymnasium id and kwargs of the task (stoa.fleet.task.EnvConfig)
     [rollout]    # how workers sample: engine, group and cohort size, temperature, caps
-                 # (stoa.fleet.worker.RolloutConfig)
-    [trainer]    # batch, staleness gate, advantages, checkpoints (stoa.fleet.trainer.TrainerConfig)
+                 # (stoa.fleet.worker.section.RolloutConfig)
+    [trainer]    # batch, staleness gate, advantages, checkpoints (stoa.fleet.trainer.section.TrainerConfig)
     [learner]    # backend and optimizer (stoa.backends.learner.LearnerConfig fields)
     [learner.megatron]  # kind = "megatron": parallel sizes, attention, collective timeout
                         # (stoa.backends.megatron.options.MegatronOptions)
     [objective]  # kind = a stoa.algos objective, plus that objective's Config fields
     [warmstart]  # optional supervised steps on scripted demonstrations before RL
-                 # (stoa.fleet.warmstart.WarmstartConfig)
-    [pulse]      # weight channel: anchors, export dtype (stoa.fleet.publishing.PulseConfig)
-    [eval]       # held-out evaluation (stoa.fleet.trainer.EvalConfig)
-    [fleet]      # the local launcher (`stoa train`): how many workers (stoa.fleet.local.FleetConfig)
+                 # (stoa.fleet.trainer.section.WarmstartConfig)
+    [pulse]      # weight channel: anchors, export dtype (stoa.fleet.trainer.section.PulseConfig)
+    [eval]       # held-out evaluation (stoa.fleet.trainer.section.EvalConfig)
+    [fleet]      # the local launcher (`stoa train`): how many workers (stoa.fleet.operator.section.FleetConfig)
     [trust]      # which worker keys may upload, how their episodes are verified, the reward
-                 # range they may report (stoa.fleet.trust.gate.TrustConfig)
-    [trust.audit]  # the check of every episode: draws and log-probs (stoa.fleet.trust.audit.AuditConfig)
+                 # range they may report (stoa.fleet.trust.section.TrustConfig)
+    [trust.audit]  # the check of every episode: draws and log-probs (stoa.fleet.trust.section.AuditConfig)
 
 Every section is typed and checked when the file is read: an unknown key, a value of the wrong
 type or out of range is a :class:`ConfigError` naming the key's path (a typo must not surface
 minutes later, after the warm start). ``[objective]`` is resolved at load into one
 :class:`stoa.algos.Objective` (its config and its loss function together). The resolved config
 is written as JSON beside the run (``<run>/config.json`` in the store) and read back by workers.
+
+Reading a config imports no runtime module: the sections are leaves, and the runtime (the
+trainer, the worker, the intake, the trust checks) imports this module, never the reverse.
 """
 
 from __future__ import annotations
@@ -46,17 +50,15 @@ from typing import Any, Literal
 from stoa.algos import Objective
 from stoa.backends.learner import LearnerConfig
 from stoa.backends.megatron.options import MegatronOptions
-from stoa.fleet.local import FleetConfig
-from stoa.fleet.publishing import PulseConfig
+from stoa.fleet.operator.section import FleetConfig
 from stoa.fleet.sections import ConfigError, check
 from stoa.fleet.task import EnvConfig, import_env_module
-from stoa.fleet.trainer import EvalConfig, ModelConfig, TrainerConfig
-from stoa.fleet.trust.gate import TrustConfig
-from stoa.fleet.warmstart import WarmstartConfig
-from stoa.fleet.worker import RolloutConfig
+from stoa.fleet.trainer.section import EvalConfig, ModelConfig, PulseConfig, TrainerConfig, WarmstartConfig
+from stoa.fleet.trust.section import AuditConfig, TrustConfig
+from stoa.fleet.worker.section import RolloutConfig
 
 __all__ = [
-    "ConfigError", "EnvConfig", "EvalConfig", "FleetConfig", "LearnerSection", "ModelConfig", "PulseConfig",
+    "AuditConfig", "ConfigError", "EnvConfig", "EvalConfig", "FleetConfig", "LearnerSection", "ModelConfig", "PulseConfig",
     "RolloutConfig", "RunConfig", "TrainerConfig", "TrustConfig", "UnresolvedObjective", "WarmstartConfig",
     "check_runnable", "import_env_module", "load_config",
 ]

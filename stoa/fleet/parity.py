@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from stoa.fleet.worker.section import RolloutConfig
 from stoa.types import Episode, Segment
 
 __all__ = ["INT8_BOUND", "SAME_WEIGHTS_BOUND", "Parity", "ParityError", "check", "check_floor", "check_trainer", "gap",
@@ -148,24 +149,25 @@ def check(model_dir: str | Path, learner: Any, engine: Any, scorer: Any = None,
     return got
 
 
-def check_trainer(model_dir: str | Path, learner: Any, rollout: Any, scorer: str, device: str,
+def check_trainer(model_dir: str | Path, learner: Any, rollout: RolloutConfig, scorer: str, device: str,
                   dtype: str = "float32") -> Parity:
     """:func:`check` on the trainer's own stacks: the learner's current weights quantized to
     int8, run by a rollout engine as ``rollout`` (the run's ``[rollout]``) configures it and,
-    when the run scores on torch (``scorer == "torch"``), by the torch int8 scorer."""
+    when the run scores with a named int8 scorer (``scorer``, a key of
+    :data:`stoa.backends.scorer.SCORERS`; ``"engine"``: the engine alone), by that scorer."""
     from stoa.backends.engine import EngineConfig, make_engine
     from stoa.transport.quant import quantize_state
 
     state = quantize_state(learner.iter_weights(dtype))
     engine = make_engine(model_dir, rollout.engine, state=dict(state), version=0, mode=rollout.engine_mode,
                          config=EngineConfig(max_batch=rollout.max_batch), worker_id="parity")
-    torch_scorer = None
-    if scorer == "torch":
-        from stoa.backends.torch.int8 import make_scorer
+    named = None
+    if scorer != "engine":
+        from stoa.backends.scorer import make_scorer
 
-        torch_scorer = make_scorer(model_dir, device, dtype)
-        torch_scorer.load_state(0, state)
-    got = check(model_dir, learner, engine, torch_scorer)
+        named = make_scorer(scorer, model_dir, device, dtype)
+        named.load_state(0, state)
+    got = check(model_dir, learner, engine, named)
     log.info("parity: int8 vs float %.4f nat, engine vs torch scorer %s (per probe episode, worst)",
              got.int8_vs_float, "n/a" if got.engine_vs_scorer is None else f"{got.engine_vs_scorer:.4f}")
     return got

@@ -22,14 +22,12 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from stoa.fleet.config import RunConfig
 from stoa.transport import layout
 from stoa.transport.signing import SignatureError, open_document, sign_document
 from stoa.transport.store import KeyNotFound, ObjectStore, ObjectTooLarge
-
-if TYPE_CHECKING:
-    from stoa.fleet.config import RunConfig
 
 __all__ = ["MODEL_FILES", "Heartbeat", "fetch_run", "publish_run", "read_heartbeats", "write_heartbeat"]
 
@@ -68,8 +66,6 @@ def fetch_run(store: ObjectStore, run: str, public_key: Any, cache_dir: Path) ->
         KeyNotFound: the run has no config yet.
         stoa.transport.chain.SignatureError / IntegrityError: anything unsigned, forged or corrupted.
     """
-    from stoa.fleet.config import RunConfig
-
     try:
         blob = store.get(layout.config(run), max_bytes=_MAX_RUN_CONFIG)
     except ObjectTooLarge as e:

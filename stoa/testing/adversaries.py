@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from stoa.backends.engine import EngineWrapper, RolloutEngine, RolloutRequest, SamplingConfig
-from stoa.fleet.worker import Worker
+from stoa.fleet.worker.worker import Worker
 from stoa.transport import layout
 from stoa.transport.exchange import parse_rollout_key
 from stoa.transport.identity import SealError, open_sealed
@@ -195,7 +195,7 @@ class Copy(Adversary):
         return self.copied()
 
     def copied(self) -> list[Episode]:
-        from stoa.fleet.trust import read_trust_report
+        from stoa.fleet.trust.records import read_trust_report
 
         w = self.worker
         report = read_trust_report(w.store, w.run_name)

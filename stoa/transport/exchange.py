@@ -19,9 +19,10 @@ The trainer's :class:`RolloutReader` lists new objects, validates them with
 ``worker_id`` must match the key) and returns them in order; an invalid object is moved to the
 quarantine prefix with a reason and counted, never raised. Keys it cannot even address (not a
 valid store key: an empty segment, a control character, over 1024 bytes) are skipped and
-reported. A sealed batch must verify and match its name; a ``screen`` callback (the trainer's
-intake) may refuse a seal before the payload is decoded. The reader holds no trust policy:
-who may upload and what counts as a copy is the caller's (:mod:`stoa.fleet.intake`). A reader
+reported. A sealed batch must verify and match its name; the caller's :class:`Admission` (the
+trainer's roster as it stands, handed to each :meth:`RolloutReader.poll`) may refuse a seal
+before the payload is decoded. The reader holds no trust policy: who may upload and what counts
+as a copy is the caller's (:mod:`stoa.fleet.intake`). A reader
 built with ``hand_back=True`` quarantines nothing by itself: it lists its refusals in
 ``last_report.rejected`` and the caller settles each with :meth:`RolloutReader.quarantine`.
 One poll reads at most :class:`PollLimits` worth of objects; the rest waits. Its bookkeeping
@@ -43,9 +44,9 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import zstandard
 
@@ -54,16 +55,15 @@ from stoa.transport.identity import BatchSeal, SealError, is_sealed, open_sealed
 from stoa.transport.signing import SignatureError, key_id, load_private_key, read_signed, sign_document
 from stoa.transport.store import KeyNotFound, ObjectStore, ObjectTooLarge, StoreError, validate_key
 from stoa.transport.turns import in_turns
-from stoa.types import DEFAULT_LIMITS, Episode, EpisodeError, Limits, decode_episodes, encode_episodes
+from stoa.types import DEFAULT_LIMITS, Episode, EpisodeError, Limits, Verdict, decode_episodes, encode_episodes
 
 __all__ = [
-    "Batch", "PollLimits", "PollReport", "Progress", "Rejection", "RolloutReader", "RolloutWriter", "SequenceTaken",
+    "Admission", "Batch", "PollLimits", "PollReport", "Progress", "Rejection", "RolloutReader", "RolloutWriter", "SequenceTaken",
     "is_finished", "mark_finished", "parse_rollout_key", "read_progress", "rollout_key", "write_progress",
 ]
 
 log = logging.getLogger(__name__)
 
-_WORKER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _NAME_RE = re.compile(r"s(\d{12})-v(\d{12})\.episodes")
 _MAX_NUM = 10**12 - 1
 _STATE_FORMAT = "stoa.rollout_reader.v1"
@@ -76,7 +76,7 @@ _MAX_UPLOAD_TRIES = 64  # each try lists past every number taken at that moment
 
 
 def _check_worker(worker_id: str) -> str:
-    if not isinstance(worker_id, str) or not _WORKER_RE.fullmatch(worker_id):
+    if not isinstance(worker_id, str) or not layout.WORKER_ID.fullmatch(worker_id):
         raise ValueError(f"worker id {worker_id!r} must be 1-64 characters of [A-Za-z0-9._-], not starting with . _ or -")
     return worker_id
 
@@ -115,7 +115,7 @@ def parse_rollout_key(run: str, key: str) -> tuple[str, int, int] | None:
     """``(worker, seq, version)`` of a well-named batch key of ``run`` (see :func:`rollout_key`), else None."""
     worker, _, name = key.removeprefix(layout.rollouts(run)).partition("/")
     m = _NAME_RE.fullmatch(name) if key.startswith(layout.rollouts(run)) else None
-    return (worker, int(m.group(1)), int(m.group(2))) if m and _WORKER_RE.fullmatch(worker) else None
+    return (worker, int(m.group(1)), int(m.group(2))) if m and layout.WORKER_ID.fullmatch(worker) else None
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ class Rejection:
     """The key that sealed it, when the seal verified (the sender is then known)."""
     category: str
     """``"signature"`` (the seal does not verify or match the name), ``"invalid"`` (the codec),
-    ``"size"``, ``"misnamed"``, or the category the ``screen`` gave (:data:`stoa.types.Category`)."""
+    ``"size"``, ``"misnamed"``, or the category of the admission's verdict (:data:`stoa.types.Category`)."""
     reason: str
     parsed: tuple[str, int, int] | None = field(default=None, repr=False, compare=False)
     """``(worker, seq, version)`` from the object's name (None for a misnamed object)."""
@@ -207,6 +207,18 @@ class PollReport:
     """One line per quarantined object or failed store operation."""
     rejected: list[Rejection] = field(default_factory=list)
     """The refused objects, with what is known of their sender."""
+    listed: list[str] = field(default_factory=list, repr=False)
+    """Every key of the poll's listing of the rollouts (new and settled alike)."""
+
+
+class Admission(Protocol):
+    """Who may upload, as the caller's roster stands when a poll starts (the trainer's is
+    :class:`stoa.fleet.trust.roster.Admission`): a value :meth:`RolloutReader.poll` applies to
+    each object's seal before it decodes the payload."""
+
+    def screen(self, seal: BatchSeal | None) -> Verdict | None:
+        """The refusal of an object sealed with ``seal`` (None: not sealed), or None to read it."""
+        ...
 
 
 class SequenceTaken(StoreError):
@@ -335,9 +347,6 @@ class RolloutReader:
         limits: decoding bounds for untrusted bytes (see :class:`stoa.types.Limits`); an object
             over ``limits.max_bytes`` is quarantined without being downloaded.
         poll_limits: per-poll caps (see :class:`PollLimits`).
-        screen: called before decoding with the verified :class:`~stoa.transport.identity.BatchSeal`
-            of every sealed object (already checked against its name), or None for an unsealed
-            one; returns ``(category, reason)`` to refuse the object unread, or None.
         hand_back: list refusals in ``last_report.rejected`` without quarantining them; the
             caller settles each with :meth:`quarantine` (the trainer's intake does, so that every
             refusal takes one path). False: :meth:`poll` quarantines them itself.
@@ -349,11 +358,10 @@ class RolloutReader:
     """
 
     def __init__(self, store: ObjectStore, run: str, vocab_size: int | None = None, limits: Limits = DEFAULT_LIMITS,
-                 poll_limits: PollLimits = PollLimits(),
-                 screen: Callable[[BatchSeal | None], tuple[str, str] | None] | None = None, hand_back: bool = False):
+                 poll_limits: PollLimits = PollLimits(), hand_back: bool = False):
         self.store, self.run = store, _check_run(run)
         self.vocab_size, self.limits, self.poll_limits = vocab_size, limits, poll_limits
-        self.screen, self.hand_back = screen, hand_back
+        self.hand_back = hand_back
         self._prefix = layout.rollouts(self.run)
         self._done: dict[str, int] = {}  # worker -> every seq < done is settled
         self._extra: dict[str, set[int]] = {}  # worker -> settled seqs >= done
@@ -435,9 +443,14 @@ class RolloutReader:
     def _parse(self, key: str) -> tuple[str, int, int] | None:
         return parse_rollout_key(self.run, key)
 
-    def poll(self, max_batches: int | None = None, max_bytes: int | None = None) -> list[Batch]:
+    def poll(self, max_batches: int | None = None, max_bytes: int | None = None, *,
+             admission: Admission | None = None) -> list[Batch]:
         """Return new valid batches, oldest policy version first (then worker, then sequence); what a
         capped poll reads is chosen with the workers taking turns (:func:`stoa.transport.turns.in_turns`).
+
+        ``admission`` screens every object's seal (the verified :class:`~stoa.transport.identity.BatchSeal`,
+        already checked against its name; None for an unsealed one) before its payload is decoded:
+        a :class:`~stoa.types.Verdict` refuses it unread (None: every sealed or unsealed object is read).
 
         Each returned batch counts as consumed at once (see :meth:`state`). At most ``max_batches``
         batches (and apart, as many quarantined objects) and ``max_bytes`` stored bytes (defaults from
@@ -450,7 +463,8 @@ class RolloutReader:
         b_cap = self.poll_limits.max_bytes if max_bytes is None else max_bytes
         rep = self.last_report = PollReport()
         pending, strays = [], []
-        for key in self.store.list(self._prefix):
+        rep.listed = self.store.list(self._prefix)
+        for key in rep.listed:
             try:
                 validate_key(key)
             except ValueError:
@@ -499,7 +513,7 @@ class RolloutReader:
                 self._quarantine_safely(key, None, "object name is not <worker>/s<seq>-v<version>.episodes", blob, rep,
                                         "misnamed")
                 continue
-            batch = self._load(key, *parsed, blob, rep)
+            batch = self._load(key, *parsed, blob, rep, admission)
             if batch is _DEFER:
                 rep.deferred = len(work) - i
                 break
@@ -514,10 +528,11 @@ class RolloutReader:
         rep.returned = len(out)
         return out
 
-    def _open(self, key: str, worker: str, seq: int, version: int,
-              blob: bytes) -> tuple[bytes, str, str, str, str | None]:
+    def _open(self, key: str, worker: str, seq: int, version: int, blob: bytes,
+              admission: Admission | None) -> tuple[bytes, str, str, str, str | None]:
         """(payload, signer key id or "", signer public key or "", category, reason) of an object:
-        the seal checks, before any decoding. ``reason`` None means it may be decoded."""
+        the seal checks and the admission's screen, before any decoding. ``reason`` None means
+        it may be decoded."""
         kid = pub = ""
         if is_sealed(blob):
             try:
@@ -533,18 +548,19 @@ class RolloutReader:
         else:
             seal = None
         try:
-            verdict = self.screen(seal) if self.screen is not None else None
+            verdict = admission.screen(seal) if admission is not None else None
         except Exception as e:  # the caller's policy failing must not crash the poll
-            verdict = "refused", f"checking the worker key failed: {type(e).__name__}: {e}"
+            verdict = Verdict("refused", f"checking the worker key failed: {type(e).__name__}: {e}")
         if verdict is not None:
-            return blob, kid, pub, verdict[0], verdict[1]
+            return blob, kid, pub, verdict.category, verdict.reason
         return blob, kid, pub, "", None
 
-    def _load(self, key: str, worker: str, seq: int, version: int, blob: bytes, rep: PollReport) -> Any:
+    def _load(self, key: str, worker: str, seq: int, version: int, blob: bytes, rep: PollReport,
+              admission: Admission | None = None) -> Any:
         """The batch, None if it was quarantined, or ``_DEFER`` when its decoded size does not fit
         what is left of this poll's budget."""
         stored = blob
-        blob, kid, pub, category, why = self._open(key, worker, seq, version, blob)
+        blob, kid, pub, category, why = self._open(key, worker, seq, version, blob, admission)
         if why is None:
             budget = self.poll_limits.max_decoded_bytes
             declared = _declared_size(blob)
@@ -688,7 +704,7 @@ class Progress:
         if not isinstance(taken, dict) or len(taken) > _MAX_PROGRESS_WORKERS:
             raise SignatureError(f"{where}: taken must map at most {_MAX_PROGRESS_WORKERS} workers to counts")
         for w, n in taken.items():
-            if not _WORKER_RE.fullmatch(w) or isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= _MAX_NUM:
+            if not layout.WORKER_ID.fullmatch(w) or isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= _MAX_NUM:
                 raise SignatureError(f"{where}: bad entry {_shown(w)}: {str(n)[:20]}")
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
             raise SignatureError(f"{where}: time must be a finite number")

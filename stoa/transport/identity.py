@@ -125,7 +125,6 @@ _MAX_ROSTER_BYTES = 4 << 20
 _MAX_NOTE = 256
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX16 = re.compile(r"[0-9a-f]{16}")
-_WORKER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _MAX_NUM = 10**12 - 1
 
 
@@ -278,7 +277,7 @@ class Ban:
     def of(cls, worker_id: str, code: str, detail: str, time: float = 0.0, version: int = -1) -> Ban:
         """A ban with its fields made safe: an id that is not a worker id becomes ``""``, the code
         a known shape, the detail :func:`printable`."""
-        wid = worker_id if isinstance(worker_id, str) and _WORKER_RE.fullmatch(worker_id) else ""
+        wid = worker_id if isinstance(worker_id, str) and layout.WORKER_ID.fullmatch(worker_id) else ""
         code = code if isinstance(code, str) and _CODE_RE.fullmatch(code) else "banned"
         v = version if isinstance(version, int) and not isinstance(version, bool) else -1
         return cls(wid, code, printable(detail), float(time) if _finite(time) else 0.0, v)
@@ -292,7 +291,7 @@ class Ban:
 
     def ok(self) -> bool:
         """Whether every field has the shape :meth:`of` gives it."""
-        return (isinstance(self.worker_id, str) and (self.worker_id == "" or bool(_WORKER_RE.fullmatch(self.worker_id)))
+        return (isinstance(self.worker_id, str) and (self.worker_id == "" or bool(layout.WORKER_ID.fullmatch(self.worker_id)))
                 and isinstance(self.code, str) and bool(_CODE_RE.fullmatch(self.code))
                 and isinstance(self.detail, str) and self.detail == printable(self.detail) and _finite(self.time)
                 and isinstance(self.version, int) and not isinstance(self.version, bool))
@@ -341,7 +340,7 @@ class Roster:
                 entry = WorkerEntry(**e)
                 ok = (_HEX16.fullmatch(kid) and _HEX64.fullmatch(entry.public_key)
                       and key_id(load_public_key(bytes.fromhex(entry.public_key))) == kid
-                      and _WORKER_RE.fullmatch(entry.worker_id) and _finite(entry.time)
+                      and layout.WORKER_ID.fullmatch(entry.worker_id) and _finite(entry.time)
                       and entry.source in ("enrolled", "first-use") and isinstance(entry.note, str))
             except Exception:
                 ok = False
@@ -412,7 +411,7 @@ def enroll_worker(store: ObjectStore, run: str, private_key: Any, worker_public_
     Raises:
         ValueError: ``worker_id`` is already bound to another key, or the key is banned.
     """
-    if not _WORKER_RE.fullmatch(worker_id):
+    if not layout.WORKER_ID.fullmatch(worker_id):
         raise ValueError(f"worker id {worker_id!r} must be 1-64 characters of [A-Za-z0-9._-]")
     key = load_private_key(private_key)
     pub = public_hex(worker_public_key)

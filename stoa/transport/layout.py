@@ -19,15 +19,24 @@
     <run>/eval/v<version:012d>.json                     signed: one version's evaluation
 
 Functions take the run's prefix (a valid key prefix) and return keys or listing prefixes; they
-check nothing about the other parts, which their callers validate.
+check nothing about the other parts, which their callers validate. A worker id, the one part a
+stranger chooses, has one rule, :data:`WORKER_ID`, which every writer and reader of these keys
+(and the invite, the roster, the ban documents) checks.
 """
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
-    "ban", "bans", "config", "eval_prefix", "evaluation", "finished", "heartbeat", "heartbeats", "misnamed", "model_file",
+    "WORKER_ID", "ban", "bans", "config", "eval_prefix", "evaluation", "finished", "heartbeat", "heartbeats", "misnamed", "model_file",
     "pointer", "progress", "quarantine", "quarantined", "roster", "rollouts", "salt", "trust_report", "weights",
 ]
+
+
+WORKER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+"""A worker id: 1-64 characters of ``[A-Za-z0-9._-]``, not starting with ``.``, ``_`` or ``-``
+(never a path, never a hidden name); use ``WORKER_ID.fullmatch``."""
 
 
 def config(run: str) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import unquote, urlparse, urlunparse
 
-from stoa.transport.store import (
+from stoa.transport.objects import (
     KeyNotFound,
     ObjectTooLarge,
     StoreError,

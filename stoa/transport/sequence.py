@@ -17,11 +17,11 @@ import json
 import logging
 import math
 import os
-import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stoa.transport import layout
 from stoa.transport.exchange import RolloutWriter
 from stoa.transport.signing import SignatureError, read_signed, sign_document
 
@@ -37,7 +37,6 @@ _FORMAT = "stoa.sequence_floors/1"
 _MAX_WORKERS = 4096
 _MAX_BYTES = 1 << 20
 _MAX_NUM = 10**12 - 1
-_WORKER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 class SequenceFile:
@@ -113,7 +112,7 @@ def read_floor(store: ObjectStore, run: str, public_key: Any, worker_id: str) ->
             or isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
         raise SignatureError(f"{key}: not a {_FORMAT} document")
     for w, n in floors.items():
-        if not _WORKER_RE.fullmatch(w) or isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= _MAX_NUM:
+        if not layout.WORKER_ID.fullmatch(w) or isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= _MAX_NUM:
             raise SignatureError(f"{key}: bad entry {w[:64]!r}")
     return floors.get(worker_id, 0)
 

@@ -40,6 +40,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from stoa.errors import ExpectedFailure
 from stoa.transport.store import KeyNotFound, ObjectStore, ObjectTooLarge
 
 __all__ = [
@@ -60,7 +61,7 @@ MAX_DOCUMENT_BYTES = 1 << 20
 """Default size limit of a signed document read from the store (bytes)."""
 
 
-class SignatureError(RuntimeError):
+class SignatureError(ExpectedFailure, RuntimeError):
     """A document does not verify: unsigned, signed by another key, of another kind, a bad
     signature, not a parseable envelope (truncated or corrupted), too large, or its signed body
     names another run or version than the reader expects. The message says which."""

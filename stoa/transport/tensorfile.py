@@ -6,7 +6,7 @@ back. The JSON maps each tensor name to ``{"dtype", "shape", "data_offsets": [st
 (offsets into the data) and may hold a ``"__metadata__"`` object. Three kinds of file use it:
 
 * PULSE anchors (:func:`stoa.transport.pulse.encode_state`): built in memory by :func:`encode`;
-* held states (:mod:`stoa.fleet.heldstates`): streamed, hashed and renamed by :func:`write`,
+* held states (:mod:`stoa.fleet.trainer.heldstates`): streamed, hashed and renamed by :func:`write`,
   read memory-mapped by :func:`read`;
 * random-weight presets (:mod:`stoa.models.presets`): streamed tensor by tensor by :func:`write`.
 

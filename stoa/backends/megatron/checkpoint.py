@@ -17,26 +17,62 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
 from safetensors.torch import load_file, save_file
 
-from stoa.backends.learner import LearnerError, checkpoint_extra, durable_rename, fsync_file, read_checkpoint_meta
+from stoa.backends.learner import (
+    LearnerConfig,
+    LearnerError,
+    checkpoint_extra,
+    durable_rename,
+    fsync_file,
+    read_checkpoint_meta,
+)
 
 from .export import FORMAT, RANK_KEYS
 
-if TYPE_CHECKING:
-    from .learner import MegatronLearner
+
+class Checkpointed(Protocol):
+    """What a checkpoint writes and restores of a learner (:class:`.learner.MegatronLearner` is one):
+    its parallel coordinates, model, optimizer, counters and config."""
+
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    attention: str
+    dtype: torch.dtype
+    on_cuda: bool
+    device: torch.device
+    arch: Any
+    """The model's shape (a dataclass, compared as a dict)."""
+    model: torch.nn.Module
+    optimizer: Any
+    config: LearnerConfig
+    step: int
+    version: int
+
+    def chained_optimizers(self) -> list: ...
+
+    def load_local(self, state: Mapping[str, torch.Tensor], where: str) -> None: ...
+
+    def make_optimizer(self) -> Any: ...
+
+    def restore_counters(self, step: int, version: int) -> None: ...
 
 _OPTIMIZER_FIELDS = ("lr", "betas", "eps", "weight_decay", "grad_clip", "schedule",
                      "warmup_steps", "total_steps", "min_lr_ratio")
 
 
-def layout(ln: MegatronLearner) -> dict[str, Any]:
+def layout(ln: Checkpointed) -> dict[str, Any]:
     return {"tp": ln.tp, "pp": ln.pp, "dp": ln.dp, "world": dist.get_world_size(),
             "attention": ln.attention, "dtype": str(ln.dtype), "cuda": ln.on_cuda}
 
@@ -45,7 +81,7 @@ def _owned(opt, p) -> bool:
     return p in getattr(opt, "model_param_group_index_map", {})
 
 
-def rank_tensors(ln: MegatronLearner) -> dict[str, torch.Tensor]:
+def rank_tensors(ln: Checkpointed) -> dict[str, torch.Tensor]:
     named = dict(ln.model.named_parameters())
     out = {f"model/{n}": p.detach().cpu().contiguous() for n, p in named.items()}
     if ln.on_cuda:
@@ -66,7 +102,7 @@ def rank_tensors(ln: MegatronLearner) -> dict[str, torch.Tensor]:
     return out
 
 
-def save(ln: MegatronLearner, path: Path, extra: dict[str, Any] | None) -> None:
+def save(ln: Checkpointed, path: Path, extra: dict[str, Any] | None) -> None:
     extra_json = checkpoint_extra(extra)
     if path.exists():  # every rank sees the same filesystem, so all raise or none does
         raise LearnerError(f"checkpoint path {path} already exists")
@@ -89,7 +125,7 @@ def save(ln: MegatronLearner, path: Path, extra: dict[str, Any] | None) -> None:
     _barrier()
 
 
-def load(ln: MegatronLearner, path: Path) -> dict[str, Any]:
+def load(ln: Checkpointed, path: Path) -> dict[str, Any]:
     rank_file = path / f"rank{dist.get_rank():05d}.safetensors"
     if not (path / "meta.json").is_file():
         raise LearnerError(f"{path} is not a complete Megatron checkpoint (no meta.json)")

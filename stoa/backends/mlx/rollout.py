@@ -17,18 +17,48 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
-from stoa.backends.engine import EngineError, RolloutRequest, RolloutStats, SamplingConfig, TurnRule
+from stoa.backends.engine import (
+    EngineConfig,
+    EngineError,
+    RolloutRequest,
+    RolloutStats,
+    SamplingConfig,
+    TextCodec,
+    TurnRule,
+)
 from stoa.backends.sampling import episode_key, row_seeds
 from stoa.types import Episode, Segment
 
-if TYPE_CHECKING:
-    from stoa.backends.mlx.engine import MLXEngine
+
+class CohortHost(Protocol):
+    """What a cohort reads of the engine that plays it (:class:`stoa.backends.mlx.engine.MLXEngine`)."""
+
+    config: EngineConfig
+    version: int
+
+    @property
+    def worker_id(self) -> str: ...
+
+    @property
+    def codec(self) -> TextCodec: ...
+
+    @property
+    def mlx_model(self) -> Any: ...
+
+    @property
+    def body(self) -> Any: ...
+
+    def prompt_tokens(self, prompt: str) -> list[int]: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, tokens: Sequence[int]) -> str: ...
 
 
 @dataclass(eq=False)
@@ -62,9 +92,9 @@ def _take(cache: list[BatchKVCache], idx: list[int]) -> list[BatchKVCache]:
 
 
 class Cohort:
-    """Plays one cohort of requests to completion (see :meth:`MLXEngine.rollout`)."""
+    """Plays one cohort of requests to completion (see :meth:`stoa.backends.mlx.engine.MLXEngine.rollout`)."""
 
-    def __init__(self, engine: MLXEngine, make_env: Callable[[], Any], requests: Sequence[RolloutRequest],
+    def __init__(self, engine: CohortHost, make_env: Callable[[], Any], requests: Sequence[RolloutRequest],
                  sampling: SamplingConfig, envs: list[Any]) -> None:
         self.e, self.make_env, self.s = engine, make_env, sampling
         self.cfg, self.version = engine.config, engine.version  # fixed for the whole cohort

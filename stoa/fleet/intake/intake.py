@@ -25,21 +25,22 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from stoa.fleet.config import RunConfig
 from stoa.fleet.intake.copies import Copies
 from stoa.fleet.intake.pool import Pool, Taken
-from stoa.fleet.trust import FloatScorer, Ledger, TrustGate, batch_problem, scoped
+from stoa.fleet.trust.admission import batch_problem
 from stoa.fleet.trust.assign import Assignment, assignment, assignment_problem, is_probation
+from stoa.fleet.trust.gate import TrustGate, scoped
+from stoa.fleet.trust.ledger import Ledger
 from stoa.fleet.trust.records import public_reason
-from stoa.transport import layout
-from stoa.transport.identity import assignment_salt
+from stoa.fleet.trust.review import FloatScorer
 from stoa.transport.exchange import Batch, Rejection, RolloutReader, write_progress
+from stoa.transport.identity import assignment_salt
 from stoa.transport.sequence import write_floors
 from stoa.transport.store import StoreError
 
 if TYPE_CHECKING:
-    from stoa.fleet.config import RunConfig
-    from stoa.fleet.policies import HeldPolicies
-    from stoa.transport.identity import BatchSeal
+    from stoa.fleet.trainer.policies import HeldPolicies
     from stoa.transport.store import ObjectStore
     from stoa.types import Category, Episode
 
@@ -65,23 +66,6 @@ class IntakeCounters:
     rejected_batches: int = 0
     """Decoded batches refused (the reader's refusals of undecodable objects are counted in its
     ``quarantined``)."""
-
-
-class _Listed:
-    """The store as the reader sees it; each listing of the rollouts tells the intake which objects
-    appeared since the previous one (:meth:`Intake._listed`)."""
-
-    def __init__(self, store: ObjectStore, prefix: str, on_list: Callable[[list[str]], None]):
-        self._store, self._prefix, self._on_list = store, prefix, on_list
-
-    def list(self, prefix: str = "", start_after: str | None = None) -> list[str]:
-        keys = self._store.list(prefix, start_after)
-        if prefix == self._prefix and start_after is None:
-            self._on_list(keys)
-        return keys
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
 
 
 class Intake:
@@ -114,14 +98,12 @@ class Intake:
                              max_episode_tokens=rc.max_episode_tokens) if cfg.trust.replay and int8 else None)
         self.n_items = len(make_env().unwrapped)
         self.gate = TrustGate(cfg.trust, store, cfg.name, private_key, ledger=ledger, replayer=replayer,
-                              float_scorer=float_scorer, int8=int8, assign=self.assigned, roster_copy=roster_copy)
+                              float_scorer=float_scorer, int8=int8, roster_copy=roster_copy)
         self.gate.refresh(force=True)
         self.listed: dict[str, int] = {}  # object key -> the trainer's version at the listing before it appeared
         self._list_version = -1  # the trainer's version at the last listing (-1: none yet)
-        self._version = 0
         self._salts: dict[str, str] = {}
-        listed = _Listed(store, layout.rollouts(cfg.name), self._listed)
-        self.reader = RolloutReader(listed, cfg.name, vocab_size=vocab_size, screen=self._screen, hand_back=True)
+        self.reader = RolloutReader(store, cfg.name, vocab_size=vocab_size, hand_back=True)
         self.copies = Copies(cfg.trust.max_hashes)
         self.pool = Pool()
         self.waiting: list[Batch] = []  # newcomers' batches past this poll's quota (trust.newcomers_per_poll)
@@ -216,17 +198,10 @@ class Intake:
         return self.gate.calibrate(episodes, self.float_scorer.logprobs(episodes, temperature=None))
 
     # -- polling and checks ------------------------------------------------------------------------
-    def _screen(self, seal: BatchSeal | None) -> tuple[Category, str] | None:
-        """The reader's refusal of an object before it is decoded: unsealed, or a key the roster refuses."""
-        if seal is None:
-            return "unsigned", "unsigned batch: this run takes only batches sealed with a worker key"
-        why = self.gate.admit(seal)
-        return None if why is None else ("refused", why)
-
     def _poll(self, version: int) -> None:
         self.gate.refresh()
-        self._version = version
-        batches = self.reader.poll()
+        batches = self.reader.poll(admission=self.gate.admission())  # unsealed and refused keys: never decoded
+        self._listed(self.reader.last_report.listed, version)
         for refused in self.reader.last_report.rejected:
             self.reject(refused)
         self.gate.planted(self.reader.last_report.rejected)
@@ -236,10 +211,11 @@ class Intake:
         self._write_progress(bool(batches))
         kept = {b.key for b in sorted(batches, key=lambda b: (b.key_id, b.seq)) if self._bounded(b, version)}
         admitted = self._newcomers([b for b in batches if b.key in kept], version)
-        for batch, verdict in zip(admitted, self.gate.review(admitted, version)):
+        work = [self.assigned(b) for b in admitted]
+        for batch, owed, verdict in zip(admitted, work, self.gate.review(admitted, version, work)):
             if verdict is not None:
                 self.reject(batch, verdict.reason, verdict.category)
-            elif self.assigned(batch).probation:  # checked and credited, never trained on
+            elif owed.probation:  # checked and credited, never trained on
                 self.counters.probation_batches += 1
                 self.ledger.write(probation=batch.key)
             else:
@@ -250,15 +226,15 @@ class Intake:
                 self.pool.remove(batch.key)
                 self.reject(batch, f"worker key {kid} was banned: {reason[:300]}", "banned")
 
-    def _listed(self, keys: list[str]) -> None:
-        """A listing of the rollouts (at the trainer's version :attr:`_version`): every object new
-        since the previous listing was uploaded after it, when the version of that listing was
-        already published (the floor of its key's later batches, :meth:`_floor`)."""
+    def _listed(self, keys: list[str], version: int) -> None:
+        """The reader's listing of the rollouts at the trainer's ``version``: every object new since
+        the previous listing was uploaded after it, when the version of that listing was already
+        published (the floor of its key's later batches, :meth:`_floor`)."""
         present = set(keys)
         self.listed = {k: v for k, v in self.listed.items() if k in present}
         for k in keys:
             self.listed.setdefault(k, self._list_version)
-        self._list_version = self._version
+        self._list_version = version
 
     def _write_progress(self, fresh: bool) -> None:
         """What was taken, per worker (signed): workers throttle on it (rollout.max_outstanding) and
@@ -310,18 +286,13 @@ class Intake:
         the new floor (read first, under a poll's caps) is dropped now."""
         if not batch.key_id:
             return -1
-        rec = self.gate.records.touch(batch.key_id, batch.worker_id)
-        floor = max([v for s, v in rec.floors if s < batch.seq], default=-1)
         listed = self.listed.pop(batch.key, -1)
         mine = max(batch.version, listed - self.cfg.rollout.lag if listed >= 0 else -1)
-        rec.floors = sorted([[s, v] for s, v in rec.floors if s != batch.seq] + [[batch.seq, mine]])
-        while len(rec.floors) > 8:  # the lowest folds into the next: a bound that is weaker, never wrong
-            (_, v0), nxt = rec.floors.pop(0), rec.floors[0]
-            nxt[1] = max(nxt[1], v0)
+        floor = self.gate.version_floor(batch.key_id, batch.worker_id, batch.seq, mine)
         for later in self.pool.of_key(batch.key_id):
             if later.seq > batch.seq and later.version < mine:
                 self.pool.remove(later.key)
-                self.gate.records[batch.key_id].batches_seen -= 1  # it was counted as delivered: now a gap
+                self.gate.unsaw(batch.key_id)  # it was counted as delivered: now a gap
                 self._drop(later, "behind", f"version {later.version} is below {mine}, which its key held already")
         return floor
 

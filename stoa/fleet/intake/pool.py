@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from stoa.fleet.trust import group_episodes, scoped
+from stoa.fleet.trust.gate import group_episodes, scoped
 from stoa.transport.exchange import Batch
 from stoa.types import Episode
 

@@ -36,9 +36,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from stoa.fleet.trust.section import AuditConfig
 from stoa.types import Episode
 
-__all__ = ["AuditConfig", "LogprobAudit", "SpotCheck", "TokenStats", "compare_logprobs", "episode_stats", "spot_check"]
+__all__ = ["LogprobAudit", "SpotCheck", "TokenStats", "compare_logprobs", "episode_stats", "spot_check"]
 
 BUCKETS = ("0", "1", "2", "3+")
 IMPLAUSIBLE_PI = -15.0
@@ -82,64 +83,6 @@ def episode_stats(trainer_logprobs: np.ndarray, ep: Episode) -> TokenStats:
     d = pi - mu
     return TokenStats(1, int(mask.sum()), float(np.abs(d).sum()), float(d.sum()),
                       int(((pi < IMPLAUSIBLE_PI) & (mu > IMPLAUSIBLE_MU)).sum()))
-
-
-@dataclass(frozen=True)
-class AuditConfig:
-    """The log-prob audit: how much is scored, what is suspicious, when a spot-check confirms
-    (``[trust.audit]`` of the run config)."""
-
-    enabled: bool = True
-    """Score a sample of every batch with the learner, keep per-worker log-prob statistics, and
-    spot-check suspicious workers with the int8 engine; a confirmed mismatch bans the worker."""
-    fraction: float = 0.25
-    """Fraction of each batch's episodes the audit scores (at least one)."""
-    spot_check_episodes: int = 4
-    """Episodes of a suspicious batch re-scored by the int8 engine."""
-    random_spot_check: float = 0.02
-    """Probability that an unsuspicious batch is spot-checked anyway."""
-    episode_factor: float = 8.0
-    """An episode is suspicious above this many times its staleness bucket's honest mean |log pi - log mu|."""
-    worker_mads: float = 6.0
-    """A worker is suspicious this many MADs (floored at the int8 calibration) above the fleet median."""
-    min_tokens: int = 200
-    """Audited tokens a worker needs in a staleness bucket before its running mean counts."""
-    spot_check_tolerance: float = 0.1
-    """A token mismatches when the int8 re-score and the claimed log mu differ by more (nats)."""
-    spot_check_max_frac: float = 0.0
-    """An episode fails the spot-check when more than this fraction of its model tokens mismatch.
-    0 (the default): one token off by more than the tolerance fails it, so no share of an
-    episode's tokens can carry a forged log-prob. Honest re-scores differ by about 1e-6 nat on one
-    machine (int8 kernels against float32 ones, host against device sampler, any batch shape)."""
-
-    every_episode: bool = True
-    """With assigned work, check every episode of every batch: each sampled token re-derived from
-    the assigned seed (``sampling_band``) and each claimed log mu compared with the int8 re-score
-    (``spot_check_tolerance``), from one int8 forward pass per distinct row. Then the learner's
-    audit and the spot-checks are not run (they only chose which episodes to re-score). False:
-    the audit, spot-checks and ``sampling_episodes`` random episodes per batch."""
-    sampling_episodes: int = 1
-    """Without ``every_episode``: episodes of every batch (besides any that repeat another's
-    tokens) whose every token is re-derived from the batch's assigned seed."""
-    sampling_band: float = 0.02
-    """In raw logits: a token beaten under the assigned noise by another kept token by more than
-    this is one the sampling rule did not draw; within it, ambiguous (never punished). It
-    tolerates a logit drift of half of it (any entry, after a common shift) between the worker's
-    int8 stack and the trainer's re-score; measured honest drift: at most 7.6e-5 (see docs/trust.md)."""
-
-    def __post_init__(self) -> None:
-        if self.sampling_episodes < 0:
-            raise ValueError("trust.audit.sampling_episodes must be >= 0")
-        if not 0 < self.sampling_band <= 10:
-            raise ValueError("trust.audit.sampling_band must lie in (0, 10] (logits)")
-        if not (0 < self.fraction <= 1 and 0 <= self.random_spot_check <= 1):
-            raise ValueError("trust.audit.fraction must lie in (0, 1] and trust.audit.random_spot_check in [0, 1]")
-        if not (self.spot_check_episodes >= 1 and self.min_tokens >= 1):
-            raise ValueError("trust.audit.spot_check_episodes and trust.audit.min_tokens must be >= 1")
-        if not (self.episode_factor > 1 and self.worker_mads > 0 and self.spot_check_tolerance > 0
-                and 0 <= self.spot_check_max_frac < 1):
-            raise ValueError("trust.audit: episode_factor > 1, worker_mads > 0, spot_check_tolerance > 0 and "
-                             "0 <= spot_check_max_frac < 1")
 
 
 class LogprobAudit:

@@ -10,7 +10,7 @@ lives in three modules, each owning one kind:
   :class:`~stoa.fleet.trust.records.TrustReport`;
 * :mod:`~stoa.fleet.trust.review` (:class:`~stoa.fleet.trust.review.Review`): replay, the log-prob
   audit, spot-checks and the sampling check, each returning a typed
-  :class:`~stoa.fleet.trust.review.Verdict` and changing nothing else.
+  :class:`~stoa.types.Verdict` and changing nothing else.
 
 The gate applies verdicts: a confirmed forgery bans its key, ``ban_after`` strikes ban it too;
 the ban goes into the key's signed ban document, the trainer's ban log and the ledger
@@ -26,23 +26,22 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from stoa.fleet.trust.audit import AuditConfig
 from stoa.fleet.trust.planted import count_planted
 from stoa.fleet.trust.records import REPORT_KIND, Records, TrustReport, build_report, public_reason
-from stoa.fleet.trust.review import FloatScorer, Int8Scorer, Review, Verdict
-from stoa.fleet.trust.roster import Membership
+from stoa.fleet.trust.review import FloatScorer, Int8Scorer, Review
+from stoa.fleet.trust.roster import Admission, Membership
+from stoa.fleet.trust.section import TrustConfig
 from stoa.transport import layout
 from stoa.transport.identity import Ban, BatchSeal, Roster
 from stoa.transport.signing import sign_document
 from stoa.transport.store import ObjectStore, StoreError
-from stoa.types import Category
+from stoa.types import Category, Verdict
 
 if TYPE_CHECKING:
     from stoa.fleet.trust.assign import Assignment
@@ -51,56 +50,11 @@ if TYPE_CHECKING:
     from stoa.transport.exchange import Batch, Rejection
     from stoa.types import Episode
 
-__all__ = ["TrustConfig", "TrustGate", "group_episodes", "scoped"]
+__all__ = ["TrustGate", "group_episodes", "scoped"]
 
 log = logging.getLogger("stoa.trust")
 
 _REPORT_EVERY_S = 2.0
-
-
-@dataclass(frozen=True)
-class TrustConfig:
-    """Who may upload rollouts and how the trainer checks what they upload (``[trust]``; ``docs/trust.md``)."""
-
-    mode: Literal["open", "enrolled"] = "open"
-    """``open``: any worker key, bound to its worker id by its first accepted batch; ``enrolled``:
-    only keys enrolled in the run's signed roster (``stoa enroll``)."""
-    replay: bool = True
-    """Replay every episode through the trainer's own environment before training on it (tasks
-    that declare ``replayable``); a mismatch rejects the batch."""
-    audit: AuditConfig = AuditConfig()
-    """The log-prob audit and its spot-checks (``[trust.audit]``)."""
-    ban_after: int = 2
-    """Rejected batches from one key (replay, duplicate, invalid, ...) before it is banned; 0 = never."""
-    max_worker_share: float = 1.0
-    """Most of one optimizer step's groups that may come from one worker key (1.0 = no cap)."""
-    max_hashes: int = 16384
-    """Accepted batch and group hashes remembered to refuse copies (bounded memory, checkpointed;
-    a copy older than ``trainer.max_lag`` versions is dropped as stale anyway)."""
-    newcomers_per_poll: int = 4
-    """Batches reviewed per poll from keys with no accepted work yet, one per key, chosen at random
-    (the others wait, at most 64 per allowed batch); enrolled keys and keys with accepted work are
-    never held back."""
-    idle_expiry_hours: float = 24.0
-    """In an open run, a key bound by its work but with no accepted batch for this long loses its
-    binding when the roster is full and a newcomer's accepted work needs the room."""
-    reward_range: tuple[float, float] = (-1000.0, 1000.0)
-    """Rewards a worker may report; a batch with one outside is quarantined (workers are strangers)."""
-
-    def __post_init__(self) -> None:
-        if self.ban_after < 0:
-            raise ValueError("trust.ban_after must be >= 0")
-        if not 0 < self.max_worker_share <= 1:
-            raise ValueError("trust.max_worker_share must lie in (0, 1]")
-        if self.max_hashes < 1:
-            raise ValueError("trust.max_hashes must be >= 1")
-        if self.newcomers_per_poll < 1:
-            raise ValueError("trust.newcomers_per_poll must be >= 1")
-        if not self.idle_expiry_hours > 0:
-            raise ValueError("trust.idle_expiry_hours must be > 0")
-        lo, hi = self.reward_range
-        if not (math.isfinite(lo) and math.isfinite(hi) and lo <= hi and max(abs(lo), abs(hi)) < 1e30):
-            raise ValueError("trust.reward_range must be two finite numbers lo <= hi (|x| < 1e30)")
 
 
 def scoped(key_id: str, group_id: str) -> str:
@@ -127,9 +81,6 @@ class TrustGate:
             a task that is not replayable: no replay).
         float_scorer: the learner, for the audit's log pi (None or ``cfg.audit.enabled`` off: no audit).
         int8: the held int8 policies, for spot-checks (None: suspicion is logged, never confirmed).
-        assign: a batch's assigned work (:mod:`stoa.fleet.trust.assign`); given, a spot-check also
-            re-derives every sampled token from the assigned seed, and every batch has some of
-            its draws re-derived (the sampling check).
         roster_copy: a local folder (the trainer's run folder) keeping the newest roster seen, so a
             stale ``workers.json`` put back while the trainer is down cannot undo a ban or a
             binding: revisions never go back, across restarts too.
@@ -141,15 +92,13 @@ class TrustGate:
     def __init__(self, cfg: TrustConfig, store: ObjectStore, run: str, private_key: Any, *,
                  ledger: Ledger | None = None, replayer: Replayer | None = None,
                  float_scorer: FloatScorer | None = None, int8: Int8Scorer | None = None,
-                 assign: Callable[[Batch], Assignment] | None = None, roster_copy: Path | None = None,
-                 seed: int | None = None):
+                 roster_copy: Path | None = None, seed: int | None = None):
         self.cfg, self.store, self.run, self.key, self.ledger = cfg, store, run, private_key, ledger
-        self.assign = assign
         self.rng = np.random.default_rng(seed)  # None: fresh OS entropy
         self.records = Records(cfg.ban_after)
         self.members = Membership(cfg, store, run, private_key, self.records, self.rng, roster_copy)
         self.checks = Review(cfg.audit, cfg.replay, replayer=replayer, float_scorer=float_scorer, int8=int8,
-                             assign=assign, rng=self.rng)
+                             rng=self.rng)
         self.version = 0
         self.private = roster_copy  # the trainer's own folder: the operator's copy of the report goes there
         self._report_written = 0.0
@@ -176,9 +125,14 @@ class TrustGate:
         """Re-read the roster (``stoa enroll`` / ``stoa ban`` edit it live), keeping our own bans and bindings."""
         self._new_bans += self.members.refresh(force)
 
+    def admission(self) -> Admission:
+        """Who may upload as of now, for the reader to apply to each seal before decoding
+        (:meth:`Membership.admission`)."""
+        return self.members.admission()
+
     def admit(self, seal: BatchSeal) -> str | None:
-        """Why the seal's key may not upload as the seal's worker id, or None (:meth:`Membership.admit`)."""
-        return self.members.admit(seal)
+        """Why the seal's key may not upload as the seal's worker id, or None (:meth:`Admission.refusal`)."""
+        return self.members.admission().refusal(seal)
 
     def established(self, kid: str) -> bool:
         return self.members.established(kid)
@@ -233,6 +187,15 @@ class TrustGate:
         """Per key ``(withheld rate, flagged)`` (:meth:`Records.withholding`)."""
         return self.records.withholding(self.cfg.audit.worker_mads)
 
+    def unsaw(self, kid: str) -> None:
+        """A batch of ``kid`` counted by :meth:`saw` is dropped unread after all: its number is a gap again."""
+        self.records.unsee(kid)
+
+    def version_floor(self, kid: str, worker_id: str, seq: int, held: int) -> int:
+        """The lowest version ``kid``'s batch ``seq`` may claim, noting that this batch says its key
+        held ``held`` already (:meth:`Records.version_floor`; the intake's rule)."""
+        return self.records.version_floor(kid, worker_id, seq, held)
+
     def trained(self, batch: Batch, episodes: int) -> None:
         self.records.touch(batch.key_id, batch.worker_id).trained_episodes += episodes
 
@@ -241,12 +204,18 @@ class TrustGate:
         return max(1, math.floor(self.cfg.max_worker_share * groups_per_step + 1e-9))
 
     # -- review -----------------------------------------------------------------------------------
-    def review(self, batches: Sequence[Batch], trainer_version: int) -> list[Verdict | None]:
-        """For each batch, the :class:`Verdict` that rejects it, or None to admit it. The checks
-        are the review's (:mod:`stoa.fleet.trust.review`); the gate applies what they find (a
-        confirmed forgery bans its key) and binds an accepted batch's unbound key to its worker
-        id (open runs, :meth:`Membership.bind`), which also publishes its assignment salt."""
+    def review(self, batches: Sequence[Batch], trainer_version: int,
+               work: Sequence[Assignment | None] | None = None) -> list[Verdict | None]:
+        """For each batch, the :class:`~stoa.types.Verdict` that rejects it, or None to admit it.
+        ``work[i]`` is batch ``i``'s assigned work (:mod:`stoa.fleet.trust.assign`; the caller's
+        :meth:`stoa.fleet.intake.Intake.assigned`): given, its draws are re-derived from the
+        assigned seed (the sampling check, and with spot-checks) and an accepted probation batch
+        is counted as such; None, neither. The checks are the review's
+        (:mod:`stoa.fleet.trust.review`); the gate applies what they find (a confirmed forgery
+        bans its key) and binds an accepted batch's unbound key to its worker id (open runs,
+        :meth:`Membership.bind`), which also publishes its assignment salt."""
         self.version = trainer_version
+        work = list(work) if work is not None else [None] * len(batches)
         verdicts: list[Verdict | None] = [None] * len(batches)
         for i, b in enumerate(batches):
             self.records.touch(b.key_id, b.worker_id)
@@ -256,7 +225,7 @@ class TrustGate:
                 verdicts[i] = self.checks.replay(b)
         for i, b in enumerate(batches):
             if verdicts[i] is None:
-                verdict, spot_checked = self.checks.check(b, trainer_version)
+                verdict, spot_checked = self.checks.check(b, work[i], trainer_version)
                 rec = self.records.touch(b.key_id, b.worker_id)
                 rec.spot_checks += spot_checked
                 if verdict is not None and verdict.ban:
@@ -267,7 +236,7 @@ class TrustGate:
             if verdicts[i] is None and b.key_id and (why := self.members.bind(b)):
                 verdicts[i] = Verdict("refused", why)
             if verdicts[i] is None:
-                probation = bool(b.key_id) and self.assign is not None and self.assign(b).probation
+                probation = bool(b.key_id) and work[i] is not None and work[i].probation
                 self.records.accept(b.key_id, b.worker_id, len(b.episodes), probation)
                 self.members.publish_salt(b.key_id)  # the key has standing: its worker may now compute its work
         for k in self.records.forget_strangers(set(self.roster.enrolled)):

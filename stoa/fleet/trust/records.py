@@ -152,6 +152,23 @@ class Records(dict[str, WorkerRecord]):
             rec.batches_seen += 1
             rec.max_seq = max(rec.max_seq, seq)
 
+    def unsee(self, kid: str) -> None:
+        """A batch counted by :meth:`saw` was dropped unread after all: its number is a gap again."""
+        self[kid].batches_seen -= 1
+
+    def version_floor(self, kid: str, worker_id: str, seq: int, held: int) -> int:
+        """The lowest version ``kid``'s batch ``seq`` may claim: the most that any of its
+        lower-numbered batches said the key held. Notes that batch ``seq`` says the key held
+        ``held`` (kept for its 8 most recent numbers: the lowest folds into the next, a bound that
+        is weaker, never wrong)."""
+        rec = self.touch(kid, worker_id)
+        floor = max([v for s, v in rec.floors if s < seq], default=-1)
+        rec.floors = sorted([[s, v] for s, v in rec.floors if s != seq] + [[seq, held]])
+        while len(rec.floors) > 8:
+            (_, v0), nxt = rec.floors.pop(0), rec.floors[0]
+            nxt[1] = max(nxt[1], v0)
+        return floor
+
     def banned(self, kid: str) -> str:
         """Why ``kid`` is banned in the records ("" if it is not)."""
         rec = self.get(kid)

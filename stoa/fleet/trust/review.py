@@ -23,19 +23,18 @@ the re-score is a confirmed forgery: a verdict with ``ban=True``.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from stoa.fleet.trust.audit import AuditConfig, LogprobAudit, compare_logprobs, episode_stats, spot_check
+from stoa.fleet.trust.audit import LogprobAudit, compare_logprobs, episode_stats, spot_check
 from stoa.fleet.trust.replay import layout_digest
-from stoa.types import Category
+from stoa.fleet.trust.section import AuditConfig
+from stoa.types import Verdict
 
 if TYPE_CHECKING:
     from stoa.backends.sampling import Draws
@@ -49,16 +48,6 @@ __all__ = ["FloatScorer", "Int8Scorer", "Review", "Verdict", "distinct_rows", "s
 log = logging.getLogger("stoa.trust")
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """Why a batch is refused."""
-
-    category: Category
-    reason: str
-    ban: bool = False
-    """A confirmed forgery: the sending key is banned at once (with ``reason``)."""
-
-
 class FloatScorer(Protocol):
     """The trainer's float policy (a :class:`stoa.backends.learner.Learner` is one)."""
 
@@ -70,7 +59,7 @@ class FloatScorer(Protocol):
 
 
 class Int8Scorer(Protocol):
-    """The int8 policies workers sampled from (:class:`stoa.fleet.policies.HeldPolicies` is one)."""
+    """The int8 policies workers sampled from (:class:`stoa.fleet.trainer.policies.HeldPolicies` is one)."""
 
     def score(self, version: int, episodes: Sequence[Episode]) -> list[np.ndarray] | None:
         """Prefill log-probs of ``version``'s int8 policy, aligned with ``Episode.tokens()``; None
@@ -86,15 +75,6 @@ class Int8Scorer(Protocol):
                     drift: float = 0.0) -> list[Draws] | None:
         """``RolloutEngine.check_draws`` under ``version``'s int8 policy; None when not held."""
         ...
-
-
-def _takes(fn: Callable[..., Any], name: str) -> bool:
-    """Whether ``fn`` accepts keyword ``name``."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def distinct_rows(eps: Sequence[Episode]) -> tuple[list[Episode], list[int]]:
@@ -133,13 +113,15 @@ class Review:
     Args:
         cfg: ``[trust.audit]``.
         replay: whether ``[trust] replay`` is on.
-        replayer, float_scorer, int8, assign, rng: as :class:`~stoa.fleet.trust.gate.TrustGate` takes them.
+        replayer, float_scorer, int8, rng: as :class:`~stoa.fleet.trust.gate.TrustGate` takes them.
+
+    A check that needs the batch's assigned work (its seed) is handed it with the batch
+    (:meth:`check`); without one, the checks that re-derive draws are not made.
     """
 
     def __init__(self, cfg: AuditConfig, replay: bool, *, replayer: Replayer | None,
-                 float_scorer: FloatScorer | None, int8: Int8Scorer | None,
-                 assign: Callable[[Batch], Assignment] | None, rng: np.random.Generator):
-        self.cfg, self.rng, self.assign = cfg, rng, assign
+                 float_scorer: FloatScorer | None, int8: Int8Scorer | None, rng: np.random.Generator):
+        self.cfg, self.rng = cfg, rng
         self.audit = LogprobAudit(cfg)
         self.seconds = {"replay": 0.0, "audit": 0.0, "spot_check": 0.0, "sampling": 0.0, "episode_check": 0.0}
         self.counts = {"spot_checks": 0, "episodes_replayed": 0, "episodes_audited": 0, "sampled_tokens_checked": 0,
@@ -148,32 +130,31 @@ class Review:
             log.warning("the task is not replayable (TextEnv.replayable = False): episodes are audited only")
         self.replayer = replayer if replay and replayer is not None and replayer.replayable else None
         self.float_scorer = float_scorer if cfg.enabled else None
-        self._model_only = self.float_scorer is not None and _takes(self.float_scorer.logprobs, "model_only")
         self.int8 = int8 if cfg.enabled else None
 
     def replay(self, b: Batch) -> Verdict | None:
         """Replay's verdict on ``b`` (None also when replay is off)."""
         return None if self.replayer is None else _guarded(self._replay, b)
 
-    def check(self, b: Batch, trainer_version: int) -> tuple[Verdict | None, bool]:
-        """``(verdict, spot_checked)``: the audit and the sampling check of ``b``, and whether a
-        spot-check was made (whatever its outcome)."""
+    def check(self, b: Batch, work: Assignment | None, trainer_version: int) -> tuple[Verdict | None, bool]:
+        """``(verdict, spot_checked)``: the audit and the sampling check of ``b``, whose assigned
+        work is ``work`` (None: none known, so no draw is re-derived), and whether a spot-check
+        was made (whatever its outcome)."""
         verdict, spot = None, [False]
-        assigned = self.int8 is not None and self.assign is not None and bool(b.key_id)
-        if assigned and self.cfg.every_episode:
-            return _guarded(self._every, b), False
+        seed = work.seed if work is not None and self.int8 is not None and b.key_id else None
+        if seed is not None and self.cfg.every_episode:
+            return _guarded(self._every, b, seed), False
         if self.float_scorer is not None:
-            verdict = _guarded(self._audit, b, trainer_version, spot)
-        if verdict is None and assigned:
-            verdict = _guarded(self._draws, b)
+            verdict = _guarded(self._audit, b, seed, trainer_version, spot)
+        if verdict is None and seed is not None:
+            verdict = _guarded(self._draws, b, seed)
         return verdict, spot[0]
 
-    def _every(self, b: Batch) -> Verdict | None:
+    def _every(self, b: Batch, seed: int) -> Verdict | None:
         """Every episode: its sampled tokens re-derived from the assigned seed and its claimed
         log mu compared with the int8 re-score, from one forward pass per distinct row."""
         eps = list(b.episodes)
         t0 = time.perf_counter()
-        seed = self.assign(b).seed  # type: ignore[misc]
         drift = self.cfg.sampling_band / 2
         draws = self.int8.check_draws(b.version, eps, [seed] * len(eps), drift)  # type: ignore[union-attr]
         self.seconds["episode_check"] += time.perf_counter() - t0
@@ -184,7 +165,7 @@ class Review:
         lps = compare_logprobs(eps, [(d.at, d.logprobs) for d in draws], self.cfg)
         if lps.confirmed:
             return Verdict("audit", f"log-prob check: {lps.detail}", ban=True)
-        why = self._sampling(b, eps, [d.margins for d in draws])
+        why = self._sampling(b, eps, seed, [d.margins for d in draws])
         return None if why is None else Verdict("sampling", why, ban=True)
 
     def _replay(self, b: Batch) -> Verdict | None:
@@ -199,7 +180,7 @@ class Review:
         return Verdict("replay", f"replay: {len(bad)} of {len(b.episodes)} episodes do not match the environment; "
                                  f"episode {i} (group {ep.group_id[:48]!r}, item {ep.item_index}): {why}")
 
-    def _audit(self, b: Batch, trainer_version: int, spot: list[bool]) -> Verdict | None:
+    def _audit(self, b: Batch, seed: int | None, trainer_version: int, spot: list[bool]) -> Verdict | None:
         eps = b.episodes
         n = max(1, math.ceil(self.cfg.fraction * len(eps)))
         pick = sorted(self.rng.choice(len(eps), size=min(n, len(eps)), replace=False).tolist())
@@ -214,7 +195,7 @@ class Review:
         verdict = None
         if suspicious or why_worker or self.rng.random() < self.cfg.random_spot_check:
             reason = suspicious[0][1] if suspicious else why_worker or "random spot-check"
-            verdict = self._spot_check(b, [i for i, _ in suspicious], reason, spot)
+            verdict = self._spot_check(b, seed, [i for i, _ in suspicious], reason, spot)
         if verdict is None:  # what passed (a spot-check, if any) shapes the worker's statistics and the fleet's range
             for st in stats:
                 self.audit.observe(b.key_id, staleness, st)
@@ -225,11 +206,11 @@ class Review:
         temperature (a converged policy repeats itself) share one scored row; each keeps its own
         claims, which the audit compares one episode at a time."""
         distinct, of = distinct_rows(eps)
-        kw = {"model_only": True} if self._model_only else {}  # a scorer without it scores every token
-        lps = self.float_scorer.logprobs(distinct, temperature=None, **kw)  # type: ignore[union-attr]
+        lps = self.float_scorer.logprobs(distinct, temperature=None, model_only=True)  # type: ignore[union-attr]
         return [lps[j] for j in of]
 
-    def _spot_check(self, b: Batch, first: list[int], reason: str, spot: list[bool]) -> Verdict | None:
+    def _spot_check(self, b: Batch, seed: int | None, first: list[int], reason: str,
+                    spot: list[bool]) -> Verdict | None:
         """Re-score some episodes with the int8 policy of the claimed version: their log-probs
         token by token, and (when the batch's work was assigned) every token against the draw the
         sampling rule makes from the assigned seed. A confirmed mismatch bans the key."""
@@ -244,7 +225,7 @@ class Review:
             return Verdict("unverifiable", f"{reason}; the spot-check cannot be made: version {b.version}'s int8 "
                                            "weights are neither held nor rebuildable from the weight chain")
         result = spot_check(lambda _: scored, eps, self.audit.config)
-        drawn = None if result.confirmed or self.assign is None else self._sampling(b, eps)
+        drawn = None if result.confirmed or seed is None else self._sampling(b, eps, seed)
         self.seconds["spot_check"] += time.perf_counter() - t0
         self.counts["spot_checks"] += 1
         spot[0] = True
@@ -254,28 +235,28 @@ class Review:
         why = f"log-prob audit: {reason}; spot-check: {result.detail if result.confirmed else drawn}"
         return Verdict("audit" if result.confirmed else "sampling", why, ban=True)
 
-    def _draws(self, b: Batch) -> Verdict | None:
+    def _draws(self, b: Batch, seed: int) -> Verdict | None:
         """Every batch: ``audit.sampling_episodes`` random episodes, and every episode whose tokens
         repeat another's in the batch (a variant copy, or an honest near-deterministic sample),
         re-derived from the assigned seed; a token the rule did not draw bans the key."""
         pick = sampling_pick(b.episodes, self.rng, self.cfg.sampling_episodes)
         t0 = time.perf_counter()
-        eps, seed = [b.episodes[i] for i in pick], self.assign(b).seed  # type: ignore[misc]
+        eps = [b.episodes[i] for i in pick]
         drift = self.cfg.sampling_band / 2
         margins = self.int8.sampling_margins(b.version, eps, [seed] * len(eps), drift)  # type: ignore[union-attr]
         if margins is None:  # never accepted unchecked
             return Verdict("unverifiable", f"the sampling check cannot be made: version {b.version}'s int8 weights "
                                            "are neither held nor rebuildable from the weight chain")
-        why = self._sampling(b, eps, margins)
+        why = self._sampling(b, eps, seed, margins)
         self.seconds["sampling"] += time.perf_counter() - t0
         return None if why is None else Verdict("sampling", why, ban=True)
 
-    def _sampling(self, b: Batch, eps: list[Episode], margins: list[np.ndarray] | None = None) -> str | None:
+    def _sampling(self, b: Batch, eps: list[Episode], seed: int,
+                  margins: list[np.ndarray] | None = None) -> str | None:
         """Why some of ``eps``' tokens are not the ones the sampling rule draws from the batch's
         assigned seed under the claimed version's int8 weights (``margins``, computed here when
         not given), or None."""
         if margins is None:
-            seed = self.assign(b).seed  # type: ignore[misc]
             margins = self.int8.sampling_margins(b.version, eps, [seed] * len(eps),  # type: ignore[union-attr]
                                                  self.cfg.sampling_band / 2)
             if margins is None:  # only after the log-prob re-score of the same version succeeded

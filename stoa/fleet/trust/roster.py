@@ -22,12 +22,15 @@ import json
 import logging
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from stoa.fleet.trust.section import TrustConfig
 from stoa.transport.identity import (
     Ban,
     BatchSeal,
@@ -41,19 +44,63 @@ from stoa.transport.identity import (
 )
 from stoa.transport.signing import SignatureError
 from stoa.transport.store import LocalStore, ObjectStore, StoreError
+from stoa.types import Verdict
 
 if TYPE_CHECKING:
-    from stoa.fleet.trust.gate import TrustConfig
-    from stoa.fleet.trust.records import Records
+    from stoa.fleet.trust.records import Records, WorkerRecord
     from stoa.transport.exchange import Batch
 
-__all__ = ["Membership"]
+__all__ = ["Admission", "Membership"]
 
 log = logging.getLogger("stoa.trust")
 
 _ROSTER_REFRESH_S = 2.0
 _KEY_ID = re.compile(r"[0-9a-f]{16}")
 _BANS_REREAD_S = 60.0  # the store's ban documents are listed again at least this often (bans by hand)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Who may upload, as the roster stands when a poll starts: the value the trainer's reader
+    applies to each object's seal before decoding it (``RolloutReader.poll(admission=...)``).
+    Built by :meth:`Membership.admission` over read-only views of the roster and the bans; the
+    reader calls nothing else of the trust room's, and nothing changes them during a poll.
+    """
+
+    mode: Literal["open", "enrolled"]
+    roster: Roster
+    bans: Mapping[str, str]
+    """Key id -> why it is banned (every ban made, logged or read)."""
+    records: Mapping[str, WorkerRecord]
+    """The gate's records (a key banned in its record is refused too)."""
+
+    def screen(self, seal: BatchSeal | None) -> Verdict | None:
+        """The refusal of an object before it is decoded (``unsigned``: no seal; ``refused``: a
+        key the roster refuses, :meth:`refusal`), or None to read it."""
+        if seal is None:
+            return Verdict("unsigned", "unsigned batch: this run takes only batches sealed with a worker key")
+        why = self.refusal(seal)
+        return None if why is None else Verdict("refused", why)
+
+    def refusal(self, seal: BatchSeal) -> str | None:
+        """Why the seal's key may not upload as the seal's worker id, or None."""
+        kid, wid = seal.key_id, seal.worker_id
+        rec = self.records.get(kid)
+        why = self.bans.get(kid) or (rec.banned if rec is not None else "")
+        if why:
+            return f"key {kid} is banned: {why[:200]}"
+        entry = self.roster.enrolled.get(kid)
+        if entry is not None:
+            if entry.worker_id != wid:
+                return (f"key {kid} is bound to worker id {entry.worker_id!r} in this run, not {wid!r}: restart "
+                        f"the worker with --id {entry.worker_id} (or without --id)")
+            return None
+        bound = self.roster.key_for(wid)
+        if bound is not None:
+            return f"worker id {wid!r} belongs to key {bound}; this batch is signed by key {kid} (impersonation)"
+        if self.mode == "enrolled":
+            return f"key {kid} is not enrolled in this run (stoa enroll); mode is 'enrolled'"
+        return None  # open run: reviewed; bound to ``wid`` only if accepted (:meth:`Membership.bind`)
 
 
 class Membership:
@@ -226,24 +273,9 @@ class Membership:
         except (StoreError, ValueError) as e:
             log.warning("could not publish the assignment salt of key %s (%s); will retry", kid, e)
 
-    def admit(self, seal: BatchSeal) -> str | None:
-        """Why the seal's key may not upload as the seal's worker id, or None."""
-        kid, wid = seal.key_id, seal.worker_id
-        why = self.bans.get(kid) or self.records.banned(kid)
-        if why:
-            return f"key {kid} is banned: {why[:200]}"
-        entry = self.roster.enrolled.get(kid)
-        if entry is not None:
-            if entry.worker_id != wid:
-                return (f"key {kid} is bound to worker id {entry.worker_id!r} in this run, not {wid!r}: restart "
-                        f"the worker with --id {entry.worker_id} (or without --id)")
-            return None
-        bound = self.roster.key_for(wid)
-        if bound is not None:
-            return f"worker id {wid!r} belongs to key {bound}; this batch is signed by key {kid} (impersonation)"
-        if self.cfg.mode == "enrolled":
-            return f"key {kid} is not enrolled in this run (stoa enroll); mode is 'enrolled'"
-        return None  # open run: reviewed; bound to ``wid`` only if accepted (:meth:`bind`)
+    def admission(self) -> Admission:
+        """Who may upload as of now (:class:`Admission`), over read-only views of this state."""
+        return Admission(self.cfg.mode, self.roster, MappingProxyType(self.bans), MappingProxyType(self.records))
 
     def is_banned(self, kid: str) -> bool:
         return bool(kid) and (kid in self.bans or bool(self.records.banned(kid)))

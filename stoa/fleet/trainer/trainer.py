@@ -21,7 +21,7 @@ continues it (a second SIGINT stops at once).
 Versions are publication counters: version v is the policy after v weight updates *as
 published*. After a crash the trainer resumes from its newest checkpoint and publishes the next
 version above the checkpoint's, the store's head and the newest version its run folder recorded
-as published (:mod:`stoa.fleet.publishing`: the store is not trusted, so a deleted or rolled-back
+as published (:mod:`stoa.fleet.trainer.publishing`: the store is not trusted, so a deleted or rolled-back
 pointer never makes a label repeat), and re-delivers exactly the batches
 its checkpoint had not trained on (``RolloutReader.state(pending=...)``): no episode is lost or
 counted twice. ``<run_dir>/ledger.jsonl`` records the fate of every group (trained at which step,
@@ -29,7 +29,7 @@ or dropped and why) and a marker per checkpoint; on resume it is cut back to the
 marker, so it always describes exactly the training the current weights contain.
 
 Under ``torchrun`` (several ranks, Megatron learner) this loop runs on rank 0 alone and its
-learner calls are mirrored to the other ranks (:mod:`stoa.fleet.distributed`).
+learner calls are mirrored to the other ranks (:mod:`stoa.fleet.trainer.distributed`).
 """
 
 from __future__ import annotations
@@ -43,98 +43,37 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from stoa.errors import ExpectedFailure
+from stoa.fleet.config import RunConfig
 from stoa.fleet.intake import Intake, Taken
 from stoa.fleet.metrics import MetricsSink
 from stoa.fleet.parity import check_floor, check_trainer
-from stoa.fleet.policies import HeldPolicies
-from stoa.fleet.publishing import PublishedRecord, next_version, publish_once
 from stoa.fleet.run import publish_run, read_heartbeats
-from stoa.fleet.sections import check
 from stoa.fleet.task import import_env_module
-from stoa.fleet.trust import Ledger, episode_metric_means
+from stoa.fleet.trainer.policies import HeldPolicies
+from stoa.fleet.trainer.publishing import PublishedRecord, next_version, publish_once
+from stoa.fleet.trust.admission import episode_metric_means
+from stoa.fleet.trust.ledger import Ledger
 from stoa.transport import layout
 from stoa.transport.chain import PublishResult, WeightPublisher
 from stoa.transport.exchange import mark_finished
 from stoa.transport.signing import SignatureError, read_signed, sign_document
 from stoa.transport.store import ObjectStore
-from stoa.models.tiny import TinyConfig
 from stoa.types import Episode
 
 if TYPE_CHECKING:
-    from stoa.fleet.config import RunConfig
+    from stoa.fleet.trainer.distributed import Ranks
 
-__all__ = ["EvalConfig", "ModelConfig", "StartRefused", "Trainer", "TrainerConfig", "eval_metrics", "prepare_model"]
+__all__ = ["StartRefused", "Trainer", "eval_metrics", "prepare_model", "successes"]
 
 log = logging.getLogger("stoa.trainer")
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """Which weights the run starts from (``[model]``; :func:`prepare_model` reads it)."""
-
-    path: str = ""
-    """A local Hugging Face folder (config.json + safetensors + tokenizer). Empty: build a tiny model
-    whose tokenizer is trained on the task's ``tokenizer_texts()``."""
-    tiny: TinyConfig = TinyConfig()
-    """Shape of the tiny model (used when ``path`` is empty); its ``seed`` is the run's seed."""
-
-
-@dataclass(frozen=True)
-class TrainerConfig:
-    """How the trainer turns episodes into optimizer steps (``[trainer]``)."""
-
-    steps: int = 100
-    """Optimizer steps of RL (each publishes one weight version)."""
-    groups_per_step: int = 16
-    """Prompt groups per optimizer step."""
-    max_lag: int = 3
-    """Staleness gate: episodes more than this many versions behind are dropped (and counted)."""
-    advantage: Literal["grpo", "drgrpo", "rloo"] = "drgrpo"
-    """Group advantage estimator (``stoa.algos.advantages``)."""
-    skip_zero_variance_groups: bool = True
-    """Leave out groups whose rewards are all equal (they carry no signal)."""
-    checkpoint_every: int = 25
-    """Save a full training checkpoint every this many steps (and at the end)."""
-    threads: int = 0
-    """torch CPU threads (0: leave torch's default)."""
-    poll_seconds: float = 0.2
-    """How often the trainer lists new rollouts while waiting."""
-    mismatch_every: int = 0
-    """Every this many steps, split the behaviour/trainer mismatch into its int8 and staleness parts
-    (``stoa.fleet.mismatch``: one extra int8 prefill and one float scoring pass); 0 = never."""
-    int8_scorer: Literal["auto", "engine", "torch"] = "auto"
-    """What re-scores episodes under a version's int8 weights (spot-checks, sampling checks, the
-    mismatch split): ``engine`` (the rollout engine, on the host), ``torch`` (the int8 state
-    dequantized into a torch model on the learner's device), ``auto`` (torch when the learner
-    runs on CUDA, else the engine). Evaluation always runs on the engine."""
-
-    def __post_init__(self) -> None:
-        check(self.steps >= 0 and self.groups_per_step >= 1, "trainer.steps >= 0 and groups_per_step >= 1")
-        check(self.mismatch_every >= 0, "trainer.mismatch_every must be >= 0")
-        check(self.max_lag >= 0, "trainer.max_lag must be >= 0")
-        check(self.checkpoint_every >= 1 and self.threads >= 0, "trainer.checkpoint_every >= 1, threads >= 0")
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    """Held-out evaluation with the int8 policy the workers run (``[eval]``)."""
-
-    every: int = 25
-    """Evaluate every this many versions (and at the first and last)."""
-    num_questions: int = 200
-    """Held-out questions per evaluation."""
-    samples: int = 4
-    """Samples per question (pass@1 is their mean; pass@k uses all of them)."""
-
-    def __post_init__(self) -> None:
-        check(self.every >= 1 and self.num_questions >= 1 and self.samples >= 1, "eval.every/num_questions/samples >= 1")
-
-
-class StartRefused(RuntimeError):
+class StartRefused(ExpectedFailure, RuntimeError):
     """This start would clobber a live run (weights already published, or published under
     another key); nothing was written to the store."""
 
@@ -209,12 +148,12 @@ class Trainer:
         private_key: the run's ed25519 signing key.
         resume: continue from the newest checkpoint in ``run_dir`` (if any).
         on_row: called with every metrics row (for a live view).
-        ranks: under torchrun, rank 0's :class:`stoa.fleet.distributed.Ranks` (the learner's
+        ranks: under torchrun, rank 0's :class:`stoa.fleet.trainer.distributed.Ranks` (the learner's
             calls are mirrored to the other ranks); None in a single process.
     """
 
     def __init__(self, cfg: RunConfig, store: ObjectStore, run_dir: Path, private_key: Any, resume: bool = False,
-                 on_row: Callable[[dict], None] | None = None, ranks: Any = None):
+                 on_row: Callable[[dict], None] | None = None, ranks: Ranks | None = None):
         self.cfg, self.store, self.run_dir = cfg, store, Path(run_dir)
         self.ranks = ranks
         self.run_name = cfg.name
@@ -266,7 +205,7 @@ class Trainer:
 
         cfg = self.cfg
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and self.ranks is None:
-            raise RuntimeError("under torchrun the trainer runs through stoa.fleet.distributed.run_ranks "
+            raise RuntimeError("under torchrun the trainer runs through stoa.fleet.trainer.distributed.run_ranks "
                                "(as `stoa trainer` does), which makes every rank follow rank 0")
         import_env_module(cfg.env)
         task = self._make_env(cfg.env.train_split).unwrapped
@@ -323,7 +262,7 @@ class Trainer:
 
     def _start(self) -> None:
         """A fresh run: the warm start (if any), then the first version published."""
-        from stoa.fleet.warmstart import warm_start
+        from stoa.fleet.trainer.warmstart import warm_start
 
         self.ledger.cut(None)  # nothing of an earlier attempt survives without a checkpoint
         if self.cfg.warmstart.steps or self.cfg.warmstart.practice_steps:
@@ -338,7 +277,7 @@ class Trainer:
 
     def _publish(self, **metadata: Any) -> PublishResult:
         """Quantize the learner's weights to int8, publish them as ``self.version``, hold them for
-        spot-checks (:func:`stoa.fleet.publishing.publish_once`: a label is used once)."""
+        spot-checks (:func:`stoa.fleet.trainer.publishing.publish_once`: a label is used once)."""
         from stoa.transport.quant import quantize_state
 
         t0 = time.perf_counter()
@@ -366,7 +305,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Held-out pass@1 / pass@k / task metrics of the current int8 state (what workers run)."""
-        from stoa.backends.engine import RolloutRequest, SamplingConfig
+        from stoa.backends.engine import RolloutRequest
 
         cfg, ev = self.cfg, self.cfg.eval
         t0 = time.time()
@@ -374,10 +313,7 @@ class Trainer:
         make_env = lambda: self._make_env(cfg.env.eval_split)
         n = min(ev.num_questions, len(make_env().unwrapped))
         requests = [RolloutRequest(i, f"eval-{i}", ev.samples) for i in range(n)]
-        sampling = SamplingConfig(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                  max_turn_tokens=cfg.rollout.max_turn_tokens,
-                                  max_episode_tokens=cfg.rollout.max_episode_tokens, seed=cfg.seed + 7919)
-        episodes = engine.rollout(make_env, requests, sampling)
+        episodes = engine.rollout(make_env, requests, cfg.rollout.sampling(cfg.seed + 7919))
         m = eval_metrics(episodes, ev.samples, self.success_metric, self.metric_types)
         m["eval/seconds"] = time.time() - t0
         if (floor := self.intake.calibrate(episodes)) is not None:  # the audit's int8-versus-float floor
@@ -472,9 +408,9 @@ class Trainer:
         self.counters.groups_trained += len(taken.groups)
 
     def _mismatch(self, episodes: list[Episode]) -> dict[str, float]:
-        """The int8 and staleness parts of the behaviour/trainer gap (``stoa.fleet.mismatch``):
+        """The int8 and staleness parts of the behaviour/trainer gap (``stoa.fleet.trainer.mismatch``):
         score the step's episodes with the float learner and with the int8 policy of this version."""
-        from stoa.fleet.mismatch import decompose
+        from stoa.fleet.trainer.mismatch import decompose
 
         int8 = self.policies.score(self.version, episodes)
         if int8 is None:  # the current version is always held; a lost one leaves the split out

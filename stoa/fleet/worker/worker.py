@@ -3,7 +3,7 @@
 :meth:`Worker.run` (``stoa worker --invite FILE``, or ``--store URL --run NAME --public-key KEY``)::
 
     fetch and verify the run (signed config + model files); import the code of its task
-    join the weights (stoa.fleet.follower.LiveWeights): those the last session kept in the cache,
+    join the weights (stoa.fleet.worker.follower.LiveWeights): those the last session kept in the cache,
         caught up by deltas, else the newest anchor + deltas (waiting for the first publish)
     start the int8 engine on them (checked against the run's model, wrapped by wrap_engine)
     until the run is finished, the worker is banned, a limit is reached or the user stops it:
@@ -56,14 +56,16 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from stoa.fleet.follower import LayoutChanged, LiveWeights
+from stoa.fleet.config import RunConfig
 from stoa.fleet.parity import join_check
 from stoa.fleet.run import Heartbeat, fetch_run, write_heartbeat
-from stoa.fleet.sections import check
 from stoa.fleet.task import EnvConfig, import_env_module
 from stoa.fleet.trust.assign import assignment
+from stoa.fleet.worker.follower import LayoutChanged, LiveWeights
+from stoa.fleet.worker.invite import check_worker_id
+from stoa.fleet.worker.section import RolloutConfig
 from stoa.transport.chain import SYNC_ERRORS, PointerError, SyncResult
 from stoa.transport.exchange import RolloutWriter, SequenceTaken, is_finished, read_progress
 from stoa.transport.identity import load_or_create_worker_key, read_ban, read_roster, read_salt
@@ -75,8 +77,8 @@ if TYPE_CHECKING:
     from stoa.backends.engine import RolloutEngine, RolloutRequest, SamplingConfig
     from stoa.types import Episode
 
-__all__ = ["EXIT_BANNED", "EXIT_CONFIG", "EXIT_NO_RUN", "EXIT_OK", "EXIT_UNREACHABLE", "Cohort", "RolloutConfig", "Worker",
-           "WorkerExit", "find_runs"]
+__all__ = ["EXIT_BANNED", "EXIT_CONFIG", "EXIT_NO_RUN", "EXIT_OK", "EXIT_UNREACHABLE", "CohortPlan", "Worker", "WorkerExit",
+           "find_runs"]
 
 log = logging.getLogger("stoa.worker")
 
@@ -95,60 +97,6 @@ WrapEngine = Callable[["RolloutEngine", "Worker"], "RolloutEngine"]
 """``wrap_engine(engine, worker) -> engine``: see :class:`Worker`."""
 
 
-@dataclass(frozen=True)
-class RolloutConfig:
-    """How workers generate (``[rollout]``)."""
-
-    group_size: int = 8
-    """Samples per prompt (G); advantages are computed within a group."""
-    groups_per_cohort: int = 8
-    """Prompts per generation cohort (one upload); a cohort never spans a weight swap."""
-    cohorts_per_version: int = 0
-    """Cohorts a worker generates with one weight version before waiting for a newer one (0 = no limit)."""
-    max_outstanding: int = 2
-    """Batches a worker may have uploaded that the trainer has not taken yet; beyond that it waits
-    (backpressure: bounds staleness and wasted work; 0 = no limit)."""
-    temperature: float = 1.0
-    """Sampling temperature; behaviour log-probs are recorded under it."""
-    top_p: float = 1.0
-    """Nucleus sampling mass (1.0 = off, the default for training)."""
-    max_turn_tokens: int = 32
-    """Most tokens in one model turn."""
-    max_episode_tokens: int = 1024
-    """Most tokens in one episode (prompt included)."""
-    max_batch: int = 128
-    """Episodes in flight at once in the engine."""
-    engine: str = "mlx"
-    """Rollout engine backend (``stoa.backends.engine.BACKENDS``)."""
-    engine_mode: Literal["auto", "quantized", "dequantized"] = "auto"
-    """Engine compute mode (for MLX, see ``stoa.backends.mlx``)."""
-    poll_seconds: float = 0.5
-    """How often an idle worker checks the version pointer."""
-    lag: int = 0
-    """Forced staleness for studies: workers generate with the version ``lag`` behind the head
-    (reached through the same verified chain); 0 = the newest version, as a fleet normally runs."""
-
-    def __post_init__(self) -> None:
-        check(self.group_size >= 2, "rollout.group_size must be >= 2 (group advantages need a group)")
-        check(self.groups_per_cohort >= 1, "rollout.groups_per_cohort must be >= 1")
-        check(self.cohorts_per_version >= 0 and self.max_outstanding >= 0,
-               "rollout.cohorts_per_version and max_outstanding must be >= 0 (0 = no limit)")
-        check(self.temperature > 0 and 0 < self.top_p <= 1, "rollout.temperature > 0 and 0 < top_p <= 1")
-        check(0 < self.max_turn_tokens <= self.max_episode_tokens, "0 < rollout.max_turn_tokens <= max_episode_tokens")
-        check(self.max_batch >= 1 and self.poll_seconds > 0, "rollout.max_batch >= 1 and poll_seconds > 0")
-        check(self.lag >= 0, "rollout.lag must be >= 0")
-        from stoa.backends.engine import BACKENDS
-
-        check(self.engine in BACKENDS, f"rollout.engine {self.engine!r} is not one of {sorted(BACKENDS)}")
-
-    def sampling(self, seed: int) -> SamplingConfig:
-        """How a cohort samples: these settings and the seed its work was assigned."""
-        from stoa.backends.engine import SamplingConfig
-
-        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, max_turn_tokens=self.max_turn_tokens,
-                              max_episode_tokens=self.max_episode_tokens, seed=seed)
-
-
 class WorkerExit(Exception):
     """Ends :meth:`Worker.run` with ``code`` and a one-line ``message`` for the user."""
 
@@ -158,7 +106,7 @@ class WorkerExit(Exception):
 
 
 @dataclass(frozen=True)
-class Cohort:
+class CohortPlan:
     """The work one sequence number owes (:mod:`stoa.fleet.trust.assign`), ready for the engine."""
 
     seq: int
@@ -221,11 +169,9 @@ class Worker:
                  max_batches: int | None = None, wait_seconds: float = 600.0, private_key: Any = None,
                  max_seconds: float | None = None, progress_every: float = 30.0, keep_weights: bool = True,
                  wrap_engine: WrapEngine | None = None):
-        from stoa.fleet.invite import check_worker_id  # before anything is written under a path it names
-
         self.store, self.run_name = store, run
         self.public_key = load_public_key(public_key)
-        self.worker_id, self.cache_dir = check_worker_id(worker_id), Path(cache_dir)
+        self.worker_id, self.cache_dir = check_worker_id(worker_id), Path(cache_dir)  # before a path names it
         self.private_key = load_or_create_worker_key(self.cache_dir / "worker.key") if private_key is None else private_key
         if isinstance(self.private_key, (str, os.PathLike)):
             self.private_key = load_or_create_worker_key(self.private_key)
@@ -424,7 +370,7 @@ class Worker:
             log.info("%s", self.progress_line())
 
     # -- joining ----------------------------------------------------------------------------------
-    def _fetch_run(self) -> tuple[Any, Path] | None:
+    def _fetch_run(self) -> tuple[RunConfig, Path] | None:
         """The verified run config and model folder, waiting for them within ``wait_seconds``."""
         t0, reached, last_note = time.time(), False, 0.0
         while not self._stop:
@@ -460,7 +406,7 @@ class Worker:
                 self._backoff("reading the run config", e)
         return None
 
-    def _import_env(self, cfg: Any, model_dir: Path) -> None:
+    def _import_env(self, cfg: RunConfig, model_dir: Path) -> None:
         """Import what registers the run's task (``env.module``, the package it names)."""
         log.info("run %s: env %s%s, kwargs %s; model files verified in %s", self.run_name, cfg.env.id,
                  f" (imports module {cfg.env.module!r})" if cfg.env.module else "",
@@ -498,7 +444,7 @@ class Worker:
                 self._backoff("joining the weight chain", e)
         return None
 
-    def _start_engine(self, model_dir: Path, first: SyncResult, rc: Any) -> RolloutEngine:
+    def _start_engine(self, model_dir: Path, first: SyncResult, rc: RolloutConfig) -> RolloutEngine:
         """The int8 engine on the joined weights, checked against the run's model (this machine's
         framework may read its config otherwise), wrapped by ``wrap_engine``; the weights are
         followed into it from now on."""
@@ -524,7 +470,7 @@ class Worker:
         return make_env, len(make_env().unwrapped)
 
     # -- between cohorts --------------------------------------------------------------------------
-    def _ready(self, rc: Any) -> bool:
+    def _ready(self, rc: RolloutConfig) -> bool:
         """Between cohorts: whether to make one now. No (after a wait) when the run finished, this
         version got ``rollout.cohorts_per_version`` cohorts from us, or ``rollout.max_outstanding``
         of our batches wait for the trainer. On the way: the roster's word (every 10 s), the
@@ -609,7 +555,7 @@ class Worker:
         return None
 
     # -- one cohort -------------------------------------------------------------------------------
-    def _cohort(self, run_seed: int, rc: Any, n_items: int) -> Cohort:
+    def _cohort(self, run_seed: int, rc: RolloutConfig, n_items: int) -> CohortPlan:
         """The work of our next sequence number (:mod:`stoa.fleet.trust.assign`): its items, group
         ids and sampling seed follow from the run's seed, our key and the number."""
         from stoa.backends.engine import RolloutRequest
@@ -617,7 +563,7 @@ class Worker:
         assert self.writer is not None
         seq = self.writer.next_seq
         work = assignment(run_seed, self.writer.key_id, seq, n_items, rc.groups_per_cohort, self._read_salt())
-        return Cohort(seq, [RolloutRequest(i, g, rc.group_size) for i, g in zip(work.items, work.group_ids)],
+        return CohortPlan(seq, [RolloutRequest(i, g, rc.group_size) for i, g in zip(work.items, work.group_ids)],
                       rc.sampling(work.seed))
 
     def _read_salt(self) -> str | None:
@@ -631,14 +577,14 @@ class Worker:
                 log.warning("this key's assignment salt does not read (%s); making probation work", e)
         return self._salt
 
-    def _generate(self, make_env: Callable[[], Any], cohort: Cohort) -> tuple[list[Episode], float]:
+    def _generate(self, make_env: Callable[[], Any], cohort: CohortPlan) -> tuple[list[Episode], float]:
         """The cohort's episodes (one weight version for all) and the seconds they took."""
         assert self.engine is not None
         t0 = time.time()
         episodes = self.engine.rollout(make_env, cohort.requests, cohort.sampling)
         return episodes, max(time.time() - t0, 1e-9)
 
-    def _deliver(self, cohort: Cohort, episodes: list[Episode], seconds: float) -> None:
+    def _deliver(self, cohort: CohortPlan, episodes: list[Episode], seconds: float) -> None:
         """Upload a cohort made with weights that passed their check. One made with weights that
         failed it is dropped (the weights are repaired first) and its number stays ours: its work
         is made again."""

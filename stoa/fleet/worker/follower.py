@@ -20,7 +20,7 @@ many of them on emulated links (``stoa.testing.links``) beside real workers: 14 
 two cores where 14 MLX workers would not.
 
 Use it in-process (``Follower(...).run(stop=event)`` in a thread), as a subprocess
-(``python -m stoa.fleet.follower --store URL --run RUN --public-key KEY --out records.jsonl``),
+(``python -m stoa.fleet.worker.follower --store URL --run RUN --public-key KEY --out records.jsonl``),
 or as ``stoa worker --follow-only``.
 """
 

@@ -12,8 +12,8 @@ rebuilt from the weight chain in the store, verified like a worker's sync, when 
 Scoring (:meth:`HeldPolicies.score`, :meth:`HeldPolicies.check_draws`: the check of every episode,
 spot-checks, sampling checks, the mismatch split) runs on the rollout engine or, with ``trainer.int8_scorer = "torch"``
 (the default on a CUDA learner, and on a CPU learner for a model whose float32 copy fits in
-:data:`SMALL_CPU_SCORER_BYTES`), on :class:`stoa.backends.torch.int8.TorchInt8Scorer` on the
-learner's device: the same dequantized weights, and agreement with the engine measured in
+:data:`SMALL_CPU_SCORER_BYTES`), on the int8 scorer of that name (:mod:`stoa.backends.scorer`; torch's
+dequantizes the state into a torch model) on the learner's device: the same dequantized weights, and agreement with the engine measured in
 docs/scale.md. Evaluation generates, so it always runs on the engine.
 """
 
@@ -26,11 +26,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from stoa.backends.scorer import SCORERS, Int8StateScorer, make_scorer, scorer_device
+from stoa.fleet.worker.section import RolloutConfig
+
 if TYPE_CHECKING:
     from stoa.backends.engine import RolloutEngine, TextCodec
     from stoa.backends.sampling import Draws
-    from stoa.backends.torch.int8 import TorchInt8Scorer
-    from stoa.fleet.config import RolloutConfig
     from stoa.transport.chain import WeightSubscriber
     from stoa.types import Episode
 
@@ -60,8 +61,9 @@ class HeldPolicies:
         rollout: the run's ``[rollout]`` (engine backend, mode, batch).
         max_lag: versions behind the newest that a worker may still claim (``trainer.max_lag``).
         chain: the run's weight chain, to rebuild a claimable version that is not held (None: never).
-        scorer: what scores (``trainer.int8_scorer``): ``"engine"``, ``"torch"``, or ``"auto"``
-            (torch when ``device`` resolves to CUDA or the model is small, else the engine).
+        scorer: what scores (``trainer.int8_scorer``): ``"engine"``, a scorer of
+            :data:`stoa.backends.scorer.SCORERS` (``"torch"``), or ``"auto"`` (torch when
+            ``device`` resolves to CUDA or the model is small, else the engine).
         device: the learner's ``device`` setting; the torch scorer runs there.
         dtype: the torch scorer's compute dtype (the state's, ``pulse.dtype``).
     """
@@ -69,28 +71,26 @@ class HeldPolicies:
     def __init__(self, model_dir: Path, rollout: RolloutConfig, max_lag: int, directory: Path,
                  chain: WeightSubscriber | None = None, scorer: str = "engine", device: str = "cpu",
                  dtype: str = "float32"):
-        from stoa.fleet.heldstates import HeldStates
+        from stoa.fleet.trainer.heldstates import HeldStates
 
-        if scorer not in ("auto", "engine", "torch"):
-            raise ValueError(f"scorer={scorer!r} must be auto, engine or torch")
+        if scorer not in ("auto", "engine", *SCORERS):
+            raise ValueError(f"scorer={scorer!r} must be auto, engine or {' or '.join(sorted(SCORERS))}")
         self.model_dir, self.rollout, self.max_lag, self.chain = Path(model_dir), rollout, max_lag, chain
         self._states = HeldStates(directory, keep=max_lag + 1)
         self._engine: RolloutEngine | None = None
-        self._torch: TorchInt8Scorer | None = None
+        self._scorer: Int8StateScorer | None = None  # the named scorer, built on first use
         self._device, self._dtype = device, dtype
         if scorer == "auto":
             scorer = self._auto(device)
         self.scorer = scorer
-        """What scores: ``"engine"`` or ``"torch"`` (``"auto"`` resolved)."""
+        """What scores: ``"engine"`` or a key of :data:`~stoa.backends.scorer.SCORERS` (``"auto"`` resolved)."""
 
     def _auto(self, device: str) -> str:
         """Torch on a CUDA learner; on a CPU learner, torch while its float32 copy of the model
         stays under :data:`SMALL_CPU_SCORER_BYTES` (torch scores 1.5-2.3x faster than MLX's CPU
         build here, and the trainer keeps the engine for evaluation), else the engine."""
         if device != "cpu":
-            from stoa.backends.torch.int8 import resolve_device  # the learner has imported torch
-
-            device = resolve_device(device)
+            device = scorer_device("torch", device)  # the learner has imported torch
             if device.startswith("cuda"):
                 return "torch"
         if device == "cpu" and 4 * _num_params(self.model_dir) <= SMALL_CPU_SCORER_BYTES:
@@ -104,7 +104,7 @@ class HeldPolicies:
         the store serves under that label."""
         if version in self._states and (state_hash is None or self._states.state_hash(version) != state_hash):
             self._states.drop(version)
-            for scorer in (self._engine, self._torch):
+            for scorer in (self._engine, self._scorer):
                 if scorer is not None and scorer.version == version:
                     scorer.load_state(version, dict(state))
         if version not in self._states:
@@ -146,20 +146,18 @@ class HeldPolicies:
             self._engine.load_state(version, state)
         return self._engine
 
-    def scorer_at(self, version: int) -> RolloutEngine | TorchInt8Scorer:
+    def scorer_at(self, version: int) -> RolloutEngine | Int8StateScorer:
         """What scores ``version`` (see :attr:`scorer`), holding its state. KeyError if not held."""
         if self.scorer == "engine":
             return self.engine_at(version)
         if not self.held(version):
             raise KeyError(f"version {version}'s int8 state is not held")
-        if self._torch is None:
-            from stoa.backends.torch.int8 import make_scorer
-
-            self._torch = make_scorer(self.model_dir, self._device, self._dtype)
-            log.info("int8 scoring on torch: %s, %s", self._torch.device, self._dtype)
-        if self._torch.version != version:
-            self._torch.load_state(version, self._states.get(version) or {})  # mapped: read tensor by tensor
-        return self._torch
+        if self._scorer is None:
+            self._scorer = make_scorer(self.scorer, self.model_dir, self._device, self._dtype)
+            log.info("int8 scoring on %s: %s, %s", self.scorer, self._scorer.device, self._dtype)
+        if self._scorer.version != version:
+            self._scorer.load_state(version, self._states.get(version) or {})  # mapped: read tensor by tensor
+        return self._scorer
 
     def score(self, version: int, episodes: Sequence[Episode]) -> list[np.ndarray] | None:
         """Prefill log-probs of ``version``'s int8 policy, or None when it cannot be had."""

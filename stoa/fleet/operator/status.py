@@ -21,6 +21,7 @@ import time
 import unicodedata
 from typing import Any
 
+from stoa.errors import ExpectedFailure
 from stoa.fleet.run import read_heartbeats
 from stoa.transport import layout
 from stoa.transport.exchange import is_finished
@@ -58,7 +59,7 @@ def _eval_row(body: Any) -> dict[str, Any] | None:
     return {"version": body["version"], **metrics}
 
 
-class RunNotFound(LookupError):
+class RunNotFound(ExpectedFailure, LookupError):
     """The store holds no such run (the message names the runs it does hold, where it can list them)."""
 
 
@@ -116,7 +117,7 @@ def fleet_status(store: ObjectStore, run: str, public_key: Any = None) -> dict[s
             head = _version(json.loads(json.loads(store.get(layout.pointer(run), max_bytes=64 << 10))["body"])["version"])
         except (StoreError, ValueError, KeyError, TypeError):  # missing, oversized or malformed
             head = None
-    from stoa.fleet.trust import read_trust_report
+    from stoa.fleet.trust.records import read_trust_report
     from stoa.transport.signing import SignatureError
 
     try:
@@ -167,7 +168,7 @@ def _rejected(w: dict[str, Any]) -> str:
 def trust_lines(store: ObjectStore, run: str, public_key: Any) -> list[tuple[str, str]]:
     """One line per worker key of the trainer's trust report, verified under the run's key (for the
     live view); empty without one, or when it does not verify."""
-    from stoa.fleet.trust import read_trust_report
+    from stoa.fleet.trust.records import read_trust_report
     from stoa.transport.signing import SignatureError
 
     try:

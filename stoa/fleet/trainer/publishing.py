@@ -12,7 +12,7 @@ took it. From that record:
   (:func:`next_version`), and says what the store lost when its head is below the record;
 * a version's int8 state is held for spot-checks only once the store has taken that version,
   and a held state whose hash differs from the published one is replaced
-  (:meth:`stoa.fleet.policies.HeldPolicies.keep`).
+  (:meth:`stoa.fleet.trainer.policies.HeldPolicies.keep`).
 """
 
 from __future__ import annotations
@@ -21,32 +21,17 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
-
-from stoa.fleet.sections import check
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from stoa.fleet.policies import HeldPolicies
+    from stoa.fleet.trainer.policies import HeldPolicies
     from stoa.transport.chain import PublishResult, WeightPublisher
 
-__all__ = ["PulseConfig", "Published", "PublishRefused", "PublishedRecord", "next_version", "publish_once"]
+__all__ = ["Published", "PublishRefused", "PublishedRecord", "next_version", "publish_once"]
 
 _FORMAT = "stoa.published/1"
-
-
-@dataclass(frozen=True)
-class PulseConfig:
-    """The weight channel the trainer publishes on (``[pulse]``)."""
-
-    anchor_every: int = 50
-    """A full anchor every this many versions (deltas in between)."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """dtype the trainer exports before int8 quantization (scales/biases travel in it)."""
-
-    def __post_init__(self) -> None:
-        check(self.anchor_every >= 1, "pulse.anchor_every must be >= 1")
 
 
 class PublishRefused(RuntimeError):

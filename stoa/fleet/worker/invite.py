@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stoa.transport import layout
 from stoa.transport.signing import key_id, load_private_key, load_public_key
 from stoa.transport.store import validate_key
 
@@ -37,7 +38,6 @@ __all__ = ["Invite", "check_run", "check_worker_id", "default_cache_dir", "defau
 
 INVITE_FORMAT = "stoa.invite/1"
 _MAX_INVITE_BYTES = 64 << 10
-_WORKER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # the writers' rule (stoa.transport.exchange)
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _FIELDS = {"format", "store", "run", "public_key", "worker_id", "worker_key"}
 
@@ -45,7 +45,7 @@ _FIELDS = {"format", "store", "run", "public_key", "worker_id", "worker_key"}
 def check_worker_id(worker_id: Any) -> str:
     """``worker_id`` if it is one (1-64 of ``[A-Za-z0-9._-]``, not starting with ``.``, ``_`` or
     ``-``: never a path); raises ValueError."""
-    if not isinstance(worker_id, str) or not _WORKER_RE.fullmatch(worker_id):
+    if not isinstance(worker_id, str) or not layout.WORKER_ID.fullmatch(worker_id):
         raise ValueError(f"worker id {str(worker_id)[:80]!r} must be 1-64 characters of [A-Za-z0-9._-], "
                          "not starting with . _ or -")
     return worker_id

@@ -41,10 +41,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from stoa.backends.learner import LearnerConfig
+from stoa.errors import ExpectedFailure
+from stoa.fleet.config import RunConfig
 from stoa.types import Limits, decode_episodes, encode_episodes
 
 if TYPE_CHECKING:
-    from stoa.fleet.config import RunConfig
     from stoa.types import Episode
 
 __all__ = ["LeaderLearner", "Message", "RankFailed", "Ranks", "broadcast_object_bytes", "follow", "local_rank", "rank",
@@ -71,7 +73,7 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
-class RankFailed(RuntimeError):
+class RankFailed(ExpectedFailure, RuntimeError):
     """Another rank (rank 0) failed and said why; this rank stops too."""
 
 
@@ -159,7 +161,7 @@ class Ranks:
         if time.monotonic() - self._last_send >= self.idle_every_s:
             self.send("idle")
 
-    def make_learner(self, kind: str, hf_dir: Path, config: Any, **options: Any) -> LeaderLearner:
+    def make_learner(self, kind: str, hf_dir: Path, config: LearnerConfig, **options: Any) -> LeaderLearner:
         """Rank 0: have every rank build the learner (a collective), and return rank 0's, mirrored."""
         from stoa.backends.learner import make_learner
 
@@ -178,13 +180,11 @@ class Ranks:
             self.owns = False
 
 
-def _plain(config: Any) -> dict[str, Any]:
+def _plain(config: LearnerConfig) -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(config)))
 
 
-def _learner_config(fields: dict[str, Any]):
-    from stoa.backends.learner import LearnerConfig
-
+def _learner_config(fields: dict[str, Any]) -> LearnerConfig:
     return LearnerConfig(**{**fields, "betas": tuple(fields["betas"])})
 
 
@@ -216,7 +216,7 @@ class LeaderLearner:
     def __getattr__(self, name: str) -> Any:
         if name in LeaderLearner._LOCAL:
             return getattr(self.learner, name)
-        raise AttributeError(f"{name!r} is not mirrored to the other ranks; add it to stoa.fleet.distributed")
+        raise AttributeError(f"{name!r} is not mirrored to the other ranks; add it to stoa.fleet.trainer.distributed")
 
     def logprobs(self, episodes: Sequence[Episode], temperature: float | None = 1.0, *,
                  model_only: bool = False) -> list[np.ndarray]:
@@ -256,7 +256,7 @@ class LeaderLearner:
         self.ranks.send("load_checkpoint", path=os.path.abspath(path))
         return self.learner.load_checkpoint(path)
 
-    def reset_optimizer(self, config: Any = None) -> None:
+    def reset_optimizer(self, config: LearnerConfig | None = None) -> None:
         self.ranks.send("reset_optimizer", config=None if config is None else _plain(config))
         self.learner.reset_optimizer(config)
 

@@ -17,71 +17,19 @@ behaviour log-probs are 0 (they are not samples of any policy; SFT ignores them)
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from stoa.fleet.sections import check
+from stoa.fleet.config import RunConfig
 from stoa.types import Episode, Segment
 
-if TYPE_CHECKING:
-    from stoa.fleet.config import RunConfig
-
-__all__ = ["Demonstrations", "WarmstartConfig", "answer_only", "final_turn_probability", "warm_start"]
+__all__ = ["Demonstrations", "answer_only", "final_turn_probability", "warm_start"]
 
 log = logging.getLogger("stoa.trainer")
-
-
-@dataclass(frozen=True)
-class WarmstartConfig:
-    """Supervised steps on the task's scripted demonstrations, so RL starts from a realistic policy
-    (``[warmstart]``).
-
-    Two phases, both built from the environment's hooks (``demonstration_turns``, ``practice_kwargs``).
-    *Practice* (``practice_steps``): ``practice_style`` demonstrations in sibling tasks (so no item
-    of this run's task is seen); for the search tasks they search and answer from the retrieved
-    text, teaching the protocol and how to read (a base model's general skill). *Habit*
-    (``steps``): demonstrations of this run's task in the styles of ``mix`` (weights), plus
-    ``practice_answer_only`` practice demonstrations per batch trained on their last turn only
-    (earlier turns are context), so the skill is kept without teaching the rest. For the demo:
-    ``mix = {oracle = 0.22, guess = 0.78}``: RL starts from a policy that rarely searches.
-    """
-
-    practice_steps: int = 0
-    """Supervised steps of practice in sibling tasks (0 = none)."""
-    practice_worlds: int = 16
-    """Sibling tasks (``env.practice_kwargs(1..N)``) the practice draws from."""
-    practice_style: str = "oracle"
-    """Demonstration style of the practice (and of the held-out check)."""
-    steps: int = 0
-    """Supervised steps in this run's task with the ``mix`` of styles (0 = none)."""
-    mix: dict[str, float] = field(default_factory=lambda: {"oracle": 1.0})
-    """Demonstration style -> weight, for the habit steps (styles the env lists in ``demo_styles``)."""
-    practice_answer_only: int = 0
-    """Practice demonstrations added to each habit batch with only their last turn trained."""
-    batch_size: int = 64
-    """Demonstrations per step."""
-    lr: float = 2e-3
-    """Learning rate of the warm start (AdamW, its own optimizer state)."""
-    check_every: int = 0
-    """Report p(last turn) of held-out practice-style demonstrations every this many steps (0 = at the end)."""
-    threads: int = 0
-    """torch CPU threads during the warm start (workers are idle then); 0 = the trainer's setting."""
-
-    def __post_init__(self) -> None:
-        check(self.steps >= 0 and self.batch_size >= 1, "warmstart.steps >= 0 and batch_size >= 1")
-        check(self.practice_steps >= 0 and self.practice_worlds >= 1 and self.threads >= 0
-               and self.practice_answer_only >= 0,
-               "warmstart.practice_steps >= 0, practice_worlds >= 1, threads >= 0, practice_answer_only >= 0")
-        check(bool(self.mix) and all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
-                                      and math.isfinite(v) and v >= 0 for k, v in self.mix.items())
-               and sum(self.mix.values()) > 0, "warmstart.mix must map style names to weights >= 0 (sum > 0)")
-        check(math.isfinite(self.lr) and self.lr > 0 and self.check_every >= 0, "warmstart.lr > 0 and check_every >= 0")
 
 
 class Demonstrations:

@@ -22,7 +22,7 @@ A sweep file names a run config and the axes of the grid::
     [lag_set.8]                           # overrides of the cells of one lag (or one seed: seed_set)
     "trainer.max_lag" = 9
 
-Each cell is one ``stoa train`` (:func:`stoa.fleet.local.train_local`, in its own process): the
+Each cell is one ``stoa train`` (:func:`stoa.fleet.operator.launcher.train_local`, in its own process): the
 trainer and the config's int8 MLX workers meeting in a LocalStore through PULSE, in
 ``<runs>/<name>/cells/<objective>-lag<L>-seed<S>/``. ``"none"`` (no correction) is ``reinforce``:
 the plain policy gradient, with no importance weight, gate or clip. Every cell's config is
@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from stoa.backends.export import ExportError, export_checkpoint
+from stoa.errors import ExpectedFailure
 from stoa.fleet.config import ConfigError, load_config
 from stoa.fleet.metrics import read_metrics
 
@@ -75,8 +76,10 @@ _FINISHED = "summary.json"
 _WARM_MARKER = "warmstart.json"
 
 
-class SweepError(ValueError):
+class SweepError(ExpectedFailure, ValueError):
     """The sweep file is invalid, or a shared warm start could not be turned into a model folder."""
+
+    exit_code = 2
 
 
 @dataclass(frozen=True)
