@@ -36,6 +36,7 @@ from stoa.backends.learner import (
 )
 
 from .export import FORMAT, RANK_KEYS
+from .masters import master_state, owned, set_master_state
 
 
 class Checkpointed(Protocol):
@@ -77,19 +78,14 @@ def layout(ln: Checkpointed) -> dict[str, Any]:
             "attention": ln.attention, "dtype": str(ln.dtype), "cuda": ln.on_cuda}
 
 
-def _owned(opt, p) -> bool:
-    return p in getattr(opt, "model_param_group_index_map", {})
-
-
 def rank_tensors(ln: Checkpointed) -> dict[str, torch.Tensor]:
     named = dict(ln.model.named_parameters())
     out = {f"model/{n}": p.detach().cpu().contiguous() for n, p in named.items()}
     if ln.on_cuda:
         for k, opt in enumerate(ln.chained_optimizers()):
-            for name, p in named.items():
-                if _owned(opt, p):
-                    for field, v in opt._get_main_param_and_optimizer_states(p).items():
-                        out[f"opt{k}/{name}/{field}"] = v.detach().cpu().contiguous()
+            for name, p, r in owned(opt, named):
+                for field, v in master_state(opt, p, r).items():
+                    out[f"opt{k}/{name}/{field}"] = v.detach().cpu().contiguous()
         for name, state in tensor_parallel.get_cuda_rng_tracker().get_states().items():
             out[f"rng/tracker/{name}"] = state.cpu()
         out["rng/cuda"] = torch.cuda.get_rng_state(ln.device)
@@ -162,14 +158,13 @@ def load(ln: Checkpointed, path: Path) -> dict[str, Any]:
         for k, opt in enumerate(ln.chained_optimizers()):
             if stepped and len(opt.optimizer.state) == 0:  # allocate Adam moments to copy into
                 opt._init_optimizer_states_with_dummy_values()
-            for name, p in named.items():
-                if _owned(opt, p):
-                    dst = opt._get_main_param_and_optimizer_states(p)
-                    try:
-                        src = {f: saved[f"opt{k}/{name}/{f}"].to(dst[f].device) for f in dst}
-                    except KeyError as e:
-                        raise LearnerError(f"{rank_file}: missing optimizer tensor {e}") from None
-                    opt._set_main_param_and_optimizer_states(p, src)
+            for name, p, r in owned(opt, named):
+                dst = master_state(opt, p, r)
+                try:
+                    src = {f: saved[f"opt{k}/{name}/{f}"].to(dst[f].device) for f in dst}
+                except KeyError as e:
+                    raise LearnerError(f"{rank_file}: missing optimizer tensor {e}") from None
+                set_master_state(opt, p, r, src)
         tracker = {k[len("rng/tracker/"):]: v for k, v in saved.items() if k.startswith("rng/tracker/")}
         if tracker:
             tensor_parallel.get_cuda_rng_tracker().set_states(tracker)

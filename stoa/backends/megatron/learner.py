@@ -56,6 +56,7 @@ from stoa.types import Episode
 
 from . import checkpoint
 from .convert import Arch, ConversionError, hf_shapes, hf_to_megatron, megatron_to_hf, renumber
+from .masters import master_state, owned
 from .model import build_gpt, resolve_attention, transformer_config
 from .ops import vocab_parallel_logprobs
 from .options import MegatronOptions
@@ -632,14 +633,12 @@ class MegatronLearner(Counters):
         # data-parallel ranks; every rank writes its slice and a sum assembles the whole.
         out = {}
         dp_group = mpu.get_data_parallel_group()
+        full = {name: torch.zeros(p.numel(), dtype=torch.float32, device=self.device) for name, p in params.items()}
+        for opt in self.chained_optimizers():
+            for name, p, r in owned(opt, params):
+                full[name][r.start : r.stop] = master_state(opt, p, r)["param"].detach().view(-1)
         for name, p in params.items():
-            full = torch.zeros(p.numel(), dtype=torch.float32, device=self.device)
-            for opt in self.chained_optimizers():
-                if p in getattr(opt, "model_param_group_index_map", {}):
-                    main = opt._get_main_param_and_optimizer_states(p)["param"]
-                    rng = opt._get_model_param_range_map(p)["param"]
-                    full[rng.start : rng.end] = main.detach().view(-1).float()
-            out[name] = _sum_(full, dp_group).view(p.shape)
+            out[name] = _sum_(full[name], dp_group).view(p.shape)
         return out
 
     def _gather_hf(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
