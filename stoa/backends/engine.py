@@ -111,7 +111,7 @@ __all__ = [
     "make_engine",
 ]
 
-BACKENDS: dict[str, str] = {"mlx": "stoa.backends.mlx"}
+BACKENDS: dict[str, str] = {"mlx": "stoa.backends.mlx", "torch": "stoa.backends.torch.engine"}
 """Backend name -> module. The module exports ``make(hf_dir, *, state, version, mode, config,
 worker_id, **options) -> RolloutEngine`` (the arguments of :func:`make_engine`). A second backend
 registers here (or its module is added at run time) and the fleet uses it with no change."""
