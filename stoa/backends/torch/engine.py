@@ -32,7 +32,7 @@ from stoa.backends.engine import (
     EngineBusyError, EngineConfig, EngineError, RolloutRequest, RolloutStats, SamplingConfig, TextCodec,
 )
 from stoa.backends.packing import by_length
-from stoa.backends.sampling import Draws
+from stoa.backends.sampling import Draws, HostSampler
 from stoa.backends.text import TokenizerText, config_eos_ids
 from stoa.backends.torch import decoder as D
 from stoa.backends.torch import sample as S
@@ -152,6 +152,7 @@ class TorchEngine:
         self._stats = RolloutStats()
         self._envs: tuple[Any, list[Any]] = (None, [])  # (factory, idle instances) kept across cohorts
         self._cache: D.KVCache | None = None
+        self._host_sampler = HostSampler()
 
     # -- attributes -----------------------------------------------------------------------------
     @property
@@ -251,7 +252,10 @@ class TorchEngine:
 
     # -- generation -----------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, seeds: np.ndarray, s: SamplingConfig) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens and behaviour log-probs for logits ``[B, V]`` and uint64 row seeds ``[B]``."""
+        """Tokens and behaviour log-probs for logits ``[B, V]`` and uint64 row seeds ``[B]``: on the
+        engine's device (``config.sampler`` ``auto`` or ``device``), or in numpy (``host``)."""
+        if self.config.sampler == "host":
+            return self._host_sampler(logits.float().cpu().numpy(), seeds, s.temperature, s.top_k, s.top_p)
         return S.sample(logits, seeds, s.temperature, s.top_k, s.top_p)
 
     def rollout(self, make_env: Callable[[], Any], requests: Sequence[RolloutRequest],
