@@ -59,7 +59,8 @@ class KVCache:
         s, h, _, d = self.shape
         for i in range(self.layers):
             for store in (self.k, self.v):
-                new = torch.empty((s, h, cap, d), dtype=self.dtype, device=self.device)
+                # zeros: a masked position's weight is 0, and 0 * a NaN left in fresh memory would be NaN
+                new = torch.zeros((s, h, cap, d), dtype=self.dtype, device=self.device)
                 if self.capacity:
                     new[:, :, :self.capacity] = store[i]
                     store[i] = new
