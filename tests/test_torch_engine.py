@@ -80,8 +80,6 @@ def test_state_is_the_trainers_quantization_and_from_state_matches(tiny, eng):
                     device="cpu")
     with pytest.raises(EngineError, match="mode"):
         make_engine(tiny, "torch", mode="quantized", device="cpu")
-    with pytest.raises(EngineError, match="bfloat16"):
-        make_engine(tiny, "torch", mode="bfloat16", device="cpu")
 
 
 def test_delta_applied_live_gives_the_trainers_state(tiny):
@@ -286,9 +284,9 @@ def test_episodes_on_cuda_match_the_cpu_engine_cuda(tiny, eng):
     assert min(d.margins.min() for d in draws) > -1e-3
 
 
-@CUDA
-def test_bfloat16_mode_runs_and_its_drift_is_bounded_cuda(tiny, eng):
-    gpu = make_engine(tiny, "torch", mode="bfloat16", config=EngineConfig(max_batch=16), device="cuda")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA, id="cuda")])
+def test_bfloat16_mode_runs_and_its_drift_is_bounded(tiny, eng, device):
+    gpu = make_engine(tiny, "torch", mode="bfloat16", config=EngineConfig(max_batch=16), device=device)
     assert gpu.mode == "bfloat16"
     eps = gpu.rollout(make_env, requests(3, 2), SAMPLING)
     for ep in eps:

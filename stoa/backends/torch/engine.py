@@ -12,7 +12,7 @@ re-score uses), in one of two modes:
 * ``dequantized`` (``auto``'s choice everywhere): float32 weights and float32 activations. On
   CUDA, TF32 matmuls are turned off for the engine's calls, so a GPU computes what a CPU does up to
   summation order.
-* ``bfloat16`` (CUDA): the same weights rounded to bfloat16, bfloat16 activations (norms and the
+* ``bfloat16`` (for GPUs; a CPU without bfloat16 units runs it ~25x slower): the same weights rounded to bfloat16, bfloat16 activations (norms and the
   softmaxes in float32), float32 logits. Faster, and further from the trainer's float32 re-score:
   measure its drift before a run admits it (``benchmarks/gpu_engine.py``).
 """
@@ -57,8 +57,6 @@ def resolve_device(setting: str) -> torch.device:
 def resolve_mode(mode: str, device: torch.device) -> str:
     if mode not in MODES:
         raise EngineError(f"mode={mode!r} must be one of {MODES} (the torch engine has no int8 kernels)")
-    if mode == "bfloat16" and device.type == "cpu":
-        raise EngineError("mode='bfloat16' is for GPUs: a CPU without bfloat16 units runs it ~25x slower")
     return "dequantized" if mode == "auto" else mode
 
 
