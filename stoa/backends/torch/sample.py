@@ -7,7 +7,9 @@ maximum as the host sampler does; ``g_j``: the seeded Gumbel noise of token ``j`
 ``z`` get theirs first, and the best of those noised scores bounds the winner from below; a token
 whose ``z`` plus the largest noise a 23-bit uniform can give (``G_MAX``) falls short of that bound
 cannot win, and is skipped. What remains is usually a small share of the vocabulary (all of it
-only for a flat distribution, such as a random model's). The noise bits are the same integers as
+only for a flat distribution, such as a random model's); of those, only the tokens whose integer
+noise code reaches the threshold of their deficit to the bound (the table ``draw_margins`` uses)
+get float noise. Both steps are exact: the draw equals the full computation. The noise bits are the same integers as
 :func:`stoa.backends.sampling.noise_bits`; float noise is float32 like the host sampler's, so the
 two draw the same token barring a perturbed-score tie within float32 rounding.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from stoa.backends.sampling import G_MAX, H1, H2, PROBE, split_seeds
+from stoa.backends.sampling import _BIN, _BITS_AT, G_MAX, H1, H2, PROBE, split_seeds
 
 __all__ = ["gumbel", "noise_bits", "sample", "truncate"]
 
@@ -43,8 +45,23 @@ def noise_bits(lo: torch.Tensor, hi: torch.Tensor, cols: torch.Tensor) -> torch.
 
 def gumbel(lo: torch.Tensor, hi: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """float32 Gumbel noise at token ids ``cols``: :func:`stoa.backends.sampling.gumbel`'s arithmetic."""
-    w = (2**23 - 0.5) - (noise_bits(lo, hi, cols) >> 9).to(torch.float32)
+    return _noise(noise_bits(lo, hi, cols) >> 9)
+
+
+def _noise(code: torch.Tensor) -> torch.Tensor:
+    """float32 Gumbel noise of 23-bit codes."""
+    w = (2**23 - 0.5) - code.to(torch.float32)
     return -torch.log(-torch.log1p(w * -(2.0**-23)))
+
+
+_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _thresholds(dev: torch.device) -> torch.Tensor:
+    """``draw_margins``' per-bin code thresholds, shifted by one (entry 0: a negative deficit, 0)."""
+    if dev not in _TABLES:
+        _TABLES[dev] = torch.from_numpy(np.concatenate([[0], _BITS_AT[:-1]]).astype(np.int64)).to(dev)
+    return _TABLES[dev]
 
 
 def truncate(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -79,7 +96,16 @@ def sample(logits: torch.Tensor, seeds: np.ndarray, temperature: float, top_k: i
     top, idx = z.topk(k, dim=1)
     bound = (top + gumbel(lo[:, None], hi[:, None], idx)).max(dim=1).values
     rows, cols = torch.nonzero(z >= (bound - (G_MAX + _SLACK))[:, None], as_tuple=True)
-    s = z[rows, cols] + gumbel(lo[rows], hi[rows], cols)
+    zc = z[rows, cols]
+    code = noise_bits(lo[rows], hi[rows], cols) >> 9
+    # a token passes the bound only if its noise exceeds its deficit, hence its code that bin's threshold
+    # (less the slack: float32 rounding of z and the bound moves a deficit by more than one code's worth)
+    # (floored: the bound's own token may sit a negative deficit away, its noise below 0)
+    deficit = ((bound[rows] - zc - _SLACK) * (1 / _BIN)).floor().clamp(-1, len(_BITS_AT) - 2).to(torch.int64)
+    need = _thresholds(dev)[deficit + 1]
+    keep = code >= need
+    rows, cols = rows[keep], cols[keep]
+    s = zc[keep] + _noise(code[keep])
     best = torch.full((n,), -torch.inf, device=dev).scatter_reduce(0, rows, s, "amax")
     win = s == best[rows]
     tok = torch.full((n,), v, dtype=torch.int64, device=dev).scatter_reduce(0, rows[win], cols[win], "amin")
