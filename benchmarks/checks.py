@@ -80,6 +80,8 @@ def main() -> None:
     p.add_argument("--distinct", type=float, default=0.3, help="share of distinct samples in a group")
     p.add_argument("--fraction", type=float, default=0.25, help="trust.audit.fraction")
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--micro-batch-tokens", type=int, default=8192,
+                   help="the learner's micro-batch (smaller: less memory; the real model at 8192 needs ~15 GB)")
     args = p.parse_args()
     episodes = args.episodes or (32 if args.quick else 64)
     repeats = args.repeats or (2 if args.quick else 5)
@@ -110,7 +112,7 @@ def main() -> None:
 
             model = build_preset(tmp, args.preset, texts)
         learner = make_learner("torch", model, LearnerConfig(lr=1e-6, threads=args.threads, device=args.device,
-                                                             micro_batch_tokens=8192))
+                                                             micro_batch_tokens=args.micro_batch_tokens))
         vocab = min(learner.vocab_size, 2048)  # the tokenizer's ids (a preset's rows past them are padding)
         eps = make_episodes(episodes, vocab, args.distinct, seed=0)
         batches = [eps[i:i + args.batch] for i in range(0, len(eps), args.batch)]

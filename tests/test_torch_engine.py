@@ -82,6 +82,19 @@ def test_state_is_the_trainers_quantization_and_from_state_matches(tiny, eng):
         make_engine(tiny, "torch", mode="quantized", device="cpu")
 
 
+def test_auto_picks_torch_off_apple_silicon_and_the_run_config_accepts_it(tiny):
+    import platform
+
+    from stoa.backends.engine import resolve_backend
+    from stoa.fleet.worker import RolloutConfig
+
+    apple = (platform.system(), platform.machine()) == ("Darwin", "arm64")
+    assert resolve_backend("auto") == ("mlx" if apple else "torch") and resolve_backend("mlx") == "mlx"
+    assert RolloutConfig().engine == "auto" and RolloutConfig(engine="torch").engine == "torch"
+    if not apple:
+        assert type(make_engine(tiny, "auto", device="cpu")).__name__ == "TorchEngine"
+
+
 def test_delta_applied_live_gives_the_trainers_state(tiny):
     eng = make_engine(tiny, "torch", config=EngineConfig(max_batch=16), device="cpu")
     old = {k: v.copy() for k, v in eng.state.items()}

@@ -72,6 +72,7 @@ def test_honest_real_model_episodes_pass_the_trainers_checks_and_a_cold_sampler_
     from stoa.backends.engine import EngineConfig, RolloutRequest, SamplingConfig, make_engine
     from stoa.backends.torch.int8 import TorchInt8Scorer
     from stoa.fleet.trust.audit import AuditConfig, compare_logprobs
+    from stoa.testing.adversaries import claim_logprobs
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     from custom_env import ArithmeticEnv
@@ -90,12 +91,7 @@ def test_honest_real_model_episodes_pass_the_trainers_checks_and_a_cold_sampler_
         assert not compare_logprobs(honest, [(d.at, d.logprobs) for d in draws]).confirmed
     cold = eng.rollout(make, reqs, SamplingConfig(temperature=0.6, max_turn_tokens=16, max_episode_tokens=120, seed=5))
     cold = [dataclasses.replace(e, temperature=1.0) for e in cold]
-    for e, lp in zip(cold, eng.score(cold)):
-        at = len(e.prompt_tokens)
-        for seg in e.segments:
-            if seg.kind == "model":
-                seg.logprobs = np.asarray(lp[at:at + len(seg.tokens)], np.float32)
-            at += len(seg.tokens)
+    claim_logprobs(cold, eng.score(cold))
     draws = scorer.check_draws(cold, [5] * len(cold), drift=band / 2)
     assert not compare_logprobs(cold, [(d.at, d.logprobs) for d in draws]).confirmed
     assert sum(int((d.margins < -band).sum()) for d in draws) >= 3
