@@ -150,7 +150,15 @@ def truncate(z: np.ndarray, top_k: int, top_p: float) -> None:
 
 
 class HostSampler:
-    """The sampling rule in numpy, with reused work buffers (fresh pages cost more than exp)."""
+    """The sampling rule in numpy, with reused work buffers (fresh pages cost more than exp).
+
+    Noise is computed only where it can decide the draw, which gives the full computation's token
+    (the same float32 arithmetic on the entries that remain): the row's most likely token's noised
+    score bounds the winner's from below; a token whose scaled logit plus ``G_MAX`` falls short of
+    it is skipped, and of the rest only those whose integer noise code reaches the threshold of
+    their deficit (:func:`draw_margins`' table) get float noise. A trained model's distribution
+    leaves a few hundred entries of the vocabulary; a flat one (a random model's) all of them, of
+    which about half get float noise."""
 
     def __init__(self) -> None:
         self._z = np.empty((0, 0), np.float32)
@@ -166,16 +174,63 @@ class HostSampler:
         np.multiply(logits, np.float32(1.0 / temperature), out=z, casting="same_kind")
         if top_k or top_p < 1.0:
             truncate(z, top_k, top_p)
-        z -= z.max(axis=1, keepdims=True)
+        rows = np.arange(b)
+        best = z.argmax(axis=1)
+        z -= z[rows, best][:, None]
         np.exp(z, out=e)
         total = e.sum(axis=1)
-        step = max(1, (1 << 18) // v)  # rows at a time: the hash's temporaries stay in cache
+        lo, hi = split_seeds(seeds)
+        bound = gumbel((lo, hi), best.astype(np.uint32)[:, None], np.float32)[:, 0]  # z[best] = 0
+        tok = np.empty(b, np.int64)
+        step = max(1, (1 << 18) // v)  # rows at a time: temporaries stay in cache
         for a in range(0, b, step):
-            gumbel(seeds[a:a + step], v, np.float32, out=e[a:a + step])
-        e += z
-        tok = e.argmax(axis=1)
-        lp = z[np.arange(b), tok] - np.log(total)
-        return tok.astype(np.int64), lp.astype(np.float32)
+            tok[a:a + step] = _draw(z[a:a + step], lo[a:a + step], hi[a:a + step], bound[a:a + step], e[a:a + step])
+        lp = z[rows, tok] - np.log(total)
+        return tok, lp.astype(np.float32)
+
+
+_SLACK = np.float32(1e-3)  # float32 rounding of a deficit, in scaled-logit units
+_NEED = np.concatenate([[0], _BITS_AT[:-1]]).astype(np.uint32)  # _BITS_AT shifted: entry 0 for deficits < 0
+
+
+def _noise_of(code: np.ndarray) -> np.ndarray:
+    """float32 Gumbel noise of 23-bit codes: :func:`gumbel`'s arithmetic."""
+    g = code.astype(np.float32)
+    np.subtract(np.float32(2**23 - 0.5), g, out=g)
+    g *= np.float32(-(2.0**-23))
+    np.log1p(g, out=g)
+    np.negative(g, out=g)
+    np.log(g, out=g)
+    np.negative(g, out=g)
+    return g
+
+
+def _need(bound: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """The smallest noise code with which each entry of ``z`` could reach ``bound`` (conservative)."""
+    deficit = np.floor((bound - z - _SLACK) * np.float32(1 / _BIN))
+    np.clip(deficit, -1, len(_BITS_AT) - 2, out=deficit)
+    return _NEED[deficit.astype(np.int64) + 1]
+
+
+def _draw(z: np.ndarray, lo: np.ndarray, hi: np.ndarray, bound: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """argmax_j z_j + g_j per row (first index on a tie) of shifted scaled logits ``z [n, V]``
+    given a lower bound ``bound [n]`` on each row's best noised score (reached by some entry)."""
+    n, v = z.shape
+    cand = np.greater_equal(z, (bound - np.float32(G_MAX) - _SLACK)[:, None], out=scratch.view(np.bool_)[:, :v])
+    if 4 * int(np.count_nonzero(cand)) > cand.size:  # a flat distribution: every entry (cheaper whole)
+        score = gumbel((lo, hi), v, np.float32, out=scratch[:, :v])
+        score += z
+        return score.argmax(axis=1).astype(np.int64)
+    ri, ci = np.nonzero(cand)
+    zc = z[ri, ci]
+    code = noise_bits((lo[ri], hi[ri]), ci.astype(np.uint32)[:, None])[:, 0] >> np.uint32(9)
+    keep = code >= _need(bound[ri], zc)
+    ri, ci, zc = ri[keep], ci[keep], zc[keep]
+    score = _noise_of(code[keep])
+    score += zc
+    starts = np.searchsorted(ri, np.arange(n))
+    top = np.maximum.reduceat(score, starts)
+    return np.minimum.reduceat(np.where(score == top[ri], ci, v), starts).astype(np.int64)
 
 
 def _kept_bounds(z: np.ndarray, top_k: int, top_p: float, delta: float) -> tuple[np.ndarray, np.ndarray]:
