@@ -186,7 +186,7 @@ def main() -> None:
     t_start = time.perf_counter()
     import torch
 
-    from stoa.backends.engine import EngineConfig, make_engine
+    from stoa.backends.engine import make_engine
     from stoa.models.presets import build_preset, decode_flops, hf_config_for
 
     device = "cpu" if args.dry_run else "cuda"

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from stoa.models.hfconfig import SLIDING, ModelSpec
+from stoa.models.hfconfig import ModelSpec
 
 __all__ = ["Decoder", "KVCache", "FAMILIES"]
 
@@ -290,6 +289,3 @@ class Decoder:
     def write(self, name: str, value: torch.Tensor) -> None:
         """Copy ``value`` (any float dtype, on any device) into the parameter ``name``."""
         self.views[name].copy_(value)
-
-    def names(self) -> Mapping[str, torch.Tensor]:
-        return self.views
