@@ -66,6 +66,8 @@ def main() -> None:
     ap.add_argument("--honest-batches", type=int, default=16)
     ap.add_argument("--cheat-batches", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--bf16-batches", type=int, default=4, help="honest batches of a bfloat16-compute engine (its drift)")
+    ap.add_argument("--only-bf16", action="store_true", help="only the bfloat16 rows")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     try:
@@ -88,12 +90,20 @@ def main() -> None:
         judges["MLX engine"] = make_engine(args.model, "mlx", state=eng.state, mode="dequantized")
     base = SamplingConfig(max_turn_tokens=16, max_episode_tokens=120)
     rows: dict = {}
+    if args.bf16_batches:  # an engine computing in bfloat16 (what a GPU worker may run), judged in float32
+        bf16 = make_engine(args.model, "torch", state=eng.state, mode="bfloat16", config=EngineConfig(max_batch=8),
+                           device="cpu")
+        groups = batches(bf16, args.bf16_batches, base, 3000)
+        rows["honest bfloat16 engine, torch scorer"] = judge(judges["torch scorer"], groups, 3000, band)
+        del bf16
+    if args.only_bf16:
+        judges, args.honest_batches, args.cheat_batches = {}, 0, 0
     honest = batches(eng, args.honest_batches, base, 1000)
     for name, sc in judges.items():
         rows[f"honest, {name}"] = judge(sc, honest, 1000, band)
     cheats = {"0.8 T": dataclasses.replace(base, temperature=0.8), "0.6 T": dataclasses.replace(base, temperature=0.6),
               "top-p 0.9, claims 1.0": dataclasses.replace(base, top_p=0.9)}
-    for name, s in cheats.items():
+    for name, s in (cheats.items() if args.cheat_batches else ()):
         groups = [claim_honest(eng, g, 1.0) for g in batches(eng, args.cheat_batches, s, 5000)]
         rows[f"samples at {name}" if "T" in name and "top" not in name else f"samples with {name}"] = judge(
             judges["torch scorer"], groups, 5000, band)
