@@ -8,7 +8,8 @@ is measured too: the **audit** (the learner's forward pass at model tokens over
 ``audit.fraction`` of its episodes, one row per distinct episode) and the **sampling check**
 (one random episode and every episode that repeats another's tokens). This runs exactly those
 calls next to the learner's DPPO step (the baseline) on the same episodes, for each int8 scorer
-available: torch on the learner's device, and the MLX engine where MLX is installed. Replay (CPU
+available: torch on the learner's device (``torch``: transformers' modules; ``torch engine``: the
+torch rollout engine's own decoder), and the MLX engine (``engine``) where MLX is installed. Replay (CPU
 work of the task, not of the model) and the rare spot-checks are not included; the demo's
 metrics give them (docs/trust.md).
 
@@ -79,6 +80,8 @@ def main() -> None:
     p.add_argument("--distinct", type=float, default=0.3, help="share of distinct samples in a group")
     p.add_argument("--fraction", type=float, default=0.25, help="trust.audit.fraction")
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--micro-batch-tokens", type=int, default=8192,
+                   help="the learner's micro-batch (smaller: less memory; the real model at 8192 needs ~15 GB)")
     args = p.parse_args()
     episodes = args.episodes or (32 if args.quick else 64)
     repeats = args.repeats or (2 if args.quick else 5)
@@ -109,7 +112,7 @@ def main() -> None:
 
             model = build_preset(tmp, args.preset, texts)
         learner = make_learner("torch", model, LearnerConfig(lr=1e-6, threads=args.threads, device=args.device,
-                                                             micro_batch_tokens=8192))
+                                                             micro_batch_tokens=args.micro_batch_tokens))
         vocab = min(learner.vocab_size, 2048)  # the tokenizer's ids (a preset's rows past them are padding)
         eps = make_episodes(episodes, vocab, args.distinct, seed=0)
         batches = [eps[i:i + args.batch] for i in range(0, len(eps), args.batch)]
@@ -119,11 +122,12 @@ def main() -> None:
                                                        replace=False))] for b in batches]
         sample_pick = [[b[i] for i in sampling_pick(b, rng, 1)] for b in batches]
         state = quantize_state(learner.iter_weights())
+        from stoa.backends.engine import EngineConfig, make_engine
+
         scorers = {"torch": TorchInt8Scorer(model, device)}
         scorers["torch"].load_state(0, state)
+        scorers["torch engine"] = make_engine(model, "torch", state=state, version=0, device=device)
         try:
-            from stoa.backends.engine import EngineConfig, make_engine
-
             scorers["engine"] = make_engine(model, "mlx", state=state, version=0, config=EngineConfig(max_batch=64))
         except ImportError:
             pass

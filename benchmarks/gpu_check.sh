@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_check.sh --quick          # smaller batches, fewer steps
 #   bash benchmarks/gpu_check.sh --dry-run        # CPU, toy sizes: checks the script itself
 #   bash benchmarks/gpu_check.sh --fetch-wheels   # where pip reaches PyPI: fill .whl/ for an offline GPU box
+#                                                 # (also every wheel benchmarks/gpu_engine.sh needs)
 #
 # Needs python3 with CUDA torch, transformers, safetensors, numpy, msgpack, ml_dtypes (the H200
 # image has them). megatron-core and zstandard are installed if missing: from .whl/ when it holds
@@ -23,7 +24,8 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
   # cp312 manylinux wheels: the H200 image's python is 3.12 on x86-64.
   exec "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d .whl "megatron-core==0.16.1" "zstandard>=0.22"
+    --platform manylinux2014_x86_64 -d .whl "megatron-core==0.16.1" "zstandard>=0.22" \
+    gymnasium cloudpickle farama-notifications bm25s pytest pluggy iniconfig packaging pygments  # gpu_engine.sh
 fi
 
 {

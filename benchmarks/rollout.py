@@ -16,11 +16,20 @@ corpus) and a ~100M-parameter random Qwen2 (same tokenizer; 12 layers, width 768
 * **mismatch**: per model token, int8 engine log-prob vs float32 torch (transformers) log-prob of
   the same tokens: mean |delta|, and KL(mu || pi) by the k1 and k3 estimators.
 
-``--model PATH`` (a Hugging Face folder, e.g. SmolLM2-135M-Instruct) measures that model instead
-of the two built ones, with the same prompts and the same comparisons. llama.cpp is not compared:
-``llama_cpp`` in the JSON says why (``llama-cpp-python`` is optional and often fails to build).
+* **like for like** (``--model``): every engine on the same footing as llama.cpp's
+  ``llama-batched-bench``: prompts of exactly 32 tokens, 128 generated per row whatever is
+  sampled (EOS does not end a row, so the batch size holds), batch 1, 16 and 64, the same
+  threads; generated tokens/s over the whole run (prefill included) and achieved GFLOP/s (2 per
+  weight of every matrix multiplied per token, plus attention), against this machine's float32
+  matmul GFLOP/s measured in the same run. Engines: the torch engine (float32), the MLX engine
+  (dequantized), ``transformers``' ``generate`` (float32, eager loop), llama.cpp F32 and Q8_0
+  (GGUF converted from the same folder; ``benchmarks/llamacpp.py``; skipped, saying why, when
+  ``scripts/build_llama_cpp.sh`` has not been run).
 
-    python benchmarks/rollout.py [--quick] [--json out.json] [--threads 2] [--model PATH]
+``--model PATH`` (a Hugging Face folder, e.g. SmolLM2-135M-Instruct) measures that model instead
+of the two built ones, with the same prompts and the same comparisons, plus the like-for-like table.
+
+    python benchmarks/rollout.py [--quick] [--json out.json] [--threads 2] [--model PATH] [--engines torch,mlx]
 """
 
 from __future__ import annotations
@@ -47,18 +56,14 @@ MODEL_SCALES = {"quick": (1, 2, 8, 4, 16, 4, 0, 0, 2, 1), "full": (4, 4, 16, 16,
 """``--model``'s workload (same fields as SCALES)."""
 
 
-def llama_cpp_status() -> str:
-    """Why llama.cpp is not in the comparison."""
-    import importlib.util
-
-    if importlib.util.find_spec("llama_cpp") is None:
-        return "skipped: llama-cpp-python is not installed (optional; its build failed on this machine kind)"
-    return "skipped: not measured by this benchmark (it needs a GGUF of the model)"
+LIKE = {"quick": ((16,), 32, 32), "full": ((1, 16, 64), 32, 128)}
+"""Like-for-like workload: batches, prompt tokens, generated tokens per row."""
 
 
 def _reexec(threads: int) -> None:
     """Restart with OpenBLAS's thread count fixed (it is read when stoa.backends.mlx loads OpenBLAS)."""
     env = dict(os.environ)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as stoa.backends.torch sets it; llama.cpp's OpenMP reads it too
     env.update(OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if any(os.environ.get(k) != env.get(k) for k in ("OPENBLAS_NUM_THREADS",)):
@@ -192,6 +197,126 @@ def mismatch(path, eps, threads):
             "kl_k3": float((r - 1 - np.log(r)).mean())}
 
 
+class _OneTurn:
+    """A text task of fixed prompts: one model turn, then the episode ends."""
+
+    stop_strings: tuple[str, ...] = ()
+    spec = None
+
+    def __init__(self, texts: list[str]) -> None:
+        self.texts = texts
+
+    @property
+    def unwrapped(self):
+        return self
+
+    def reset(self, seed=None, options=None):
+        return self.texts[int((options or {}).get("index", 0))], {}
+
+    def step(self, text):
+        return "", 0.0, True, False, {"metrics": {}}
+
+
+def exact_prompts(codec, n: int, length: int, seed: int = 0) -> list[str]:
+    """``n`` prompts whose chat-templated tokens number exactly ``length``."""
+    words = "the river runs to the sea and a town lies on its bank where people trade fish and grain".split()
+    rng = np.random.default_rng(seed)
+    out = []
+    while len(out) < n:
+        text = " ".join(rng.choice(words, size=length))
+        while len(codec.prompt_tokens(text)) > length and " " in text:
+            text = text.rsplit(" ", 1)[0]
+        if len(codec.prompt_tokens(text)) == length:
+            out.append(text)
+    return out
+
+
+def matmul_gflops(threads: int) -> float:
+    """This machine's float32 matmul GFLOP/s (torch, 2048^3, best of 5) with ``threads`` threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    best = min(_timed(lambda: (a @ b, 1)[1])[1] for _ in range(5))
+    return 2 * 2048**3 / best / 1e9
+
+
+def _engine_run(eng, texts: list[str], batch: int, gen: int) -> float:
+    """Generated tokens/s of one single-turn cohort of ``batch`` rows of exactly ``gen`` tokens."""
+    from stoa.backends.engine import RolloutRequest, SamplingConfig
+
+    eng._text.eos_ids = frozenset()  # fixed lengths: no row ends at EOS (this benchmark only)
+    s = SamplingConfig(max_turn_tokens=gen, max_episode_tokens=len(eng.codec.prompt_tokens(texts[0])) + gen + 1,
+                       stop_strings=(), seed=1)
+    reqs = [RolloutRequest(i, f"p{i}", 1) for i in range(batch)]
+    from dataclasses import replace
+
+    eng.config = replace(eng.config, max_batch=batch)
+    eng.rollout(lambda: _OneTurn(texts), reqs, replace(s, max_turn_tokens=2))  # warm-up
+    n, wall, _ = _timed(lambda: sum(e.num_model_tokens for e in eng.rollout(lambda: _OneTurn(texts), reqs, s)))
+    assert n == batch * gen, (n, batch, gen)
+    return n / wall
+
+
+def _generate_run(model, ids, gen: int) -> float:
+    import torch
+
+    kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=gen, min_new_tokens=gen,
+              pad_token_id=0)
+    with torch.no_grad():
+        model.generate(input_ids=ids[:, :8], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+        n, wall, _ = _timed(lambda: model.generate(input_ids=ids, **kw).shape[0] * gen)
+    return n / wall
+
+
+def like_for_like(path: Path, threads: int, quick: bool, engines: list[str]) -> dict:
+    """Every engine and llama.cpp at fixed prompt and generation lengths (see the module docstring)."""
+    import llamacpp
+    import torch
+    import transformers
+
+    from stoa.backends.engine import EngineConfig, make_engine
+    from stoa.models.presets import decode_flops
+
+    batches, prompt, gen = LIKE["quick" if quick else "full"]
+    cfg = json.loads((path / "config.json").read_text())
+    flops = decode_flops(cfg, prompt + gen / 2)
+    torch.set_num_threads(threads)
+    out: dict = {"batches": list(batches), "prompt": prompt, "gen": gen, "threads": threads,
+                 "matmul_gflops": matmul_gflops(threads), "flops_per_token": flops, "load_before": _load(),
+                 "tokens_per_s": {}}
+    tps = out["tokens_per_s"]
+    built = {"torch": lambda: make_engine(path, "torch", config=EngineConfig(max_batch=max(batches)), device="cpu"),
+             "mlx": lambda: make_engine(path, "mlx", mode="dequantized", config=EngineConfig(max_batch=max(batches)))}
+    texts = None
+    for name in engines:
+        eng = built[name]()
+        texts = texts or exact_prompts(eng.codec, max(batches), prompt)
+        tps[f"{name} engine"] = {b: _engine_run(eng, texts, b, gen) for b in batches}
+        del eng
+        print(f"[rollout] like-for-like: {name} engine done", file=sys.stderr)
+    if not quick:
+        tok = transformers.AutoTokenizer.from_pretrained(str(path))
+        ids = torch.tensor([tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=False) for t in texts])
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        tps["transformers generate"] = {b: _generate_run(model, ids[:b], gen) for b in batches}
+        del model
+    why = llamacpp.status()
+    out["llama_cpp"] = why or "built"
+    if why is None:
+        for kind in ("f32", "q8_0"):
+            rows = llamacpp.batched_bench(llamacpp.gguf(path, kind), threads, prompt, gen, list(batches))
+            tps[f"llama.cpp {kind.upper()}"] = {b: rows[b]["tokens_per_s"] for b in batches}
+    out["gflops"] = {k: {b: v * flops / 1e9 for b, v in row.items()} for k, row in tps.items()}
+    out["load_after"] = _load()
+    return out
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small workloads (< 1 minute)")
@@ -199,6 +324,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="BLAS / torch threads")
     ap.add_argument("--skip-mismatch", action="store_true", help="do not load torch")
     ap.add_argument("--model", type=Path, help="a Hugging Face folder to measure instead of the built models")
+    ap.add_argument("--engines", default="torch,mlx", help="engines of the like-for-like table (--model)")
+    ap.add_argument("--like-only", action="store_true", help="--model: only the like-for-like table")
     args = ap.parse_args()
     _reexec(args.threads)
     import stoa.envs
@@ -214,7 +341,12 @@ def main() -> None:
     results: dict = {"quick": args.quick, "threads": args.threads, "models": {}}
     if args.model:
         scale = {args.model.name: MODEL_SCALES["quick" if args.quick else "full"]}
-        results["llama_cpp"] = llama_cpp_status()
+        results["like_for_like"] = like_for_like(args.model, args.threads, args.quick, args.engines.split(","))
+        print_like(results["like_for_like"])
+        if args.like_only:
+            if args.json:
+                args.json.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+            return
     with tempfile.TemporaryDirectory() as tmp:
         models = {args.model.name: args.model} if args.model else build_models(Path(tmp), corpus)
         for name, path in models.items():
@@ -283,7 +415,24 @@ def print_table(r: dict) -> None:
     print(f"ratio_vs_mlx_lm_batch_generate (min over models) {r['ratio_vs_mlx_lm_batch_generate']:.2f}; "
           f"prefill_saved_fraction ({next(iter(r['models']))}) {r['prefill_saved_fraction']:.3f}; "
           f"wall {r['wall_s']:.0f} s")
-    if "llama_cpp" in r:
+    if "like_for_like" in r:
+        print_like(r["like_for_like"])
+
+
+def print_like(r: dict) -> None:
+    bs = r["batches"]
+    print(f"\nLike for like: {r['prompt']}-token prompts, {r['gen']} generated per row, {r['threads']} threads; "
+          f"float32 matmul {r['matmul_gflops']:.0f} GFLOP/s; load {r['load_before']} -> {r['load_after']}")
+    base = r["tokens_per_s"].get("llama.cpp Q8_0")
+    head = "".join(f"{'B=' + str(b) + ' tok/s':>13} {'GFLOP/s':>8} {'vs Q8_0':>8}" for b in bs)
+    print(f"{'engine':<24}{head}")
+    for name, row in r["tokens_per_s"].items():
+        cells = ""
+        for b in bs:
+            ratio = f"{row[b] / base[b]:>8.2f}" if base else f"{'-':>8}"
+            cells += f"{row[b]:>13.1f} {r['gflops'][name][b]:>8.1f} {ratio}"
+        print(f"{name:<24}{cells}")
+    if r["llama_cpp"] != "built":
         print(f"llama.cpp: {r['llama_cpp']}")
 
 

@@ -137,3 +137,28 @@ def arithmetic_config(name: str) -> str:
 
     module = Path(__file__).resolve().parents[1] / "examples" / "custom_env.py"
     return _ARITHMETIC.format(name=name, module=module)
+
+
+# Small random models of each family's real structure (tests/test_model_families.py, the torch engine's tests).
+FAMILY_WINDOW = 16
+FAMILY_TEXTS = ["the river runs to the sea and the town lies on its bank, where the kinase Mertil binds Kavorin"] * 40
+
+
+def family_structure(name: str) -> dict:
+    """The preset's config with its structure kept (layer pattern, GQA, head_dim beside the
+    width, q/k norms, soft-caps, RoPE bases) at a few hundred kB, and a 16-token window."""
+    from stoa.models.presets import PRESETS
+
+    c = dict(PRESETS[name], vocab_size=1024, intermediate_size=256, hidden_size=128)
+    kv = 2
+    heads = kv * min(4, c["num_attention_heads"] // c["num_key_value_heads"])
+    c.update(num_attention_heads=heads, num_key_value_heads=kv, head_dim=64 if "head_dim" in c else 128 // heads,
+             num_hidden_layers={"gemma3_text": 7, "gemma2": 4}.get(c["model_type"], 3))
+    if c["model_type"] == "qwen2":
+        c["hidden_size"] = c["head_dim"] * heads
+    if "query_pre_attn_scalar" in c:
+        c["query_pre_attn_scalar"] = 64
+    if c["model_type"] in ("qwen2", "qwen3"):
+        c.update(use_sliding_window=True, max_window_layers=1)
+    c["sliding_window"] = FAMILY_WINDOW
+    return c

@@ -166,29 +166,9 @@ def test_check_runnable_refuses_a_family_the_runs_learner_cannot_build(tmp_path)
 pytest.importorskip("mlx.core", reason="the MLX engine needs mlx")
 pytest.importorskip("torch", reason="the learner needs torch")
 
-WINDOW = 16
-TEXTS = ["the river runs to the sea and the town lies on its bank, where the kinase Mertil binds Kavorin"] * 40
-
-
-def structure(name: str) -> dict:
-    """The preset's config with its structure kept (layer pattern, GQA, head_dim beside the
-    width, q/k norms, soft-caps, RoPE bases) at a few hundred kB, and a 16-token window."""
-    from stoa.models.presets import PRESETS
-
-    c = dict(PRESETS[name], vocab_size=1024, intermediate_size=256, hidden_size=128)
-    kv = 2
-    heads = kv * min(4, c["num_attention_heads"] // c["num_key_value_heads"])
-    c.update(num_attention_heads=heads, num_key_value_heads=kv, head_dim=64 if "head_dim" in c else 128 // heads,
-             num_hidden_layers={"gemma3_text": 7, "gemma2": 4}.get(c["model_type"], 3))
-    if c["model_type"] == "qwen2":
-        c["hidden_size"] = c["head_dim"] * heads
-    if "query_pre_attn_scalar" in c:
-        c["query_pre_attn_scalar"] = 64
-    if c["model_type"] in ("qwen2", "qwen3"):
-        c.update(use_sliding_window=True, max_window_layers=1)
-    c["sliding_window"] = WINDOW
-    return c
-
+from helpers import FAMILY_TEXTS as TEXTS  # noqa: E402
+from helpers import FAMILY_WINDOW as WINDOW  # noqa: E402
+from helpers import family_structure as structure  # noqa: E402
 
 FAMILIES = ["qwen2.5-0.5b", "qwen3-0.6b", "mistral-7b-v0.1", "gemma-2-2b", "gemma-3-1b"]
 

@@ -4,8 +4,10 @@ A rollout engine holds one version of the int8 policy (the *weight state* of
 ``docs/architecture.md``), applies PULSE deltas to it between cohorts, and plays many multi-turn
 episodes at once against a text environment (:mod:`stoa.envs.base`), returning
 :class:`~stoa.types.Episode` objects that the trainer learns from without re-tokenizing anything.
-One backend implements it today: ``"mlx"`` (:class:`stoa.backends.mlx.MLXEngine`; Metal on Apple
-silicon, CPU elsewhere). Pick one with :func:`make_engine`. This module imports no framework.
+Two backends implement it: ``"mlx"`` (:class:`stoa.backends.mlx.MLXEngine`; Metal on Apple
+silicon, CPU elsewhere) and ``"torch"`` (:class:`stoa.backends.torch.engine.TorchEngine`; CPUs and
+CUDA GPUs); ``"auto"`` picks per machine (:func:`resolve_backend`). Pick one with
+:func:`make_engine`. This module imports no framework.
 
 Cohorts and versions
 --------------------
@@ -109,12 +111,29 @@ __all__ = [
     "TextCodec",
     "TurnRule",
     "make_engine",
+    "resolve_backend",
 ]
 
-BACKENDS: dict[str, str] = {"mlx": "stoa.backends.mlx"}
+BACKENDS: dict[str, str] = {"mlx": "stoa.backends.mlx", "torch": "stoa.backends.torch.engine"}
 """Backend name -> module. The module exports ``make(hf_dir, *, state, version, mode, config,
 worker_id, **options) -> RolloutEngine`` (the arguments of :func:`make_engine`). A second backend
 registers here (or its module is added at run time) and the fleet uses it with no change."""
+
+
+
+def resolve_backend(name: str) -> str:
+    """``name``, or for ``"auto"`` the fastest backend of this machine: MLX on Apple silicon (Metal),
+    torch wherever torch is installed (CPUs: measured faster than MLX's CPU build, docs/rollout.md;
+    CUDA GPUs), else MLX."""
+    if name != "auto":
+        return name
+    import importlib.util
+    import platform
+
+    if platform.system() == "Darwin" and platform.machine() == "arm64":
+        return "mlx"
+    return "torch" if importlib.util.find_spec("torch") is not None else "mlx"
+
 
 FINISH_REASONS = ("terminated", "truncated", "eos", "max_episode_tokens")
 """Values of ``Episode.metrics["finish_reason"]`` (see the module docstring)."""
@@ -457,7 +476,7 @@ def make_engine(
     Args:
         hf_dir: a local Hugging Face folder: its config and tokenizer always; its float weights
             (quantized to int8 on load) only when ``state`` is None.
-        backend: a key of :data:`BACKENDS`.
+        backend: a key of :data:`BACKENDS`, or ``"auto"`` (:func:`resolve_backend`).
         state: an int8 weight state (``stoa.transport.quant.quantize_state`` layout, e.g. an anchor
             from the weight chain) to start from instead of the folder's weights; copied.
         version: the policy version of those weights.
@@ -469,6 +488,7 @@ def make_engine(
     Raises:
         EngineError: unknown backend, or a state / folder the backend cannot use.
     """
+    backend = resolve_backend(backend)
     if backend not in BACKENDS:
         raise EngineError(f"unknown engine backend {backend!r}; known: {sorted(BACKENDS)}")
     module = importlib.import_module(BACKENDS[backend])

@@ -41,7 +41,7 @@ import numpy as np
 
 from stoa.types import Episode
 
-__all__ = ["G_MAX", "G_MIN", "Draws", "MarginPlan", "draw_margins", "episode_key", "gumbel", "margin_plan",
+__all__ = ["G_MAX", "G_MIN", "Draws", "HostSampler", "MarginPlan", "draw_margins", "episode_key", "gumbel", "margin_plan",
            "noise_bits", "row_seeds", "split_seeds", "truncate"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -54,20 +54,20 @@ G_MIN = float(-np.log(-np.log(0.5 * 2.0**-23)))
 """The smallest (about -2.81)."""
 PROBE = 64
 """Highest logits whose noise :func:`draw_margins` computes first, to bound the rest."""
-_BIN = 0.125
+BIN = 0.125
 
 
 def _bits_at_least() -> np.ndarray:
-    """``[b]``: the smallest 23-bit noise code whose Gumbel noise can exceed ``b * _BIN`` (bin
+    """``[b]``: the smallest 23-bit noise code whose Gumbel noise can exceed ``b * BIN`` (bin
     ``b`` of a deficit), conservatively (one code lower); the last entry is past every code.
     Index -1 (a negative deficit) is 0: every code."""
-    edges = np.arange(0.0, G_MAX + _BIN, _BIN)
+    edges = np.arange(0.0, G_MAX + BIN, BIN)
     u = np.exp(-np.exp(-edges))  # noise > edge  <=>  u > this
     codes = np.floor(u * 2.0**23 - 0.5).astype(np.int64) - 1
     return np.concatenate([np.clip(codes, 0, None), [2**23, 0]]).astype(np.uint32)
 
 
-_BITS_AT = _bits_at_least()
+BITS_AT = _bits_at_least()
 
 
 def episode_key(seed: int, group_id: str, index: int, sample_index: int) -> int:
@@ -149,6 +149,90 @@ def truncate(z: np.ndarray, top_k: int, top_p: float) -> None:
         z[p < ps[np.arange(b), k][:, None]] = -np.inf
 
 
+class HostSampler:
+    """The sampling rule in numpy, with reused work buffers (fresh pages cost more than exp).
+
+    Noise is computed only where it can decide the draw, which gives the full computation's token
+    (the same float32 arithmetic on the entries that remain): the row's most likely token's noised
+    score bounds the winner's from below; a token whose scaled logit plus ``G_MAX`` falls short of
+    it is skipped, and of the rest only those whose integer noise code reaches the threshold of
+    their deficit (:func:`draw_margins`' table) get float noise. A trained model's distribution
+    leaves a few hundred entries of the vocabulary; a flat one (a random model's) all of them, of
+    which about half get float noise."""
+
+    def __init__(self) -> None:
+        self._z = np.empty((0, 0), np.float32)
+        self._e = np.empty((0, 0), np.float32)
+
+    def __call__(self, logits: np.ndarray, seeds: np.ndarray, temperature: float, top_k: int = 0,
+                 top_p: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+        b, v = logits.shape
+        if self._z.shape[0] < b or self._z.shape[1] != v:
+            self._z = np.empty((max(b, self._z.shape[0]), v), np.float32)
+            self._e = np.empty_like(self._z)
+        z, e = self._z[:b], self._e[:b]
+        np.multiply(logits, np.float32(1.0 / temperature), out=z, casting="same_kind")
+        if top_k or top_p < 1.0:
+            truncate(z, top_k, top_p)
+        rows = np.arange(b)
+        best = z.argmax(axis=1)
+        z -= z[rows, best][:, None]
+        np.exp(z, out=e)
+        total = e.sum(axis=1)
+        lo, hi = split_seeds(seeds)
+        bound = gumbel((lo, hi), best.astype(np.uint32)[:, None], np.float32)[:, 0]  # z[best] = 0
+        tok = np.empty(b, np.int64)
+        step = max(1, (1 << 18) // v)  # rows at a time: temporaries stay in cache
+        for a in range(0, b, step):
+            tok[a:a + step] = _draw(z[a:a + step], lo[a:a + step], hi[a:a + step], bound[a:a + step], e[a:a + step])
+        lp = z[rows, tok] - np.log(total)
+        return tok, lp.astype(np.float32)
+
+
+_SLACK = np.float32(1e-3)  # float32 rounding of a deficit, in scaled-logit units
+_NEED = np.concatenate([[0], BITS_AT[:-1]]).astype(np.uint32)  # BITS_AT shifted: entry 0 for deficits < 0
+
+
+def _noise_of(code: np.ndarray) -> np.ndarray:
+    """float32 Gumbel noise of 23-bit codes: :func:`gumbel`'s arithmetic."""
+    g = code.astype(np.float32)
+    np.subtract(np.float32(2**23 - 0.5), g, out=g)
+    g *= np.float32(-(2.0**-23))
+    np.log1p(g, out=g)
+    np.negative(g, out=g)
+    np.log(g, out=g)
+    np.negative(g, out=g)
+    return g
+
+
+def _need(bound: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """The smallest noise code with which each entry of ``z`` could reach ``bound`` (conservative)."""
+    deficit = np.floor((bound - z - _SLACK) * np.float32(1 / BIN))
+    np.clip(deficit, -1, len(BITS_AT) - 2, out=deficit)
+    return _NEED[deficit.astype(np.int64) + 1]
+
+
+def _draw(z: np.ndarray, lo: np.ndarray, hi: np.ndarray, bound: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """argmax_j z_j + g_j per row (first index on a tie) of shifted scaled logits ``z [n, V]``
+    given a lower bound ``bound [n]`` on each row's best noised score (reached by some entry)."""
+    n, v = z.shape
+    cand = np.greater_equal(z, (bound - np.float32(G_MAX) - _SLACK)[:, None], out=scratch.view(np.bool_)[:, :v])
+    if 4 * int(np.count_nonzero(cand)) > cand.size:  # a flat distribution: every entry (cheaper whole)
+        score = gumbel((lo, hi), v, np.float32, out=scratch[:, :v])
+        score += z
+        return score.argmax(axis=1).astype(np.int64)
+    ri, ci = np.nonzero(cand)
+    zc = z[ri, ci]
+    code = noise_bits((lo[ri], hi[ri]), ci.astype(np.uint32)[:, None])[:, 0] >> np.uint32(9)
+    keep = code >= _need(bound[ri], zc)
+    ri, ci, zc = ri[keep], ci[keep], zc[keep]
+    score = _noise_of(code[keep])
+    score += zc
+    starts = np.searchsorted(ri, np.arange(n))
+    top = np.maximum.reduceat(score, starts)
+    return np.minimum.reduceat(np.where(score == top[ri], ci, v), starts).astype(np.int64)
+
+
 def _kept_bounds(z: np.ndarray, top_k: int, top_p: float, delta: float) -> tuple[np.ndarray, np.ndarray]:
     """``(sure, maybe)`` boolean ``[V]``: the tokens that top-k / top-p keep under every, and
     under some, perturbation of the scaled logits ``z [V]`` (float64) by at most ``delta`` per
@@ -223,9 +307,9 @@ def draw_margins(logits: np.ndarray, temperature: np.ndarray, tokens: np.ndarray
     # threshold. Integer bits for every token, float noise only for the few that reach it.
     deficit = best[:, None] - lg
     deficit /= t[:, None]
-    np.multiply(deficit, 1 / _BIN, out=deficit)
-    np.clip(deficit, -1, len(_BITS_AT) - 2, out=deficit)
-    need = _BITS_AT[deficit.astype(np.int64)]  # bins below 0 (index -1) need nothing
+    np.multiply(deficit, 1 / BIN, out=deficit)
+    np.clip(deficit, -1, len(BITS_AT) - 2, out=deficit)
+    need = BITS_AT[deficit.astype(np.int64)]  # bins below 0 (index -1) need nothing
     rest = (noise_bits((lo, hi), np.arange(v, dtype=np.uint32)) >> np.uint32(9)) >= need
     rest[rows, tokens] = False
     if keep is not None:

@@ -25,7 +25,7 @@ import numpy as np
 from stoa.models.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, train_tokenizer
 from stoa.transport import tensorfile
 
-__all__ = ["PRESETS", "build_preset", "hf_config_for", "num_params", "tensor_specs", "write_safetensors"]
+__all__ = ["PRESETS", "build_preset", "decode_flops", "hf_config_for", "num_params", "tensor_specs", "write_safetensors"]
 
 _QWEN2_COMMON = {
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
@@ -144,6 +144,17 @@ def tensor_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
 def num_params(cfg: dict[str, Any]) -> int:
     """Parameter count of ``cfg`` (a tied head counted once, as Hugging Face counts it)."""
     return sum(int(np.prod(s)) for _, s, _ in tensor_specs(cfg))
+
+
+def decode_flops(cfg: dict[str, Any], context: float) -> float:
+    """Floating-point operations of one generated token: 2 per weight of every matrix it
+    multiplies (the projections and the output head; the embedding lookup is free) plus attention
+    over ``context`` earlier positions (scores and weighted values: 4 * heads * head_dim each)."""
+    matmul = sum(int(np.prod(s)) for name, s, _ in tensor_specs(cfg) if len(s) == 2 and "embed_tokens" not in name)
+    if cfg.get("tie_word_embeddings", False):
+        matmul += int(cfg["vocab_size"]) * int(cfg["hidden_size"])
+    attn = 4 * int(cfg["num_attention_heads"]) * _head_dim(cfg) * int(cfg["num_hidden_layers"]) * context
+    return 2.0 * matmul + attn
 
 
 def _fill(name: str, shape: tuple[int, ...], init: str, index: int, seed: int, std: float, n_layers: int,

@@ -57,7 +57,7 @@ from stoa.transport.identity import SealError, open_sealed
 from stoa.transport.store import StoreError
 from stoa.types import Episode, EpisodeError, Segment, decode_episodes
 
-__all__ = ["KINDS", "Adversary", "make_adversary"]
+__all__ = ["KINDS", "Adversary", "claim_logprobs", "make_adversary"]
 
 log = logging.getLogger("stoa.adversary")
 
@@ -269,12 +269,7 @@ class ColdSampler(Adversary):
         claimed = episodes[0].temperature / 0.7
         for e in episodes:
             e.temperature = claimed
-        for e, lp in zip(episodes, self.engine.score(episodes)):
-            at = len(e.prompt_tokens)
-            for seg in e.segments:
-                if seg.kind == "model":
-                    seg.logprobs = np.asarray(lp[at:at + len(seg.tokens)], np.float32)
-                at += len(seg.tokens)
+        claim_logprobs(episodes, self.engine.score(episodes))
         return episodes
 
 
@@ -315,6 +310,17 @@ KINDS: dict[str, type[Adversary]] = {c.kind: c for c in (FlipRewards, ForgeMetri
                                                           OtherModel, ForgeObservations, Copy, Framer, CopyVariant,
                                                           ColdSampler, Selective, Unenrolled)}
 """Adversary kind -> engine wrapper class (built as ``cls(engine, worker)``)."""
+
+
+def claim_logprobs(episodes: Sequence[Episode], scores: Sequence[np.ndarray]) -> None:
+    """Make each episode's model segments claim ``scores`` (``RolloutEngine.score``'s arrays, aligned
+    with ``Episode.tokens()``) as their log-probs, in place."""
+    for e, lp in zip(episodes, scores):
+        at = len(e.prompt_tokens)
+        for seg in e.segments:
+            if seg.kind == "model":
+                seg.logprobs = np.asarray(lp[at:at + len(seg.tokens)], np.float32)
+            at += len(seg.tokens)
 
 
 def make_adversary(kind: str, *args: Any, **kwargs: Any) -> Worker:

@@ -24,6 +24,7 @@ from stoa.backends.mlx.rollout import Cohort
 from stoa.backends.packing import by_length, padded_tokens
 from stoa.backends.mlx.sampling import HostSampler, device_sample
 from stoa.backends.sampling import Draws, margin_plan
+from stoa.backends.text import TokenizerText
 from stoa.types import Episode
 
 MODES = ("auto", "quantized", "dequantized")
@@ -70,15 +71,14 @@ class MLXEngine:
         self._body = split[0] if split else model
         self._head = split[1] if split else None
         self._tok = load_tokenizer(hf_dir, eos_token_ids=model_config.get("eos_token_id"))
-        self._hf = getattr(self._tok, "_tokenizer", self._tok)
-        self.eos_ids = frozenset(int(t) for t in self._tok.eos_token_ids)
         self._vocab = int(model_config["vocab_size"])
+        self._text = TokenizerText(getattr(self._tok, "_tokenizer", self._tok), self._tok, self._tok.eos_token_ids,
+                                   self._vocab, str(hf_dir))
+        self.eos_ids = self._text.eos_ids
         self._host_sampler = HostSampler()
         self._lock = threading.Lock()
         self._stats = RolloutStats()
-        self._stop_cache: dict[tuple[str, ...], frozenset[int]] = {}
         self._envs: tuple[Any, list[Any]] = (None, [])  # (factory, idle instances) kept across cohorts
-        self._piece_cache: list[str] | None = None
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -197,36 +197,20 @@ class MLXEngine:
     # -- text -----------------------------------------------------------------------------------
     @property
     def codec(self) -> TextCodec:
-        return TextCodec(self.prompt_tokens, self.encode, self.decode, self.eos_ids, self.stop_candidates)
+        return self._text.codec
 
     def encode(self, text: str) -> list[int]:
         """Observation tokens: no BOS/EOS added, special-token strings not parsed as control tokens."""
-        return list(self._hf.encode(text, add_special_tokens=False, split_special_tokens=True))
+        return self._text.encode(text)
 
     def decode(self, tokens: Sequence[int]) -> str:
-        return self._hf.decode(list(tokens), skip_special_tokens=False)
+        return self._text.decode(tokens)
 
     def prompt_tokens(self, prompt: str) -> list[int]:
-        if not getattr(self._tok, "has_chat_template", True):
-            raise EngineError(f"{self.hf_dir} has no chat template; the engine needs one to build prompts")
-        ids = self._tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-        return [int(t) for t in ids]
+        return self._text.prompt_tokens(prompt)
 
     def stop_candidates(self, stops: tuple[str, ...]) -> frozenset[int]:
-        """Tokens whose text holds the last character of a stop string: only after one of them can
-        a stop string complete, so only then is the turn decoded and searched."""
-        if stops not in self._stop_cache:
-            if any(not s[-1].isascii() for s in stops):  # a multi-byte char may span tokens
-                ids = frozenset(range(self._vocab))
-            else:
-                if self._piece_cache is None:
-                    n = len(self._hf)
-                    self._piece_cache = self._hf.batch_decode([[i] for i in range(n)], skip_special_tokens=False)
-                last = {s[-1] for s in stops}
-                ids = frozenset(i for i, p in enumerate(self._piece_cache) if any(c in p for c in last))
-            self._stop_cache[stops] = ids
-        return self._stop_cache[stops]
+        return self._text.stop_candidates(stops)
 
     # -- generation -----------------------------------------------------------------------------
     def sample_tokens(self, logits: mx.array, seeds: np.ndarray, s: SamplingConfig) -> tuple[np.ndarray, np.ndarray]:

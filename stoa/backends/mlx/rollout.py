@@ -12,28 +12,16 @@ per-row left padding; ``filter`` / ``extend`` / ``prepare`` / ``finalize`` are `
 from __future__ import annotations
 
 import copy
-import os
-import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
-from stoa.backends.engine import (
-    EngineConfig,
-    EngineError,
-    RolloutRequest,
-    RolloutStats,
-    SamplingConfig,
-    TextCodec,
-    TurnRule,
-)
-from stoa.backends.sampling import episode_key, row_seeds
-from stoa.types import Episode, Segment
+from stoa.backends import episodes
+from stoa.backends.engine import EngineConfig, RolloutRequest, RolloutStats, SamplingConfig, TextCodec
+from stoa.backends.episodes import DECODE, PREFILL, RESTART, Play
+from stoa.types import Episode
 
 
 class CohortHost(Protocol):
@@ -54,31 +42,7 @@ class CohortHost(Protocol):
     @property
     def body(self) -> Any: ...
 
-    def prompt_tokens(self, prompt: str) -> list[int]: ...
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, tokens: Sequence[int]) -> str: ...
-
-
-@dataclass(eq=False)
-class _Ep:
-    r: int  # request position in the cohort
-    req: RolloutRequest
-    sample: int
-    key: int
-    env: Any
-    env_id: str
-    prompt: list[int]
-    length: int  # tokens so far: prompt, segments and the current turn
-    segments: list[Segment] = field(default_factory=list)
-    turn: list[int] = field(default_factory=list)
-    turn_lp: list[float] = field(default_factory=list)
-    feed: list[int] = field(default_factory=list)  # to prefill before rejoining the batch
-    pending: int = 0
-    reward: float = 0.0
-    turns: int = 0
-    metrics: dict[str, Any] = field(default_factory=dict)
+    def sample_tokens(self, logits: Any, seeds: Any, s: SamplingConfig) -> tuple[Any, Any]: ...
 
 
 def _take(cache: list[BatchKVCache], idx: list[int]) -> list[BatchKVCache]:
@@ -92,104 +56,38 @@ def _take(cache: list[BatchKVCache], idx: list[int]) -> list[BatchKVCache]:
 
 
 class Cohort:
-    """Plays one cohort of requests to completion (see :meth:`stoa.backends.mlx.engine.MLXEngine.rollout`)."""
+    """Plays one cohort of requests to completion (see :meth:`stoa.backends.mlx.engine.MLXEngine.rollout`); the episodes
+    themselves are :class:`stoa.backends.episodes.Cohort`'s."""
 
     def __init__(self, engine: CohortHost, make_env: Callable[[], Any], requests: Sequence[RolloutRequest],
                  sampling: SamplingConfig, envs: list[Any]) -> None:
-        self.e, self.make_env, self.s = engine, make_env, sampling
-        self.cfg, self.version = engine.config, engine.version  # fixed for the whole cohort
-        self.requests = list(requests)
-        self.seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        self.stats = RolloutStats()
-        self.rows: list[_Ep] = []
+        self.e, self.s, self.cfg = engine, sampling, engine.config
+        self.book = episodes.Cohort(engine.codec, make_env, requests, sampling, envs, version=engine.version,
+                                    worker_id=engine.worker_id, kv_reuse=engine.config.kv_reuse)
+        self.rows: list[Play] = []
         self.cache: list[BatchKVCache] | None = None
-        self.moving: list[_Ep] = []
+        self.moving: list[Play] = []
         self.moving_cache: list[BatchKVCache] | None = None
-        self.fresh: list[_Ep] = []  # need a prefill from an empty cache
-        self.free_envs = envs  # idle environments; every episode resets the one it takes
-        self.results: dict[tuple[int, int], Episode] = {}
-        self.stops: tuple[str, ...] | None = sampling.stop_strings
-        self.rule: TurnRule | None = None
-        self.prompt_cache: dict[str, list[int]] = {}
+        self.fresh: list[Play] = []  # need a prefill from an empty cache
 
-    # -- episode life cycle -------------------------------------------------------------------
-    def _start(self, r: int, req: RolloutRequest, sample: int) -> _Ep:
-        env = self.free_envs.pop() if self.free_envs else self.make_env()
-        if self.stops is None:
-            self.stops = tuple(getattr(env.unwrapped, "stop_strings", ()) or ())
-        if self.rule is None:
-            self.rule = self.e.codec.turn_rule(self.stops, self.s.max_turn_tokens, self.s.max_episode_tokens)
-        key = episode_key(self.seed, req.group_id, int(req.index), sample)
-        prompt_text, _ = env.reset(seed=key & 0x7FFFFFFF, options={"index": int(req.index)})
-        if not isinstance(prompt_text, str):
-            raise EngineError(f"env.reset returned a {type(prompt_text).__name__} prompt, expected str")
-        tokens = self.prompt_cache.get(prompt_text)
-        if tokens is None:
-            tokens = self.prompt_cache[prompt_text] = self.e.prompt_tokens(prompt_text)
-        if len(tokens) > self.s.max_episode_tokens - 1:
-            raise EngineError(f"request {r} (index {req.index}): prompt of {len(tokens)} tokens leaves no room "
-                              f"under max_episode_tokens={self.s.max_episode_tokens}")
-        spec = getattr(env, "spec", None)
-        ep = _Ep(r, req, sample, key, env, getattr(spec, "id", "") or "", tokens, len(tokens))
-        ep.feed, ep.pending = tokens[:-1], tokens[-1]
-        return ep
+    @property
+    def stats(self) -> RolloutStats:
+        return self.book.stats
 
-    def _end_turn(self, ep: _Ep, why: str) -> list[int] | None:
-        """Close the turn, step the env; the observation's tokens, or None when the episode ended."""
-        ep.segments.append(Segment("model", np.array(ep.turn, np.int32), np.array(ep.turn_lp, np.float32)))
-        ep.turns += 1
-        self.stats.turns += 1
-        text = self.e.decode(ep.turn[:-1] if why == "eos" else ep.turn)
-        ep.turn, ep.turn_lp = [], []
-        obs, reward, terminated, truncated, info = ep.env.step(text)
-        ep.reward += float(reward)
-        if isinstance(info, dict) and isinstance(info.get("metrics"), dict):
-            ep.metrics = dict(info["metrics"])
-        if terminated or truncated:
-            return self._finish(ep, "terminated" if terminated else "truncated")
-        if why in ("eos", "max_episode_tokens"):
-            return self._finish(ep, why)
-        obs_tokens = self.e.encode(obs) if obs else []
-        if ep.length + len(obs_tokens) + 1 > self.s.max_episode_tokens:
-            return self._finish(ep, "max_episode_tokens")
-        if obs_tokens:
-            ep.segments.append(Segment("env", np.array(obs_tokens, np.int32)))
-            ep.length += len(obs_tokens)
-            self.stats.env_tokens += len(obs_tokens)
-        return obs_tokens
-
-    def _finish(self, ep: _Ep, reason: str) -> None:
-        self.free_envs.append(ep.env)
-        self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
-        self.results[(ep.r, ep.sample)] = Episode(
-            prompt_tokens=np.array(ep.prompt, np.int32), segments=ep.segments, reward=ep.reward,
-            metrics={**ep.metrics, "turns": ep.turns, "truncated": reason != "terminated",
-                     "finish_reason": reason},
-            policy_version=self.version, worker_id=self.e.worker_id, env_id=ep.env_id,
-            group_id=ep.req.group_id, sample_index=ep.sample, temperature=self.s.temperature, top_p=self.s.top_p,
-            item_index=int(ep.req.index),
-        )
-        return None
+    @property
+    def free_envs(self) -> list[Any]:
+        return self.book.free_envs
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> list[Episode]:
-        t0 = time.perf_counter()
-        todo = deque((r, req, s) for r, req in enumerate(self.requests) for s in range(req.num_samples))
-        while todo or self.rows or self.moving or self.fresh:
-            room = self.cfg.max_batch - len(self.rows) - len(self.moving) - len(self.fresh)
-            while todo and room > 0:
-                self.fresh.append(self._start(*todo.popleft()))
-                room -= 1
+        book = self.book
+        while book.todo or self.rows or self.moving or self.fresh:
+            self.fresh += book.admit(self.cfg.max_batch - len(self.rows) - len(self.moving) - len(self.fresh))
             if self.moving or self.fresh:
                 self._prefill()
             if self.rows:
                 self._decode()
-        out = [self.results[(r, s)] for r, req in enumerate(self.requests) for s in range(req.num_samples)]
-        st = self.stats
-        st.episodes = len(out)
-        st.model_tokens = sum(ep.num_model_tokens for ep in out)
-        st.wall_s = time.perf_counter() - t0
-        return out
+        return book.episodes()
 
     def _prefill(self) -> None:
         """Prefill moving rows (with their caches) and fresh rows (empty caches) in one pass."""
@@ -247,38 +145,20 @@ class Cohort:
         self.moving, self.moving_cache, self.fresh = [], None, []
 
     def _decode(self) -> None:
-        rows, s, e = self.rows, self.s, self.e
+        rows, e = self.rows, self.e
         x = mx.array([ep.pending for ep in rows], dtype=mx.int32)[:, None]
         logits = e.mlx_model(x, cache=self.cache)[:, -1, :]
-        seeds = row_seeds(np.array([ep.key for ep in rows], np.uint64), np.array([ep.length for ep in rows], np.int64))
-        toks, lps = e.sample_tokens(logits, seeds, s)
+        toks, lps = e.sample_tokens(logits, self.book.seeds(rows), self.s)
         self.stats.decode_steps += 1
         keep, move = [], []
         for i, ep in enumerate(rows):
-            t = int(toks[i])
-            ep.turn.append(t)
-            ep.turn_lp.append(float(lps[i]))
-            ep.length += 1
-            why = self.rule.end(ep.turn, ep.length)  # type: ignore[union-attr]
-            if why is None:
-                ep.pending = t
+            then = self.book.record(ep, int(toks[i]), float(lps[i]))
+            if then == DECODE:
                 keep.append(i)
-                continue
-            obs = self._end_turn(ep, why)
-            if obs is None:
-                continue
-            feed = [t] + obs
-            if len(feed) == 1:
-                ep.pending = t
-                keep.append(i)
-            elif not self.cfg.kv_reuse:  # the baseline: prefill the whole history again
-                full = ep.prompt + [int(x) for seg in ep.segments for x in seg.tokens]
-                ep.feed, ep.pending = full[:-1], full[-1]
-                self.fresh.append(ep)
-            else:
-                ep.feed, ep.pending = feed[:-1], feed[-1]
-                self.stats.prefill_saved_kv += ep.length - len(feed)
+            elif then == PREFILL:
                 move.append(i)
+            elif then == RESTART:  # the baseline: prefill the whole history again
+                self.fresh.append(ep)
         if move:
             self.moving = [rows[i] for i in move]
             self.moving_cache = _take(self.cache, move)

@@ -18,38 +18,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from stoa.backends.sampling import H1, H2, episode_key, gumbel, row_seeds, split_seeds, truncate
+from stoa.backends.sampling import H1, H2, HostSampler, episode_key, row_seeds, split_seeds
 
 __all__ = ["HostSampler", "device_sample", "episode_key", "row_seeds"]
-
-
-class HostSampler:
-    """The sampling rule in numpy, with reused work buffers (fresh pages cost more than exp)."""
-
-    def __init__(self) -> None:
-        self._z = np.empty((0, 0), np.float32)
-        self._e = np.empty((0, 0), np.float32)
-
-    def __call__(self, logits: np.ndarray, seeds: np.ndarray, temperature: float, top_k: int = 0,
-                 top_p: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
-        b, v = logits.shape
-        if self._z.shape[0] < b or self._z.shape[1] != v:
-            self._z = np.empty((max(b, self._z.shape[0]), v), np.float32)
-            self._e = np.empty_like(self._z)
-        z, e = self._z[:b], self._e[:b]
-        np.multiply(logits, np.float32(1.0 / temperature), out=z, casting="same_kind")
-        if top_k or top_p < 1.0:
-            truncate(z, top_k, top_p)
-        z -= z.max(axis=1, keepdims=True)
-        np.exp(z, out=e)
-        total = e.sum(axis=1)
-        step = max(1, (1 << 18) // v)  # rows at a time: the hash's temporaries stay in cache
-        for a in range(0, b, step):
-            gumbel(seeds[a:a + step], v, np.float32, out=e[a:a + step])
-        e += z
-        tok = e.argmax(axis=1)
-        lp = z[np.arange(b), tok] - np.log(total)
-        return tok.astype(np.int64), lp.astype(np.float32)
 
 
 def _truncate_mx(z: mx.array, top_k: int, top_p: float) -> mx.array:

@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stoa.backends.packing import by_length, padded_tokens
-from stoa.backends.sampling import Draws, margin_plan
-from stoa.backends.torch import families
+from stoa.backends.packing import by_length
+from stoa.backends.sampling import Draws
+from stoa.backends.torch import families, scoring
 from stoa.types import Episode
 
 __all__ = ["Int8ScorerError", "TorchInt8Scorer", "make_scorer", "resolve_device"]
@@ -37,7 +37,7 @@ class Int8ScorerError(ValueError):
     """The state does not fit the model, or an episode cannot be scored."""
 
 
-def _to_torch(a: np.ndarray, device: torch.device) -> torch.Tensor:
+def to_torch(a: np.ndarray, device: torch.device) -> torch.Tensor:
     """A device tensor of ``a`` (bfloat16 through its bits; read-only/mapped input is fine)."""
     a = np.ascontiguousarray(a)
     bf16 = a.dtype.name == "bfloat16"
@@ -140,10 +140,10 @@ class TorchInt8Scorer:
                 s, b = state.get(stem + ".scales"), state.get(stem + ".biases")
                 if s is None or b is None:
                     raise Int8ScorerError(f"{name}: uint8 codes without {stem}.scales/.biases")
-                w = dequantize_torch(_to_torch(a, self.device), _to_torch(np.asarray(s), self.device),
-                                     _to_torch(np.asarray(b), self.device))
+                w = dequantize_torch(to_torch(a, self.device), to_torch(np.asarray(s), self.device),
+                                     to_torch(np.asarray(b), self.device))
             else:
-                w = _to_torch(a, self.device)
+                w = to_torch(a, self.device)
             p.copy_(w)
             del w
         self.version = int(version)
@@ -181,34 +181,12 @@ class TorchInt8Scorer:
             [episodes[i] for i in b], [int(seeds[i]) for i in b], top_k, drift))
 
     def _draws_batch(self, eps: Sequence[Episode], seeds: Sequence[int], top_k: int, drift: float) -> list[Draws]:
-        _, x = padded_tokens(eps, self.vocab_size, np.int64, Int8ScorerError)
-        plan = margin_plan(eps, seeds, x)
-        margins, logprobs = np.empty(plan.at.size, np.float64), np.empty(plan.at.size, np.float64)
-        if margins.size:
-            hidden = self._body(input_ids=torch.from_numpy(plan.x).to(self.device)).last_hidden_state
-            rows, cols = torch.from_numpy(plan.src).to(self.device), torch.from_numpy(plan.at - 1).to(self.device)
-            step = max(1, (1 << 22) // self.vocab_size)  # bound the float logits held at once
-            for a in range(0, margins.size, step):
-                logits = self._head(hidden[rows[a:a + step], cols[a:a + step]]).to(torch.float32)
-                b = a + logits.shape[0]
-                margins[a:b], logprobs[a:b] = plan.margins(a, logits.cpu().numpy(), top_k, drift)
-        return plan.draws(margins, logprobs)
+        return scoring.draws_batch(eps, seeds, top_k, drift, self.vocab_size, self.device, self._hidden, self._head,
+                                   Int8ScorerError)
 
     def _score_batch(self, eps: Sequence[Episode], temperature: float | None) -> list[np.ndarray]:
-        toks, x = padded_tokens(eps, self.vocab_size, np.int64, Int8ScorerError)
-        width = x.shape[1]
-        xs = torch.from_numpy(x).to(self.device)
-        inv_t = torch.tensor([1.0 / (temperature or ep.temperature) for ep in eps], dtype=torch.float32,
-                             device=self.device)[:, None, None]
-        # Right padding under a causal mask leaves every real position's logits unchanged.
-        hidden = self._body(input_ids=xs).last_hidden_state
-        # Bound the float32 logits held at once (~128 MB); each chunk re-reads the head matrix.
-        chunk = max(1, (1 << 25) // (len(eps) * self.vocab_size))
-        parts = []
-        for a in range(0, width - 1, chunk):
-            b = min(width - 1, a + chunk)
-            z = self._head(hidden[:, a:b]).to(torch.float32) * inv_t
-            logp = z - torch.logsumexp(z, dim=-1, keepdim=True)
-            parts.append(torch.gather(logp, -1, xs[:, a + 1:b + 1, None])[..., 0])
-        lp = torch.cat(parts, dim=1).cpu().numpy() if parts else np.zeros((len(eps), 0), np.float32)
-        return [np.concatenate([[0.0], lp[r, :len(t) - 1]]).astype(np.float32) for r, t in enumerate(toks)]
+        return scoring.score_batch(eps, temperature, self.vocab_size, self.device, self._hidden, self._head,
+                                   Int8ScorerError)
+
+    def _hidden(self, x: torch.Tensor) -> torch.Tensor:
+        return self._body(input_ids=x).last_hidden_state

@@ -52,8 +52,10 @@ def no_worker_left(procs: dict[str, subprocess.Popen], finished: Callable[[], bo
 
 def _spawn(args: list[str], log_path: Path, threads: int | None) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    # MLX's OpenBLAS threads (read at load); torch's threads are set by the learner config.
-    env["OPENBLAS_NUM_THREADS"] = str(threads)
+    # The engine's math threads, read when its library loads (OpenBLAS for MLX, OpenMP for torch); the
+    # trainer's learner then sets its own torch thread count from its config.
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = str(threads)
     return subprocess.Popen([sys.executable, "-m", "stoa", *args], stdout=open(log_path, "ab"),
                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
 

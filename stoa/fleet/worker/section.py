@@ -42,10 +42,12 @@ class RolloutConfig:
     """Most tokens in one episode (prompt included)."""
     max_batch: int = 128
     """Episodes in flight at once in the engine."""
-    engine: str = "mlx"
-    """Rollout engine backend (``stoa.backends.engine.BACKENDS``)."""
-    engine_mode: Literal["auto", "quantized", "dequantized"] = "auto"
-    """Engine compute mode (for MLX, see ``stoa.backends.mlx``)."""
+    engine: str = "auto"
+    """Rollout engine backend (``stoa.backends.engine.BACKENDS``), or ``auto``: MLX on Apple silicon,
+    torch elsewhere (``stoa.backends.engine.resolve_backend``)."""
+    engine_mode: Literal["auto", "quantized", "dequantized", "bfloat16"] = "auto"
+    """Engine compute mode (MLX: ``quantized`` / ``dequantized``; torch: ``dequantized`` (float32) or
+    ``bfloat16`` on GPUs, which drifts from the trainer's float32 re-score: docs/trust.md)."""
     poll_seconds: float = 0.5
     """How often an idle worker checks the version pointer."""
     lag: int = 0
@@ -63,7 +65,8 @@ class RolloutConfig:
         check(self.lag >= 0, "rollout.lag must be >= 0")
         from stoa.backends.engine import BACKENDS
 
-        check(self.engine in BACKENDS, f"rollout.engine {self.engine!r} is not one of {sorted(BACKENDS)}")
+        check(self.engine in BACKENDS or self.engine == "auto",
+              f"rollout.engine {self.engine!r} is not one of {sorted(BACKENDS)} or auto")
 
     def sampling(self, seed: int) -> SamplingConfig:
         """How a cohort samples: these settings and the seed its work was assigned."""

@@ -1,0 +1,291 @@
+"""A batched decoder over a per-row KV cache, written for the families Stoa runs.
+
+The rollout engine's model (:mod:`stoa.backends.torch.engine`): the transformer of a
+:class:`~stoa.models.hfconfig.ModelSpec` (``llama``, ``mistral``, ``qwen2``, ``qwen3``,
+``gemma2``, ``gemma3_text``) as a few fused tensor ops a layer, computing what ``transformers``'
+eager/SDPA modules compute (the same norms in float32, RoPE from ``transformers``' own rotary
+module, the same scales, windows and soft-caps) on the weights of record. The projections are
+fused (``q|k|v`` and ``gate|up`` as one matrix each); :attr:`Decoder.views` maps every Hugging
+Face parameter name to its slice, so a PULSE delta rewrites only what it touched.
+
+Keys and values live in :class:`KVCache`: ``slots`` rows, each its own episode at its own
+length, with no padding inside a row. A forward pass feeds ``m`` new tokens to each of ``n``
+rows, writing their keys at positions ``start .. start + m - 1`` of the rows' slots; a query
+at position ``p`` attends to positions ``<= p`` of its row (and ``> p - window`` on sliding
+layers). Positions a row has not written yet hold stale values and are never attended to.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from stoa.models.hfconfig import ModelSpec
+
+__all__ = ["Decoder", "KVCache", "FAMILIES"]
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+
+_ROTARY = {"llama": ("llama", "LlamaRotaryEmbedding"), "mistral": ("mistral", "MistralRotaryEmbedding"),
+           "qwen2": ("qwen2", "Qwen2RotaryEmbedding"), "qwen3": ("qwen3", "Qwen3RotaryEmbedding"),
+           "gemma2": ("gemma2", "Gemma2RotaryEmbedding"), "gemma3_text": ("gemma3", "Gemma3RotaryEmbedding")}
+_GEMMA = ("gemma2", "gemma3_text")
+_STEP = 256  # cache positions are allocated in multiples of this
+_SCORES = 1 << 24  # most attention scores (float32) one call materializes
+
+
+class KVCache:
+    """Keys and values of ``slots`` rows: per layer ``[slots, kv_heads, capacity, head_dim]``."""
+
+    def __init__(self, layers: int, slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, capacity: int = _STEP) -> None:
+        self.shape = (slots, kv_heads, 0, head_dim)
+        self.dtype, self.device = dtype, device
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.layers, self.capacity = layers, 0
+        self.ensure(capacity)
+
+    def ensure(self, length: int) -> None:
+        """Room for ``length`` positions in every row (grown in steps; rows keep their contents)."""
+        if length <= self.capacity:
+            return
+        cap = -(-length // _STEP) * _STEP
+        s, h, _, d = self.shape
+        for i in range(self.layers):
+            for store in (self.k, self.v):
+                # zeros: a masked position's weight is 0, and 0 * a NaN left in fresh memory would be NaN
+                new = torch.zeros((s, h, cap, d), dtype=self.dtype, device=self.device)
+                if self.capacity:
+                    new[:, :, :self.capacity] = store[i]
+                    store[i] = new
+                else:
+                    store.append(new)
+        self.capacity = cap
+
+    def copy_rows(self, src: int, dst: list[int], length: int) -> None:
+        """Give rows ``dst`` row ``src``'s first ``length`` positions."""
+        if not dst or not length:
+            return
+        idx = torch.tensor(dst, device=self.device)
+        for store in (self.k, self.v):
+            for t in store:
+                t[idx, :, :length] = t[src, :, :length]
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Row ``dst`` takes row ``src``'s first ``length`` positions (compaction)."""
+        if length:
+            for store in (self.k, self.v):
+                for t in store:
+                    t[dst, :, :length] = t[src, :, :length]
+
+
+@dataclass(frozen=True)
+class _Layer:
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+    norms: dict[str, torch.Tensor]
+    window: int | None
+    rope: int  # index into Decoder's cos/sin tables (Gemma 3's sliding layers have their own base)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
+    """transformers' RMSNorm: normalized in float32; Llama multiplies after casting back, Gemma
+    by ``1 + w`` before."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:
+        return (h * (1.0 + w.float())).to(x.dtype)
+    return w * h.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE (``rotate_half`` form); ``x [n, m, h, d]``, ``cos``/``sin`` ``[n, m, 1, d]``."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class Decoder:
+    """The model of ``spec`` in ``dtype`` on ``device``; weights start uninitialized (write them
+    through :attr:`views`). ``config``: the ``transformers`` config of the same folder (its
+    rotary module computes RoPE's frequencies)."""
+
+    def __init__(self, spec: ModelSpec, config, device: torch.device, dtype: torch.dtype = torch.float32,
+                 attention_bias: bool = False, mlp_bias: bool = False) -> None:
+        if spec.model_type not in FAMILIES:
+            raise ValueError(f"model_type {spec.model_type!r} is not one of {FAMILIES}")
+        self.spec, self.device, self.dtype = spec, torch.device(device), dtype
+        self.gemma = spec.model_type in _GEMMA
+        h, d, nq, nkv = spec.hidden_size, spec.head_dim, spec.num_attention_heads, spec.num_key_value_heads
+        inter = int(config.intermediate_size)
+        self.dims = (nq * d, nkv * d, nkv * d)
+        qkv_bias = spec.model_type == "qwen2" or attention_bias
+        new = lambda *shape: torch.empty(shape, dtype=dtype, device=self.device)  # noqa: E731
+        self.views: dict[str, torch.Tensor] = {}
+        self.embed = new(spec.vocab_size, h)
+        self.views["model.embed_tokens.weight"] = self.embed
+        self.head = self.embed if spec.tie_word_embeddings else new(spec.vocab_size, h)
+        if not spec.tie_word_embeddings:
+            self.views["lm_head.weight"] = self.head
+        self.final_norm = self._param("model.norm.weight", new(h))
+        norm_names = ["input_layernorm", "post_attention_layernorm"]
+        if self.gemma:
+            norm_names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        qk_norm = spec.model_type in ("qwen3", "gemma3_text")
+        self.layers: list[_Layer] = []
+        rope_kinds = sorted({t for t in spec.layer_types}) if spec.model_type == "gemma3_text" else [None]
+        for i in range(spec.num_hidden_layers):
+            p = f"model.layers.{i}."
+            qkv = new(sum(self.dims), h)
+            qb = new(sum(self.dims)) if qkv_bias else None
+            a, b = 0, 0
+            for name, n_out in zip(("q", "k", "v"), self.dims):
+                b = a + n_out
+                self.views[f"{p}self_attn.{name}_proj.weight"] = qkv[a:b]
+                if qb is not None:
+                    self.views[f"{p}self_attn.{name}_proj.bias"] = qb[a:b]
+                a = b
+            gu = new(2 * inter, h)
+            self.views[f"{p}mlp.gate_proj.weight"], self.views[f"{p}mlp.up_proj.weight"] = gu[:inter], gu[inter:]
+            gub = new(2 * inter) if mlp_bias else None
+            if gub is not None:
+                self.views[f"{p}mlp.gate_proj.bias"], self.views[f"{p}mlp.up_proj.bias"] = gub[:inter], gub[inter:]
+            norms = {n: self._param(f"{p}{n}.weight", new(h)) for n in norm_names}
+            if qk_norm:
+                norms["q_norm"] = self._param(f"{p}self_attn.q_norm.weight", new(d))
+                norms["k_norm"] = self._param(f"{p}self_attn.k_norm.weight", new(d))
+            kind = spec.layer_types[i] if spec.layer_types else None
+            self.layers.append(_Layer(
+                qkv, qb, self._param(f"{p}self_attn.o_proj.weight", new(h, nq * d)),
+                self._param(f"{p}self_attn.o_proj.bias", new(h)) if attention_bias else None,
+                gu, gub, self._param(f"{p}mlp.down_proj.weight", new(h, inter)),
+                self._param(f"{p}mlp.down_proj.bias", new(h)) if mlp_bias else None,
+                norms, spec.windows[i] if spec.layer_types else None,
+                rope_kinds.index(kind) if spec.model_type == "gemma3_text" else 0))
+        self._rope_kinds = rope_kinds
+        self._rotary = self._rotary_module(config)
+        self._cos: list[torch.Tensor] = []
+        self._sin: list[torch.Tensor] = []
+        self.embed_scale = None
+        if self.gemma:  # transformers: sqrt(hidden) in the weights' dtype (Gemma 3: rounded to bfloat16)
+            s = torch.tensor(h ** 0.5, dtype=torch.bfloat16 if spec.model_type == "gemma3_text" else dtype)
+            self.embed_scale = s.to(dtype).to(self.device)
+
+    def _param(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        self.views[name] = t
+        return t
+
+    def _rotary_module(self, config):
+        module, cls = _ROTARY[self.spec.model_type]
+        rotary = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), cls)
+        return rotary(config).to(self.device)
+
+    # -- RoPE -------------------------------------------------------------------------------------
+    def _tables(self, length: int) -> None:
+        """cos/sin for positions ``0 .. length - 1`` (computed by transformers' rotary module)."""
+        if self._cos and self._cos[0].shape[0] >= length:
+            return
+        n = -(-length // _STEP) * _STEP
+        pos = torch.arange(n, device=self.device)[None]
+        dummy = torch.zeros(1, dtype=self.dtype, device=self.device)
+        self._cos, self._sin = [], []
+        for kind in self._rope_kinds:
+            with torch.no_grad():
+                c, s = (self._rotary(dummy, pos) if kind is None else self._rotary(dummy, pos, layer_type=kind))
+            self._cos.append(c[0].to(self.dtype))
+            self._sin.append(s[0].to(self.dtype))
+
+    # -- the forward pass ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, start: torch.Tensor, longest: int, cache: KVCache,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states ``[n, m, hidden]`` of new tokens ``ids [n, m]`` (int64) of cache rows
+        ``rows`` (None: rows ``0 .. n-1``), the first at positions ``start [n]``; ``longest`` is
+        ``max(start) + m`` (a host int, so no device sync). Their keys and values are written to
+        the cache (which must hold ``longest`` positions)."""
+        spec = self.spec
+        n, m = ids.shape
+        pos = start[:, None] + torch.arange(m, device=self.device)[None]  # [n, m]
+        self._tables(longest)
+        cos = [c[pos][:, :, None] for c in self._cos]
+        sin = [s[pos][:, :, None] for s in self._sin]
+        keys = torch.arange(longest, device=self.device)
+        seen = keys[None, None, :] <= pos[:, :, None]  # [n, m, L]
+        masks: dict[int | None, torch.Tensor] = {None: seen}
+        for w in {ly.window for ly in self.layers if ly.window is not None}:
+            masks[w] = seen & (keys[None, None, :] > pos[:, :, None] - w)
+        masks = {w: mk[:, None, None] for w, mk in masks.items()}  # [n, 1, 1, m, L]
+        rsel = torch.arange(n, device=self.device) if rows is None else rows
+        x = F.embedding(ids, self.embed)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        for li, ly in enumerate(self.layers):
+            x = self._layer(li, ly, x, pos, rsel, rows is None, cos[ly.rope], sin[ly.rope], masks[ly.window],
+                            longest, cache)
+        return _rms(x, self.final_norm, spec.rms_norm_eps, self.gemma)
+
+    def _layer(self, li: int, ly: _Layer, x: torch.Tensor, pos: torch.Tensor, rsel: torch.Tensor, contiguous: bool,
+               cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, longest: int, cache: KVCache) -> torch.Tensor:
+        spec, eps, g = self.spec, self.spec.rms_norm_eps, self.gemma
+        n, m, _ = x.shape
+        nq, nkv, d = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
+        a = _rms(x, ly.norms["input_layernorm"], eps, g)
+        q, k, v = F.linear(a, ly.qkv, ly.qkv_bias).split(self.dims, dim=-1)
+        q, k, v = q.view(n, m, nq, d), k.view(n, m, nkv, d), v.view(n, m, nkv, d)
+        if "q_norm" in ly.norms:
+            q, k = _rms(q, ly.norms["q_norm"], eps, g), _rms(k, ly.norms["k_norm"], eps, g)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        kc, vc = cache.k[li], cache.v[li]
+        kc[rsel[:, None], :, pos] = k
+        vc[rsel[:, None], :, pos] = v
+        keys = kc[:n, :, :longest] if contiguous else kc[rsel, :, :longest]
+        vals = vc[:n, :, :longest] if contiguous else vc[rsel, :, :longest]
+        rep = nq // nkv
+        qg = q.view(n, m, nkv, rep, d).permute(0, 2, 3, 1, 4).reshape(n, nkv, rep * m, d)
+        out = torch.empty((n, nkv, rep * m, d), dtype=x.dtype, device=x.device)
+        step = max(1, _SCORES // max(1, nkv * rep * m * longest))
+        for r0 in range(0, n, step):  # bound the scores held at once
+            r1 = min(n, r0 + step)
+            s = torch.matmul(qg[r0:r1], keys[r0:r1].transpose(-1, -2)) * spec.attention_scale
+            if spec.attn_logit_softcapping:
+                c = spec.attn_logit_softcapping
+                s = torch.tanh(s / c) * c
+            s = s.view(r1 - r0, nkv, rep, m, longest).masked_fill(~mask[r0:r1], -math.inf)
+            p = torch.softmax(s, dim=-1, dtype=torch.float32).to(x.dtype)
+            torch.matmul(p.view(r1 - r0, nkv, rep * m, longest), vals[r0:r1], out=out[r0:r1])
+        attn = out.view(n, nkv, rep, m, d).permute(0, 3, 1, 2, 4).reshape(n, m, nq * d)
+        o = F.linear(attn, ly.o, ly.o_bias)
+        if g:
+            o = _rms(o, ly.norms["post_attention_layernorm"], eps, g)
+            x = x + o
+            a = _rms(x, ly.norms["pre_feedforward_layernorm"], eps, g)
+        else:
+            x = x + o
+            a = _rms(x, ly.norms["post_attention_layernorm"], eps, g)
+        gate, up = F.linear(a, ly.gate_up, ly.gate_up_bias).chunk(2, dim=-1)
+        act = F.gelu(gate, approximate="tanh") if g else F.silu(gate)
+        f = F.linear(act * up, ly.down, ly.down_bias)
+        if g:
+            f = _rms(f, ly.norms["post_feedforward_layernorm"], eps, g)
+        return x + f
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final hidden states (Gemma 2's final soft-capping included)."""
+        z = F.linear(hidden, self.head).float()
+        cap = self.spec.final_logit_softcapping
+        return torch.tanh(z / cap) * cap if cap else z
+
+    def write(self, name: str, value: torch.Tensor) -> None:
+        """Copy ``value`` (any float dtype, on any device) into the parameter ``name``."""
+        self.views[name].copy_(value)

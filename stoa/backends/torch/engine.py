@@ -1,0 +1,367 @@
+"""The torch rollout engine (``make_engine(..., backend="torch")``): CPUs and CUDA GPUs.
+
+Conventions (cohorts, episode layout, log-probs, determinism) are those of
+:mod:`stoa.backends.engine`; the batching loop is :mod:`stoa.backends.torch.rollout`, the model
+:mod:`stoa.backends.torch.decoder`, the sampler :mod:`stoa.backends.torch.sample`.
+
+The int8 weight state (uint8 codes, scales, biases, unquantized tensors; numpy, owned by the
+engine) is the state of record. The model computes with its weights of record, ``code * scale +
+bias`` evaluated in float32 (:func:`stoa.backends.torch.int8.dequantize_torch`, what the trainer's
+re-score uses), in one of two modes:
+
+* ``dequantized`` (``auto``'s choice everywhere): float32 weights and float32 activations. On
+  CUDA, TF32 matmuls are turned off for the engine's calls, so a GPU computes what a CPU does up to
+  summation order.
+* ``bfloat16`` (for GPUs; a CPU without bfloat16 units runs it ~25x slower): the same weights rounded to bfloat16, bfloat16 activations (norms and the
+  softmaxes in float32), float32 logits. Faster, and further from the trainer's float32 re-score:
+  measure its drift before a run admits it (``benchmarks/gpu_engine.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from stoa.backends.engine import (
+    EngineBusyError, EngineConfig, EngineError, RolloutRequest, RolloutStats, SamplingConfig, TextCodec,
+)
+from stoa.backends.packing import by_length
+from stoa.backends.sampling import Draws, HostSampler
+from stoa.backends.text import TokenizerText, config_eos_ids
+from stoa.backends.torch import decoder as D
+from stoa.backends.torch import sample as S
+from stoa.backends.torch import scoring
+from stoa.backends.torch.int8 import to_torch, dequantize_torch
+from stoa.types import Episode
+
+__all__ = ["MODES", "TorchEngine", "make"]
+
+MODES = ("auto", "dequantized", "bfloat16")
+_DTYPES = {"dequantized": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(setting: str) -> torch.device:
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if setting.startswith("cuda") and not torch.cuda.is_available():
+        raise EngineError(f"device={setting!r} but torch sees no CUDA device")
+    return torch.device(setting)
+
+
+def resolve_mode(mode: str, device: torch.device) -> str:
+    if mode not in MODES:
+        raise EngineError(f"mode={mode!r} must be one of {MODES} (the torch engine has no int8 kernels)")
+    return "dequantized" if mode == "auto" else mode
+
+
+@contextlib.contextmanager
+def _exact_matmuls(device: torch.device) -> Iterator[None]:
+    """No TF32 in the engine's CUDA matmuls (float32 means float32)."""
+    if device.type != "cuda":
+        yield
+        return
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def _layout(decoder: D.Decoder) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """State name -> (shape, is uint8 codes) that the decoder's parameters need."""
+    from stoa.transport.quant import is_quantized
+
+    out: dict[str, tuple[tuple[int, ...], bool]] = {}
+    for name, t in decoder.views.items():
+        shape = tuple(t.shape)
+        if is_quantized(name, shape):
+            stem = name[: -len(".weight")]
+            groups = (*shape[:-1], shape[-1] // 64)
+            out[name] = (shape, True)
+            out[stem + ".scales"] = (groups, False)
+            out[stem + ".biases"] = (groups, False)
+        else:
+            out[name] = (shape, False)
+    return out
+
+
+def _check_state(state: Any, layout: dict[str, tuple[tuple[int, ...], bool]],
+                 dtypes: dict[str, np.dtype] | None) -> None:
+    """:class:`EngineError` unless ``state`` has the layout's names and shapes, uint8 codes, float
+    tensors elsewhere (and, given ``dtypes``, exactly those dtypes)."""
+    if not isinstance(state, dict):
+        raise EngineError(f"a weight state is a dict of numpy arrays, got {type(state).__name__}")
+    missing, extra = sorted(set(layout) - set(state)), sorted(set(state) - set(layout))
+    if missing or extra:
+        raise EngineError(f"weight state does not fit the model: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, (shape, codes) in layout.items():
+        a = state[name]
+        if not isinstance(a, np.ndarray):
+            raise EngineError(f"{name}: expected a numpy array, got {type(a).__name__}")
+        if tuple(a.shape) != shape:
+            raise EngineError(f"{name}: shape {tuple(a.shape)}, the model needs {shape}")
+        ok = a.dtype == np.uint8 if codes else a.dtype.kind == "f" or a.dtype.name == "bfloat16"
+        if not ok or (dtypes is not None and a.dtype != dtypes[name]):
+            raise EngineError(f"{name}: dtype {a.dtype}, the model needs "
+                              f"{'uint8' if codes else dtypes[name] if dtypes else 'a float dtype'}")
+
+
+class TorchEngine:
+    """A :class:`stoa.backends.engine.RolloutEngine` on torch. Build with :func:`make`;
+    attributes and methods are documented on the protocol. Also: ``config`` (an
+    :class:`EngineConfig`, replaceable between cohorts), ``device``, ``decoder`` (the model),
+    ``eos_ids``."""
+
+    def __init__(self, hf_dir: Path, state: dict[str, np.ndarray], version: int, mode: str = "auto",
+                 config: EngineConfig = EngineConfig(), worker_id: str = "", device: str = "auto") -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        from stoa.backends.torch import families
+
+        self.hf_dir, self.config, self.version, self._worker_id = Path(hf_dir), config, int(version), str(worker_id)
+        self.device = resolve_device(device)
+        self._mode = resolve_mode(mode, self.device)
+        spec = families.read_spec(self.hf_dir, "torch", EngineError)
+        cfg = AutoConfig.from_pretrained(self.hf_dir)
+        self.decoder = D.Decoder(spec, cfg, self.device, _DTYPES[self._mode],
+                                 attention_bias=bool(getattr(cfg, "attention_bias", False)),
+                                 mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
+        self._layout = _layout(self.decoder)
+        _check_state(state, self._layout, None)
+        self._state = {k: np.array(v, copy=True, order="C") for k, v in state.items()}
+        self._rebuild(list(self.decoder.views))
+        rope = cfg.rope_parameters or {}
+        self._built = {**{k: v for k, v in spec.to_dict().items() if k not in ("rope_theta", "max_position_embeddings",
+                                                                             "hidden_act")},
+                       "rope_theta": float(rope.get("full_attention", rope).get("rope_theta", spec.rope_theta))}
+        self._vocab = spec.vocab_size
+        tok = AutoTokenizer.from_pretrained(self.hf_dir)
+        self._text = TokenizerText(tok, tok, config_eos_ids(self.hf_dir), self._vocab, str(self.hf_dir))
+        self.eos_ids = self._text.eos_ids
+        self._tok = tok
+        self._lock = threading.Lock()
+        self._stats = RolloutStats()
+        self._envs: tuple[Any, list[Any]] = (None, [])  # (factory, idle instances) kept across cohorts
+        self._cache: D.KVCache | None = None
+        self._host_sampler = HostSampler()
+
+    # -- attributes -----------------------------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def worker_id(self) -> str:
+        return self._worker_id
+
+    @property
+    def built_config(self) -> dict[str, Any]:
+        return dict(self._built)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tok
+
+    @property
+    def state(self) -> dict[str, np.ndarray]:
+        return self._state
+
+    @property
+    def codec(self) -> TextCodec:
+        return self._text.codec
+
+    def last_stats(self) -> RolloutStats:
+        return self._stats
+
+    def kv_cache(self, slots: int) -> D.KVCache:
+        """The engine's KV cache with ``slots`` rows (kept across cohorts while the batch size holds)."""
+        c = self._cache
+        if c is None or c.shape[0] != slots:
+            s = self.decoder.spec
+            c = self._cache = D.KVCache(s.num_hidden_layers, slots, s.num_key_value_heads, s.head_dim,
+                                        self.decoder.dtype, self.device)
+        return c
+
+    # -- weights --------------------------------------------------------------------------------
+    def _exclusive(self, what: str) -> None:
+        if not self._lock.acquire(blocking=False):
+            raise EngineBusyError(f"{what} while a rollout is running: weights change only between cohorts")
+
+    @torch.no_grad()
+    def _rebuild(self, names: Sequence[str]) -> None:
+        """Recompute the model tensors that depend on state entries ``names`` (or parameter names)."""
+        targets = set()
+        for n in names:
+            stem, _, leaf = n.rpartition(".")
+            targets.add(stem + ".weight" if leaf in ("scales", "biases") and stem + ".weight" in self._layout else n)
+        for t in sorted(targets):
+            a = self._state[t]
+            if self._layout[t][1]:
+                stem = t[: -len(".weight")]
+                w = dequantize_torch(to_torch(a, self.device), to_torch(self._state[stem + ".scales"], self.device),
+                                     to_torch(self._state[stem + ".biases"], self.device))
+            else:
+                w = to_torch(a, self.device)
+            self.decoder.write(t, w)
+
+    def load_state(self, version: int, state: dict[str, np.ndarray]) -> None:
+        self._exclusive("load_state")
+        try:
+            _check_state(state, self._layout, {k: v.dtype for k, v in self._state.items()})
+            for k, v in state.items():
+                np.copyto(self._state[k], v)
+            self._rebuild(list(self._state))
+            self.version = int(version)
+        finally:
+            self._lock.release()
+
+    def apply_delta(self, version: int, blob: bytes) -> list[str]:
+        from stoa.transport import pulse
+
+        return self.update_inplace(lambda state: (version, pulse.apply_delta_inplace(state, blob)))
+
+    def update_inplace(self, write: Callable[[dict[str, np.ndarray]], tuple[int, Sequence[str]]]) -> list[str]:
+        self._exclusive("update_inplace")
+        try:
+            version, changed = write(self._state)
+            changed = list(changed)
+            if changed:
+                self._rebuild(changed)
+            self.version = int(version)
+            return changed
+        finally:
+            self._lock.release()
+
+    def state_hash(self) -> str:
+        from stoa.transport import pulse
+
+        return pulse.state_hash(self._state)
+
+    # -- generation -----------------------------------------------------------------------------
+    def sample(self, logits: torch.Tensor, seeds: np.ndarray, s: SamplingConfig) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens and behaviour log-probs for logits ``[B, V]`` and uint64 row seeds ``[B]``: in numpy
+        (``config.sampler`` ``host``, or ``auto`` on a CPU: numpy's uint32 hash is several times
+        faster than torch's int64 one there) or on the engine's device (``device``, ``auto`` on a GPU)."""
+        where = self.config.sampler
+        if where == "host" or (where == "auto" and self.device.type == "cpu"):
+            return self._host_sampler(logits.float().cpu().numpy(), seeds, s.temperature, s.top_k, s.top_p)
+        return S.sample(logits, seeds, s.temperature, s.top_k, s.top_p)
+
+    def rollout(self, make_env: Callable[[], Any], requests: Sequence[RolloutRequest],
+                sampling: SamplingConfig = SamplingConfig()) -> list[Episode]:
+        from stoa.backends.torch.rollout import Cohort
+
+        if not callable(make_env):
+            raise EngineError("make_env must be a zero-argument callable returning an environment")
+        for r in requests:
+            if not isinstance(r, RolloutRequest):
+                raise EngineError(f"requests must be RolloutRequest objects, got {type(r).__name__}")
+        if not isinstance(sampling, SamplingConfig):
+            raise EngineError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        self._exclusive("rollout")
+        try:
+            factory, idle = self._envs
+            cohort = Cohort(self, make_env, requests, sampling, idle if factory is make_env else [])
+            try:
+                with _exact_matmuls(self.device), torch.no_grad():
+                    return cohort.run()
+            finally:
+                self._stats = cohort.stats
+                self._envs = (make_env, cohort.free_envs)
+        finally:
+            self._lock.release()
+
+    # -- scoring --------------------------------------------------------------------------------
+    def _hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """Final hidden states of right-padded rows ``x [n, W]`` (a scratch cache, chunked prefill)."""
+        n, width = x.shape
+        s = self.decoder.spec
+        cache = D.KVCache(s.num_hidden_layers, n, s.num_key_value_heads, s.head_dim, self.decoder.dtype, self.device,
+                          capacity=width)
+        step = self.config.prefill_chunk
+        out = []
+        for a in range(0, width, step):
+            b = min(width, a + step)
+            out.append(self.decoder.forward(x[:, a:b], torch.full((n,), a, device=self.device), b, cache))
+        return torch.cat(out, dim=1) if len(out) > 1 else out[0]
+
+    def score(self, episodes: Sequence[Episode], temperature: float | None = None,
+              max_tokens: int = 8192) -> list[np.ndarray]:
+        """See the protocol. ``max_tokens`` bounds the tokens of one batched forward pass."""
+        if temperature is not None and not temperature > 0:
+            raise EngineError(f"temperature={temperature} must be > 0")
+        self._exclusive("score")
+        try:
+            with _exact_matmuls(self.device), torch.no_grad():
+                return by_length([len(e) for e in episodes], max_tokens, lambda b: scoring.score_batch(
+                    [episodes[i] for i in b], temperature, self._vocab, self.device, self._hidden,
+                    self.decoder.logits, EngineError))
+        finally:
+            self._lock.release()
+
+    def sampling_margins(self, episodes: Sequence[Episode], seeds: Sequence[int], top_k: int = 0,
+                         drift: float = 0.0, max_tokens: int = 8192) -> list[np.ndarray]:
+        """See the protocol. ``max_tokens`` bounds the tokens of one batched forward pass."""
+        return [d.margins for d in self.check_draws(episodes, seeds, top_k, drift, max_tokens)]
+
+    def check_draws(self, episodes: Sequence[Episode], seeds: Sequence[int], top_k: int = 0,
+                    drift: float = 0.0, max_tokens: int = 8192) -> list[Draws]:
+        """See the protocol. ``max_tokens`` bounds the tokens of one batched forward pass."""
+        if len(seeds) != len(episodes):
+            raise EngineError("one seed per episode")
+        self._exclusive("check_draws")
+        try:
+            with _exact_matmuls(self.device), torch.no_grad():
+                return by_length([len(e) for e in episodes], max_tokens, lambda b: scoring.draws_batch(
+                    [episodes[i] for i in b], [int(seeds[i]) for i in b], top_k, drift, self._vocab, self.device,
+                    self._hidden, self.decoder.logits, EngineError))
+        finally:
+            self._lock.release()
+
+
+def _pretrained_state(hf_dir: Path) -> dict[str, np.ndarray]:
+    """The int8 state of a folder's float weights (``quantize_state``: what ``mlx_lm`` would hold),
+    read tensor by tensor from the memory-mapped files."""
+    import mmap
+
+    from stoa.transport import tensorfile
+    from stoa.transport.quant import quantize_state
+
+    files = sorted(hf_dir.glob("model*.safetensors"))
+    if not files:
+        raise EngineError(f"{hf_dir} holds no model*.safetensors weights")
+
+    def tensors() -> Iterator[tuple[str, np.ndarray]]:
+        for f in files:
+            with open(f, "rb") as fh:
+                buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                yield from tensorfile.read(buf).tensors.items()
+            except tensorfile.TensorFileError as e:
+                raise EngineError(f"{f}: {e}") from None
+
+    return quantize_state(tensors())
+
+
+def make(hf_dir: str | Path, *, state: dict[str, np.ndarray] | None = None, version: int = 0, mode: str = "auto",
+         config: EngineConfig = EngineConfig(), worker_id: str = "", device: str = "auto") -> TorchEngine:
+    """The backend entry of :func:`stoa.backends.engine.make_engine`: from ``state`` when given,
+    else from the folder's float weights quantized to int8. ``device``: ``auto`` (CUDA if torch
+    sees one), ``cpu``, ``cuda``, ``cuda:N``."""
+    path = Path(hf_dir)
+    if not (path / "config.json").is_file():
+        raise EngineError(f"{path} is not a Hugging Face model folder (no config.json)")
+    if state is None:
+        state = _pretrained_state(path)
+    return TorchEngine(path, state, version, mode=mode, config=config, worker_id=worker_id, device=device)

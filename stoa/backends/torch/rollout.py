@@ -1,0 +1,134 @@
+"""One cohort on the torch engine: continuous batching of multi-turn episodes over a slot cache.
+
+Every episode in flight owns one row (*slot*) of the engine's :class:`~stoa.backends.torch.decoder.KVCache`
+and a *pending* token (the next to feed, not yet cached). Rows ``0 .. n-1`` are in flight, so a
+decode step runs on a contiguous block: feed every pending token, sample one token per row,
+hand it to the episode bookkeeping (:class:`stoa.backends.episodes.Cohort`). A row whose turn
+ended with an observation gets ``[t] + o[:-1]`` prefilled into its own slot (after its cached
+history, nothing moves) before the next decode; newly admitted episodes take the free slots,
+and the samples of one prompt share one prefill of it (its cache positions are copied). A
+finished episode's slot is refilled by the last row (one row's positions copied), which keeps
+the block contiguous.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from stoa.backends import episodes
+from stoa.backends.engine import EngineConfig, RolloutRequest, RolloutStats, SamplingConfig, TextCodec
+from stoa.backends.episodes import DONE, Play
+from stoa.backends.torch.decoder import Decoder, KVCache
+from stoa.types import Episode
+
+
+class CohortHost(Protocol):
+    """What a cohort reads of the engine that plays it (:class:`stoa.backends.torch.engine.TorchEngine`)."""
+
+    config: EngineConfig
+    version: int
+    device: torch.device
+    decoder: Decoder
+
+    @property
+    def worker_id(self) -> str: ...
+
+    @property
+    def codec(self) -> TextCodec: ...
+
+    def kv_cache(self, slots: int) -> KVCache: ...
+
+    def sample(self, logits: torch.Tensor, seeds: Any, s: SamplingConfig) -> tuple[Any, Any]: ...
+
+
+def _cached(p: Play) -> int:
+    """Positions of ``p``'s row that hold its tokens (everything before its feed and pending token)."""
+    return p.length - len(p.feed) - 1
+
+
+class Cohort:
+    """Plays one cohort of requests to completion (see :meth:`stoa.backends.torch.engine.TorchEngine.rollout`)."""
+
+    def __init__(self, engine: CohortHost, make_env: Callable[[], Any], requests: Sequence[RolloutRequest],
+                 sampling: SamplingConfig, envs: list[Any]) -> None:
+        self.e, self.s, self.cfg = engine, sampling, engine.config
+        self.book = episodes.Cohort(engine.codec, make_env, requests, sampling, envs, version=engine.version,
+                                    worker_id=engine.worker_id, kv_reuse=engine.config.kv_reuse)
+        self.cache = engine.kv_cache(self.cfg.max_batch)
+        self.rows: list[Play] = []
+
+    @property
+    def stats(self) -> RolloutStats:
+        return self.book.stats
+
+    @property
+    def free_envs(self) -> list[Any]:
+        return self.book.free_envs
+
+    def run(self) -> list[Episode]:
+        book = self.book
+        while book.todo or self.rows:
+            self.rows += book.admit(self.cfg.max_batch - len(self.rows))
+            if any(p.feed for p in self.rows):
+                self._prefill()
+            self._decode()
+        return book.episodes()
+
+    def _prefill(self) -> None:
+        """Feed every row's pending prefill; fresh rows with equal feeds share one (then copied)."""
+        st, dev = self.stats, self.e.device
+        todo: list[int] = []
+        twins: dict[int, list[int]] = {}  # slot prefilled -> slots that copy it
+        first: dict[tuple[int, ...], int] = {}
+        for i, p in enumerate(self.rows):
+            if not p.feed:
+                continue
+            if _cached(p) == 0 and self.cfg.share_prompt_prefill:
+                key = tuple(p.feed)
+                if key in first:
+                    twins[first[key]].append(i)
+                    st.prefill_saved_shared += len(p.feed)
+                    continue
+                first[key] = i
+                twins[i] = []
+            todo.append(i)
+        step = self.cfg.prefill_chunk
+        width = max(len(self.rows[i].feed) for i in todo)
+        for a in range(0, width, step):
+            part = [i for i in todo if len(self.rows[i].feed) > a]
+            feeds = [self.rows[i].feed[a:a + step] for i in part]
+            m = max(len(f) for f in feeds)
+            ids = torch.tensor([f + [0] * (m - len(f)) for f in feeds], dtype=torch.int64, device=dev)
+            starts = [_cached(self.rows[i]) + a for i in part]
+            longest = max(starts) + m
+            self.cache.ensure(longest)
+            self.e.decoder.forward(ids, torch.tensor(starts, device=dev), longest, self.cache,
+                                   torch.tensor(part, device=dev))
+        st.prefill_calls += 1
+        st.prefill_tokens += sum(len(self.rows[i].feed) for i in todo)
+        for i, copies in twins.items():
+            self.cache.copy_rows(i, copies, len(self.rows[i].feed))
+        for p in self.rows:
+            p.feed = []
+
+    def _decode(self) -> None:
+        rows, dev = self.rows, self.e.device
+        n = len(rows)
+        starts = [p.length - 1 for p in rows]
+        longest = max(starts) + 1
+        self.cache.ensure(longest)
+        ids = torch.tensor([[p.pending] for p in rows], dtype=torch.int64, device=dev)
+        hidden = self.e.decoder.forward(ids, torch.tensor(starts, device=dev), longest, self.cache)
+        toks, lps = self.e.sample(self.e.decoder.logits(hidden[:, 0]), self.book.seeds(rows), self.s)
+        self.stats.decode_steps += 1
+        done = [i for i in range(n) if self.book.record(rows[i], int(toks[i]), float(lps[i])) == DONE]
+        for i in reversed(done):  # refill each freed slot with the last row
+            last = len(rows) - 1
+            if i != last:
+                self.cache.move(last, i, _cached(rows[last]))
+                rows[i] = rows[last]
+            rows.pop()
+
