@@ -149,16 +149,17 @@ def check(model_dir: str | Path, learner: Any, engine: Any, scorer: Any = None,
 
 
 def check_trainer(model_dir: str | Path, learner: Any, rollout: Any, scorer: str, device: str,
-                  dtype: str = "float32") -> Parity:
+                  dtype: str = "float32", prompt_format: str = "auto") -> Parity:
     """:func:`check` on the trainer's own stacks: the learner's current weights quantized to
-    int8, run by a rollout engine as ``rollout`` (the run's ``[rollout]``) configures it and,
-    when the run scores on torch (``scorer == "torch"``), by the torch int8 scorer."""
-    from stoa.backends.engine import EngineConfig, make_engine
+    int8, run by a rollout engine as ``rollout`` (the run's ``[rollout]``) and ``prompt_format``
+    (``model.prompt_format``) configure it and, when the run scores on torch (``scorer ==
+    "torch"``), by the torch int8 scorer."""
+    from stoa.backends.engine import make_engine
     from stoa.transport.quant import quantize_state
 
     state = quantize_state(learner.iter_weights(dtype))
     engine = make_engine(model_dir, rollout.engine, state=dict(state), version=0, mode=rollout.engine_mode,
-                         config=EngineConfig(max_batch=rollout.max_batch), worker_id="parity")
+                         config=rollout.engine_config(prompt_format), worker_id="parity")
     torch_scorer = None
     if scorer == "torch":
         from stoa.backends.torch.int8 import make_scorer

@@ -81,6 +81,10 @@ class ModelConfig:
     whose tokenizer is trained on the task's ``tokenizer_texts()``."""
     tiny: TinyConfig = TinyConfig()
     """Shape of the tiny model (used when ``path`` is empty); its ``seed`` is the run's seed."""
+    prompt_format: Literal["auto", "chat", "plain"] = "auto"
+    """How the task's prompt reaches the model (:mod:`stoa.backends.prompting`): ``chat`` (the
+    tokenizer's chat template), ``plain`` (the prompt text continued, for base models), ``auto``
+    (chat when the tokenizer has a template). The engine, the warm start and replay all use it."""
 
 
 @dataclass(frozen=True)
@@ -281,9 +285,11 @@ class Trainer:
         self.learner = build(cfg.learner.kind, self.model_dir, self._learner_config(), **options)
         self.policies = HeldPolicies(self.model_dir, cfg.rollout, cfg.trainer.max_lag, self.run_dir / "held",
                                      chain=self.publisher.subscriber, scorer=cfg.trainer.int8_scorer,
-                                     device=self.learner.config.device, dtype=cfg.pulse.dtype)
+                                     device=self.learner.config.device, dtype=cfg.pulse.dtype,
+                                     prompt_format=cfg.model.prompt_format)
         got = check_trainer(self.model_dir, self.learner, cfg.rollout, self.policies.scorer,
-                            self.learner.config.device, cfg.pulse.dtype)  # refuses before anything is published
+                            self.learner.config.device, cfg.pulse.dtype,
+                            cfg.model.prompt_format)  # refuses before anything is published
         self._log("event", event="parity", **got.metrics())
         publish_run(self.store, self.run_name, cfg, self.model_dir, self.key)
         extra = self._resume(checkpoint) if checkpoint else self._start()

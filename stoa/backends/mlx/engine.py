@@ -18,6 +18,7 @@ import numpy as np
 from stoa.backends.engine import (
     EngineBusyError, EngineConfig, EngineError, RolloutRequest, RolloutStats, SamplingConfig, TextCodec,
 )
+from stoa.backends import prompting
 from stoa.backends.mlx import fast
 from stoa.backends.mlx import weights as W
 from stoa.backends.mlx.rollout import Cohort
@@ -42,8 +43,9 @@ def resolve_mode(mode: str) -> str:
 class MLXEngine:
     """A :class:`stoa.backends.engine.RolloutEngine` on MLX. Build with :meth:`from_pretrained`
     or :meth:`from_state`; attributes and methods are documented on the protocol. Also:
-    ``config`` (an :class:`EngineConfig`, replaceable between cohorts), ``fast_ops`` (whether
-    :mod:`stoa.backends.mlx.fast` runs), ``eos_ids`` (token ids that end an episode)."""
+    ``config`` (an :class:`EngineConfig`, replaceable between cohorts; its ``prompt_format`` is
+    resolved once, at construction), ``prompt_format`` (``"chat"`` or ``"plain"``), ``fast_ops``
+    (whether :mod:`stoa.backends.mlx.fast` runs), ``eos_ids`` (token ids that end an episode)."""
 
     def __init__(self, hf_dir: Path, model: Any, model_config: dict[str, Any], mode: str, version: int,
                  config: EngineConfig, fast_ops: bool | None = None, worker_id: str = "") -> None:
@@ -71,6 +73,10 @@ class MLXEngine:
         self._head = split[1] if split else None
         self._tok = load_tokenizer(hf_dir, eos_token_ids=model_config.get("eos_token_id"))
         self._hf = getattr(self._tok, "_tokenizer", self._tok)
+        try:
+            self.prompt_format = prompting.resolve(config.prompt_format, self._hf, str(hf_dir))
+        except prompting.PromptFormatError as e:
+            raise EngineError(str(e)) from None
         self.eos_ids = frozenset(int(t) for t in self._tok.eos_token_ids)
         self._vocab = int(model_config["vocab_size"])
         self._host_sampler = HostSampler()
@@ -197,7 +203,8 @@ class MLXEngine:
     # -- text -----------------------------------------------------------------------------------
     @property
     def codec(self) -> TextCodec:
-        return TextCodec(self.prompt_tokens, self.encode, self.decode, self.eos_ids, self.stop_candidates)
+        return TextCodec(self.prompt_tokens, self.encode, self.decode, self.eos_ids, self.stop_candidates,
+                         self.prompt_format)
 
     def encode(self, text: str) -> list[int]:
         """Observation tokens: no BOS/EOS added, special-token strings not parsed as control tokens."""
@@ -207,11 +214,7 @@ class MLXEngine:
         return self._hf.decode(list(tokens), skip_special_tokens=False)
 
     def prompt_tokens(self, prompt: str) -> list[int]:
-        if not getattr(self._tok, "has_chat_template", True):
-            raise EngineError(f"{self.hf_dir} has no chat template; the engine needs one to build prompts")
-        ids = self._tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-        return [int(t) for t in ids]
+        return prompting.prompt_tokens(self._hf, prompt, self.prompt_format)
 
     def stop_candidates(self, stops: tuple[str, ...]) -> frozenset[int]:
         """Tokens whose text holds the last character of a stop string: only after one of them can
