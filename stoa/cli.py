@@ -277,9 +277,10 @@ def train(
 
     try:
         cfg = load_config(config, _parse_sets(set_))
-        check_runnable(cfg)  # before any process starts: an unknown env id or model folder is one line
+        fmt = check_runnable(cfg)  # before any process starts: an unknown env id or model folder is one line
         if check:
             typer.echo(cfg.to_json())
+            typer.echo(fmt, err=True)
             return
         train_local(config, _parse_sets(set_), runs_root=runs, resume=resume, workers=workers, store=store,
                     adversaries=adversary or [])

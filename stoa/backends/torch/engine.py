@@ -143,7 +143,9 @@ class TorchEngine:
                        "rope_theta": float(rope.get("full_attention", rope).get("rope_theta", spec.rope_theta))}
         self._vocab = spec.vocab_size
         tok = AutoTokenizer.from_pretrained(self.hf_dir)
-        self._text = TokenizerText(tok, tok, config_eos_ids(self.hf_dir), self._vocab, str(self.hf_dir))
+        self._text = TokenizerText(tok, config_eos_ids(self.hf_dir), self._vocab, str(self.hf_dir),
+                                   config.prompt_format)
+        self.prompt_format = self._text.prompt_format
         self.eos_ids = self._text.eos_ids
         self._tok = tok
         self._lock = threading.Lock()

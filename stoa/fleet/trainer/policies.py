@@ -66,11 +66,12 @@ class HeldPolicies:
             ``device`` resolves to CUDA or the model is small, else the engine).
         device: the learner's ``device`` setting; the torch scorer runs there.
         dtype: the torch scorer's compute dtype (the state's, ``pulse.dtype``).
+        prompt_format: the run's ``model.prompt_format`` (the engine's prompts, replay's codec).
     """
 
     def __init__(self, model_dir: Path, rollout: RolloutConfig, max_lag: int, directory: Path,
                  chain: WeightSubscriber | None = None, scorer: str = "engine", device: str = "cpu",
-                 dtype: str = "float32"):
+                 dtype: str = "float32", prompt_format: str = "auto"):
         from stoa.fleet.trainer.heldstates import HeldStates
 
         if scorer not in ("auto", "engine", *SCORERS):
@@ -79,7 +80,7 @@ class HeldPolicies:
         self._states = HeldStates(directory, keep=max_lag + 1)
         self._engine: RolloutEngine | None = None
         self._scorer: Int8StateScorer | None = None  # the named scorer, built on first use
-        self._device, self._dtype = device, dtype
+        self._device, self._dtype, self._prompt_format = device, dtype, prompt_format
         if scorer == "auto":
             scorer = self._auto(device)
         self.scorer = scorer
@@ -137,11 +138,11 @@ class HeldPolicies:
             raise KeyError(f"version {version}'s int8 state is not held")
         state = dict(self._states.get(version) or {})  # the engine copies it into its own arrays
         if self._engine is None:
-            from stoa.backends.engine import EngineConfig, make_engine
+            from stoa.backends.engine import make_engine
 
             rc = self.rollout
             self._engine = make_engine(self.model_dir, rc.engine, state=state, version=version, mode=rc.engine_mode,
-                                       config=EngineConfig(max_batch=rc.max_batch), worker_id="eval")
+                                       config=rc.engine_config(self._prompt_format), worker_id="eval")
         elif self._engine.version != version:
             self._engine.load_state(version, state)
         return self._engine

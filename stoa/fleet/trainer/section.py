@@ -27,6 +27,10 @@ class ModelConfig:
     whose tokenizer is trained on the task's ``tokenizer_texts()``."""
     tiny: TinyConfig = TinyConfig()
     """Shape of the tiny model (used when ``path`` is empty); its ``seed`` is the run's seed."""
+    prompt_format: Literal["auto", "chat", "plain"] = "auto"
+    """How the task's prompt reaches the model (:mod:`stoa.backends.prompting`): ``chat`` (the
+    tokenizer's chat template), ``plain`` (the prompt text continued, for base models), ``auto``
+    (chat when the tokenizer has a template). The engine, the warm start and replay all use it."""
 
 
 @dataclass(frozen=True)

@@ -220,9 +220,11 @@ class Trainer:
         self.learner = build(cfg.learner.kind, self.model_dir, self._learner_config(), **options)
         self.policies = HeldPolicies(self.model_dir, cfg.rollout, cfg.trainer.max_lag, self.run_dir / "held",
                                      chain=self.publisher.subscriber, scorer=cfg.trainer.int8_scorer,
-                                     device=self.learner.config.device, dtype=cfg.pulse.dtype)
+                                     device=self.learner.config.device, dtype=cfg.pulse.dtype,
+                                     prompt_format=cfg.model.prompt_format)
         got = check_trainer(self.model_dir, self.learner, cfg.rollout, self.policies.scorer,
-                            self.learner.config.device, cfg.pulse.dtype)  # refuses before anything is published
+                            self.learner.config.device, cfg.pulse.dtype,
+                            cfg.model.prompt_format)  # refuses before anything is published
         self._log("event", event="parity", **got.metrics())
         publish_run(self.store, self.run_name, cfg, self.model_dir, self.key)
         extra = self._resume(checkpoint) if checkpoint else self._start()

@@ -9,8 +9,9 @@ in sibling tasks teaches reading retrieved text, and this task's habit mixes a f
 that searching pays. Nothing here knows a task: styles, siblings and answers come from the env.
 
 Demonstrations are played through the real environment (its observations are the environment's
-own) and built at token level exactly as the rollout engine builds episodes: the prompt through
-the chat template, each turn's text encoded on its own, each observation encoded on its own. Their
+own) and built at token level exactly as the rollout engine builds episodes: the prompt in the
+run's prompt format (``model.prompt_format``, :func:`stoa.backends.prompting.prompt_tokens`), each
+turn's text encoded on its own, each observation encoded on its own. Their
 behaviour log-probs are 0 (they are not samples of any policy; SFT ignores them).
 """
 
@@ -24,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from stoa.backends import prompting
 from stoa.fleet.config import RunConfig
 from stoa.types import Episode, Segment
 
@@ -39,16 +41,18 @@ class Demonstrations:
         make_env: factory of the environment (a :class:`stoa.envs.TextEnv`, possibly wrapped).
         tokenizer: the model's Hugging Face tokenizer (``apply_chat_template``, ``encode``).
         env_id: stamped on the episodes.
+        prompt_format: ``model.prompt_format`` (``"auto"``, ``"chat"`` or ``"plain"``).
 
     Raises:
         ValueError: the environment scripts no ``"oracle"`` demonstration of its first item and
             has no other style.
     """
 
-    def __init__(self, make_env: Callable[[], Any], tokenizer: Any, env_id: str = ""):
+    def __init__(self, make_env: Callable[[], Any], tokenizer: Any, env_id: str = "", prompt_format: str = "auto"):
         self.env = make_env()
         self.tok = tokenizer
         self.env_id = env_id
+        self.prompt_format = prompting.resolve(prompt_format, tokenizer)
         u = self.env.unwrapped
         self.styles = tuple(u.demo_styles)
         if not self.styles:
@@ -63,8 +67,7 @@ class Demonstrations:
         if not turns:
             return None
         prompt, info = self.env.reset(options={"index": int(index)})
-        prompt_ids = self.tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False)
+        prompt_ids = prompting.prompt_tokens(self.tok, prompt, self.prompt_format)
         segments, reward, metrics = [], 0.0, {}
         for text in turns:
             ids = self.tok.encode(text, add_special_tokens=False)
@@ -75,7 +78,8 @@ class Demonstrations:
             if terminated or truncated:
                 break
             if obs:
-                segments.append(Segment("env", np.asarray(self.tok.encode(obs, add_special_tokens=False))))
+                segments.append(Segment("env", np.asarray(self.tok.encode(obs, add_special_tokens=False,
+                                                                          split_special_tokens=True))))
         return Episode(np.asarray(prompt_ids), segments, reward, dict(metrics), env_id=self.env_id,
                        group_id=f"demo-{info['question_id']}", worker_id="warmstart")
 
@@ -134,11 +138,12 @@ def warm_start(cfg: RunConfig, learner: Any, model_dir: Path, make_env: Callable
 
     ws, env_cfg = cfg.warmstart, cfg.env
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    demos = Demonstrations(lambda: make_env(env_cfg.train_split), tok, env_cfg.id)
+    fmt = cfg.model.prompt_format
+    demos = Demonstrations(lambda: make_env(env_cfg.train_split), tok, env_cfg.id, fmt)
     for style in [ws.practice_style, *ws.mix]:
         if style not in demos.styles:
             raise ValueError(f"warmstart: {env_cfg.id} has no demonstration style {style!r}; it has {demos.styles}")
-    held = Demonstrations(lambda: make_env(env_cfg.eval_split), tok, env_cfg.id)
+    held = Demonstrations(lambda: make_env(env_cfg.eval_split), tok, env_cfg.id, fmt)
     rng = np.random.default_rng([cfg.seed, 17])
     check = [e for e in (held.episode(int(i), ws.practice_style, rng) for i in rng.permutation(len(held))[:64]) if e]
     reset_optimizer(lr=ws.lr, schedule="constant", warmup_steps=20, threads=ws.threads or cfg.trainer.threads)
@@ -149,7 +154,7 @@ def warm_start(cfg: RunConfig, learner: Any, model_dir: Path, make_env: Callable
             if over is None:
                 raise ValueError(f"warmstart: {env_cfg.id} has no sibling tasks (practice_kwargs); "
                                  "set warmstart.practice_steps = 0 and practice_answer_only = 0")
-            worlds.append(Demonstrations(lambda over=over: make_env(env_cfg.train_split, **over), tok, env_cfg.id))
+            worlds.append(Demonstrations(lambda over=over: make_env(env_cfg.train_split, **over), tok, env_cfg.id, fmt))
     t0 = last_report = time.time()
     losses: list[float] = []
     total = ws.practice_steps + ws.steps

@@ -7,7 +7,8 @@ the worker's to choose; everything else follows from them when the task is repla
 turns). :class:`Replayer` rebuilds an episode exactly as the rollout engine built it
 (``stoa.backends.engine``, "Episode layout"):
 
-* the prompt: ``env.reset(options={"index": episode.item_index})``, chat template applied;
+* the prompt: ``env.reset(options={"index": episode.item_index})``, in the run's prompt format
+  (``codec.prompt_format``: the chat template applied, or the plain text);
 * each model turn ends where the engine would end it (the first token that completes a stop
   string, an EOS, the per-turn cap, or the episode cap), and its text (EOS excluded) is passed
   to ``env.step``;
@@ -17,7 +18,7 @@ turns). :class:`Replayer` rebuilds an episode exactly as the rollout engine buil
   must equal the worker's claims, value and type.
 
 Any difference is a reason string; nothing here raises for a malformed episode. The text codec
-(chat template, observation encoding, turn decoding, EOS and stop-token candidates) is the
+(prompt format, observation encoding, turn decoding, EOS and stop-token candidates) is the
 engine's own (``engine.codec``, part of the engine contract in :mod:`stoa.backends.engine`),
 and a turn ends by the same :class:`~stoa.backends.engine.TurnRule` the engine's rollout loop
 calls, so replay and rollout share one code path. Model tokens are never re-tokenized; their log-probabilities are the audit's business
@@ -120,7 +121,7 @@ class Replayer:
             return f"item_index {item} is outside the task's {self.n_items} items"
         prompt = self._prompt(item)
         if ep.prompt_tokens.tolist() != prompt:
-            return f"prompt tokens are not item {item}'s prompt under the run's chat template"
+            return f"prompt tokens are not item {item}'s prompt in the run's {self.codec.prompt_format} prompt format"
         self.env.reset(seed=0, options={"index": item})
         segs, j, length, reward, turns = ep.segments, 0, len(prompt), 0.0, 0
         metrics: dict[str, Any] = {}

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Literal
 from stoa.fleet.sections import check
 
 if TYPE_CHECKING:
-    from stoa.backends.engine import SamplingConfig
+    from stoa.backends.engine import EngineConfig, SamplingConfig
 
 __all__ = ["RolloutConfig"]
 
@@ -67,6 +67,12 @@ class RolloutConfig:
 
         check(self.engine in BACKENDS or self.engine == "auto",
               f"rollout.engine {self.engine!r} is not one of {sorted(BACKENDS)} or auto")
+
+    def engine_config(self, prompt_format: str = "auto") -> EngineConfig:
+        """How an engine of this run batches and builds prompts (``prompt_format``: ``model.prompt_format``)."""
+        from stoa.backends.engine import EngineConfig
+
+        return EngineConfig(max_batch=self.max_batch, prompt_format=prompt_format)  # type: ignore[arg-type]
 
     def sampling(self, seed: int) -> SamplingConfig:
         """How a cohort samples: these settings and the seed its work was assigned."""

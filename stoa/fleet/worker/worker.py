@@ -218,7 +218,7 @@ class Worker:
             first = self._first_weights(rc.lag)  # the kept weights caught up, else an anchor; waits for one
             if first is None:
                 return self.exit_code
-            self.engine = self._start_engine(model_dir, first, rc)
+            self.engine = self._start_engine(model_dir, first, cfg)
             make_env, n_items = self._task(cfg.env)
             self._last_progress = time.time()
             while self._more_to_do():
@@ -444,14 +444,16 @@ class Worker:
                 self._backoff("joining the weight chain", e)
         return None
 
-    def _start_engine(self, model_dir: Path, first: SyncResult, rc: RolloutConfig) -> RolloutEngine:
-        """The int8 engine on the joined weights, checked against the run's model (this machine's
-        framework may read its config otherwise), wrapped by ``wrap_engine``; the weights are
-        followed into it from now on."""
-        from stoa.backends.engine import EngineConfig, make_engine
+    def _start_engine(self, model_dir: Path, first: SyncResult, cfg: RunConfig) -> RolloutEngine:
+        """The int8 engine on the joined weights, as the run configures it (``[rollout]``,
+        ``model.prompt_format``), checked against the run's model (this machine's framework may
+        read its config otherwise), wrapped by ``wrap_engine``; the weights are followed into it
+        from now on."""
+        from stoa.backends.engine import make_engine
 
+        rc = cfg.rollout
         engine = make_engine(model_dir, rc.engine, state=first.state, version=first.version, mode=rc.engine_mode,
-                             config=EngineConfig(max_batch=rc.max_batch), worker_id=self.worker_id)
+                             config=rc.engine_config(cfg.model.prompt_format), worker_id=self.worker_id)
         refused = join_check(engine, model_dir)
         if refused:
             raise WorkerExit(EXIT_CONFIG, refused)
