@@ -124,7 +124,8 @@ def hf_tokens_per_s(model, eng, task: list[str], batch: int, new: int) -> dict:
     return {"tokens": n, "wall_s": wall, "tokens_per_s": n / wall}
 
 
-def sampler_ms(vocab: int, batch: int, device: str, spread: float, repeats: int = 5) -> float:
+def sampler_ms(vocab: int, batch: int, device: str, spread: float, repeats: int = 5,
+               dense: bool | None = None) -> float:
     import torch
 
     from stoa.backends.torch.sample import sample
@@ -132,12 +133,12 @@ def sampler_ms(vocab: int, batch: int, device: str, spread: float, repeats: int 
     rng = np.random.default_rng(0)
     logits = torch.from_numpy((rng.standard_normal((batch, vocab)) * spread).astype(np.float32)).to(device)
     seeds = rng.integers(0, 2**63, batch, dtype=np.uint64)
-    sample(logits, seeds, 1.0)
+    sample(logits, seeds, 1.0, dense=dense)
     best = float("inf")
     for _ in range(repeats):
         sync()
         t0 = time.perf_counter()
-        sample(logits, seeds, 1.0)
+        sample(logits, seeds, 1.0, dense=dense)
         best = min(best, time.perf_counter() - t0)
     return 1e3 * best
 
@@ -230,7 +231,9 @@ def main() -> None:
         step = res["throughput"].get(f"dequantized/{b}", {}).get("engine", {}).get("step_ms")
         res["sampler"] = {"batch": b, "vocab": int(cfg["vocab_size"]), "decode_step_ms": step,
                           "flat_ms": sampler_ms(int(cfg["vocab_size"]), b, device, 0.5),
-                          "peaked_ms": sampler_ms(int(cfg["vocab_size"]), b, device, 4.0)}
+                          "peaked_ms": sampler_ms(int(cfg["vocab_size"]), b, device, 4.0),
+                          "flat_bounded_ms": sampler_ms(int(cfg["vocab_size"]), b, device, 0.5, dense=False),
+                          "peaked_bounded_ms": sampler_ms(int(cfg["vocab_size"]), b, device, 4.0, dense=False)}
         if over():
             res["skipped"].append("checks")
         else:
@@ -254,7 +257,8 @@ def table(r: dict) -> None:
     s = r["sampler"]
     step = f"{s['decode_step_ms']:.1f} ms" if s["decode_step_ms"] else "n/a"
     print(f"sampler at batch {s['batch']}, vocab {s['vocab']}: flat {s['flat_ms']:.2f} ms, peaked "
-          f"{s['peaked_ms']:.2f} ms (decode step {step})")
+          f"{s['peaked_ms']:.2f} ms (decode step {step}); bounded candidates: flat {s['flat_bounded_ms']:.2f} ms, "
+          f"peaked {s['peaked_bounded_ms']:.2f} ms")
     c = r.get("checks")
     if c:
         print(f"checks (float32 torch int8 scorer, drift allowance {c['band'] / 2:g}, band {c['band']:g}):")

@@ -236,10 +236,11 @@ def test_device_sampler_draws_the_host_rules_token(vocab, spread):
     logits[9:, 7] += np.float32(40.0)
     seeds = rng.integers(0, 2**63, 12, dtype=np.uint64)
     for t in (0.7, 1.0):
-        tok, lp = sample(torch.from_numpy(logits), seeds, t)
         htok, hlp = host_sample(logits, seeds, t)
-        assert np.array_equal(tok, htok)
-        np.testing.assert_allclose(lp, hlp, atol=1e-5)
+        for dense in (False, True):  # the bounded candidates (CPU default) and every entry (GPU default)
+            tok, lp = sample(torch.from_numpy(logits), seeds, t, dense=dense)
+            assert np.array_equal(tok, htok)
+            np.testing.assert_allclose(lp, hlp, atol=1e-5)
         m, _ = draw_margins(logits, np.full(12, t), tok, seeds)
         assert (m > 0).all()
 
@@ -322,7 +323,8 @@ def test_sampler_on_cuda_draws_the_host_rules_token_cuda():
     rng = np.random.default_rng(1)
     logits = (rng.standard_normal((64, 151936)) * 10).astype(np.float32)
     seeds = rng.integers(0, 2**63, 64, dtype=np.uint64)
-    tok, lp = sample(torch.from_numpy(logits).cuda(), seeds, 1.0)
     htok, hlp = host_sample(logits, seeds, 1.0)
-    assert np.array_equal(tok, htok)
-    np.testing.assert_allclose(lp, hlp, atol=1e-4)
+    for dense in (False, True):
+        tok, lp = sample(torch.from_numpy(logits).cuda(), seeds, 1.0, dense=dense)
+        assert np.array_equal(tok, htok)
+        np.testing.assert_allclose(lp, hlp, atol=1e-4)
