@@ -126,8 +126,8 @@ registers here (or its module is added at run time) and the fleet uses it with n
 
 def resolve_backend(name: str) -> str:
     """``name``, or for ``"auto"`` the fastest backend of this machine: MLX on Apple silicon (Metal),
-    torch wherever torch is installed (CPUs: measured faster than MLX's CPU build, docs/rollout.md;
-    CUDA GPUs), else MLX."""
+    torch wherever torch and transformers are installed (CPUs: measured faster than MLX's CPU build,
+    docs/rollout.md; CUDA GPUs), else MLX (a ``stoa[worker]`` install has no torch)."""
     if name != "auto":
         return name
     import importlib.util
@@ -135,7 +135,8 @@ def resolve_backend(name: str) -> str:
 
     if platform.system() == "Darwin" and platform.machine() == "arm64":
         return "mlx"
-    return "torch" if importlib.util.find_spec("torch") is not None else "mlx"
+    have = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
+    return "torch" if have else "mlx"
 
 
 FINISH_REASONS = ("terminated", "truncated", "eos", "max_episode_tokens")
