@@ -37,7 +37,9 @@ def test_rope_scaling_reads_alike_in_both_layouts():
     tf4 = {**TF4, "rope_theta": 500000.0, "rope_scaling": LLAMA3}
     tf5 = {**TF5, "rope_parameters": {**LLAMA3, "rope_theta": 500000.0}}
     old = {**tf4, "rope_scaling": {**{k: v for k, v in LLAMA3.items() if k != "rope_type"}, "type": "llama3"}}
-    specs = {hfconfig.read(c) for c in (tf4, tf5, old)}
+    # transformers 5 as some versions save it: the base inside rope_scaling too, not in rope_parameters
+    mirrored = {**tf4, "rope_scaling": {**LLAMA3, "rope_theta": 500000.0}, "rope_parameters": LLAMA3}
+    specs = {hfconfig.read(c) for c in (tf4, tf5, old, mirrored)}
     assert len(specs) == 1
     spec = specs.pop()
     assert spec.rope_type == "llama3" and dict(spec.rope_scaling)["factor"] == 32.0 and spec.rope_theta == 500000.0
@@ -78,6 +80,8 @@ def test_normalized_config_reads_alike_in_transformers():
 
 @pytest.mark.parametrize("change, says", [
     ({"rope_theta": 10000.0}, "rope_theta 10000 and rope_parameters.rope_theta 100000 disagree"),
+    ({"rope_scaling": {**LLAMA3, "rope_theta": 1e4}, "rope_parameters": {**LLAMA3, "rope_theta": 1e5}},
+     "rope_parameters.rope_theta 100000 and rope_scaling.rope_theta 10000 disagree"),
     ({"layer_types": ["sliding_attention", "full_attention"] * 15, "sliding_window": 4096}, "sliding-window"),
     ({"use_sliding_window": True, "sliding_window": 4096}, "sliding-window"),
     ({"model_type": "phi3"}, "model_type 'phi3' is not supported"),

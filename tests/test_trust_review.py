@@ -165,7 +165,7 @@ def test_after_a_restart_a_claimed_version_is_rebuilt_from_the_chain_or_the_batc
     eps = at1.rollout(make_env, [RolloutRequest(i, f"w-{i}", 2) for i in range(4)],
                       SamplingConfig(max_turn_tokens=8, max_episode_tokens=160, seed=2))
     # The restarted trainer holds only the version it resumed as.
-    restarted = HeldPolicies(tiny_model, RolloutConfig(), max_lag=2, directory=tmp_path / "held", chain=pub.subscriber)
+    restarted = HeldPolicies(tiny_model, RolloutConfig(engine="mlx"), max_lag=2, directory=tmp_path / "held", chain=pub.subscriber)
     restarted.keep(3, states[3])
     for a, b in zip(restarted.score(1, eps), at1.score(eps)):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)

@@ -148,17 +148,21 @@ def _rope(top_theta: Any, top_scaling: Any, nested: Any, default: float, where: 
         raise ModelConfigError(f"{where}: {nested_key} must be a mapping, got {type(nested).__name__}")
     if top_scaling is not None and not isinstance(top_scaling, Mapping):
         raise ModelConfigError(f"{where}: {scaling_key} must be a mapping, got {type(top_scaling).__name__}")
-    thetas = {k: float(v) for k, v in ((theta_key, top_theta), (f"{nested_key}.rope_theta",
-                                                                 (nested or {}).get("rope_theta")))
+    # Newer transformers write the base into both tables as well as (or instead of) the top level.
+    thetas = {k: float(v) for k, v in ((theta_key, top_theta),
+                                       (f"{nested_key}.rope_theta", (nested or {}).get("rope_theta")),
+                                       (f"{scaling_key}.rope_theta", (top_scaling or {}).get("rope_theta")))
               if v is not None}
     if len(set(thetas.values())) > 1:
-        raise ModelConfigError(f"{where}: {theta_key} {thetas[theta_key]:g} and {nested_key}.rope_theta "
-                               f"{thetas[f'{nested_key}.rope_theta']:g} disagree")
+        (first, v0), *rest = thetas.items()
+        other, v1 = next((k, v) for k, v in rest if v != v0)
+        raise ModelConfigError(f"{where}: {first} {v0:g} and {other} {v1:g} disagree")
     theta = next(iter(thetas.values()), default)
     if not math.isfinite(theta) or theta <= 0:
         raise ModelConfigError(f"{where}: {theta_key} must be positive, got {theta!r}")
     scaling: dict[str, Any] = {}
-    for src in (top_scaling or {}, {k: v for k, v in (nested or {}).items() if k != "rope_theta"}):
+    for src in ({k: v for k, v in (top_scaling or {}).items() if k != "rope_theta"},
+                {k: v for k, v in (nested or {}).items() if k != "rope_theta"}):
         s = dict(src)
         if "type" in s:  # the older spelling of rope_type
             s.setdefault("rope_type", s.pop("type"))
