@@ -176,7 +176,9 @@ class ChaosRun:
 
 
 def verify(run: ChaosRun, public_key: Any) -> dict[str, Any]:
-    """What held: ``finished``, ``groups_trained``, ``trained_twice``, ``resumed`` (trainer restarts
+    """What held: ``finished``, ``groups_trained``, ``trained_twice``, ``groups_uploaded``,
+    ``groups_lost`` (uploaded and still in the store, yet neither trained, dropped with a reason, nor still waiting in the
+    newest checkpoint's reader), ``resumed`` (trainer restarts
     seen in its events), and per honest worker its ``strikes`` and ``banned`` (from the trust report)."""
     from stoa.fleet.metrics import read_metrics
     from stoa.fleet.trust.records import read_trust_report
@@ -191,6 +193,22 @@ def verify(run: ChaosRun, public_key: Any) -> dict[str, Any]:
     workers = {w.worker_id: {"strikes": w.strikes, "banned": w.banned, "accepted_batches": w.accepted_batches}
                for w in (report.workers.values() if report else [])}
     events = [r for r in read_metrics(run.run_dir / "metrics.jsonl") if r.get("kind") == "event"]
+    settled = set(trained) | {g for e in ledger for gs in e.get("dropped", {}).values() for g in gs}
+    checkpoints = sorted((run.run_dir / "checkpoints").glob("v*"))
+    if checkpoints:  # what the newest checkpoint's reader had taken but not trained on
+        from stoa.transport.exchange import RolloutReader
+
+        reader = RolloutReader(store, run.run_name)
+        reader.restore(json.loads((checkpoints[-1] / "meta.json").read_text())["extra"]["intake"]["reader"])
+        settled |= {f"{b.key_id}/{e.group_id}" for b in reader.poll() for e in b.episodes}
+    from stoa.transport.identity import open_sealed
+    from stoa.types import decode_episodes
+
+    uploaded = set()  # the batches still in the store (the trainer prunes those its checkpoints settled)
+    for key in store.list(f"{run.run_name}/rollouts/"):
+        seal, payload = open_sealed(store.get(key))
+        uploaded |= {f"{seal.key_id}/{e.group_id}" for e in decode_episodes(payload)}
     return {"finished": is_finished(store, run.run_name, public_key), "groups_trained": len(trained),
-            "trained_twice": len(trained) - len(set(trained)),
+            "trained_twice": len(trained) - len(set(trained)), "groups_uploaded": len(uploaded),
+            "groups_lost": len(uploaded - settled),
             "resumed": sum(r.get("event") == "resumed" for r in events), "workers": workers}
