@@ -4,6 +4,7 @@ trainer is busy in a long phase (here the warm start, which has no safe point to
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -64,6 +65,46 @@ def test_no_process_of_the_run_outlives_the_launcher(tmp_path, sig):
         if sig == signal.SIGTERM:
             assert launcher.wait(timeout=5) == 128 + signal.SIGTERM  # stopped as by Ctrl-C
             assert "stopping" in (runs / "arithmetic-tiny" / "trainer.log").read_text()
+    finally:
+        for pid in run_processes(str(runs)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.wait()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigterm_to_stoa_train_stops_the_fleet_with_a_checkpoint_and_resume_finishes(tmp_path):
+    """SIGTERM is Ctrl-C: the trainer stops after its step with a checkpoint, the run is not
+    finished, and ``stoa train --resume`` trains exactly the remaining steps."""
+    runs = tmp_path / "runs"
+    sets = ["--set", "warmstart.practice_steps=2", "--set", "warmstart.steps=2", "--set", "warmstart.batch_size=8",
+            "--set", "warmstart.check_every=0", "--set", "trainer.steps=6", "--set", "trainer.checkpoint_every=2",
+            "--set", "eval.num_questions=4"]
+    cmd = [sys.executable, "-m", "stoa", "train", str(CONFIG), "--runs", str(runs), "--workers", "1", *sets]
+    run_dir = runs / "arithmetic-tiny"
+    launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count('"kind": "train"') >= 2):
+            assert launcher.poll() is None and time.time() < deadline, "no two RL steps"
+            time.sleep(0.3)
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=STOP_BOUND_S + 10) == 128 + signal.SIGTERM
+        assert not run_processes(str(runs))
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        stopped = [r for r in rows if r.get("event") == "stopped"]
+        assert len(stopped) == 1 and 2 <= stopped[0]["rl_step"] < 6, stopped
+        assert (run_dir / "checkpoints" / f"v{stopped[0]['version']:012d}").is_dir()
+        resumed = subprocess.run(cmd + ["--resume"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+        assert resumed.returncode == 0, resumed.stdout.decode(errors="replace")[-3000:]
+        ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+        trained = [g for e in ledger for g in e.get("trained", [])]
+        assert len([e for e in ledger if "trained" in e]) == 6 and len(trained) == len(set(trained))
     finally:
         for pid in run_processes(str(runs)):
             try:
