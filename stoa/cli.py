@@ -271,9 +271,12 @@ def train(
     store: Annotated[Optional[str], typer.Option(help="Object store instead of runs/<name>/store: a path or s3://bucket/prefix?endpoint=URL.")] = None,
     adversary: Annotated[Optional[list[str]], typer.Option(help="Add a dishonest worker of this kind to the fleet (see stoa.testing.adversaries), e.g. flip-rewards.")] = None,
 ) -> None:
-    """Run a whole fleet locally: the trainer plus N int8 workers meeting in runs/<name>/store (or --store)."""
+    """Run a whole fleet locally: the trainer plus N int8 workers meeting in runs/<name>/store (or --store).
+
+    Ctrl-C, SIGTERM and SIGHUP stop the fleet with a checkpoint (`--resume` continues it) within
+    about 25 s; its processes exit with it even when it is SIGKILLed."""
     from stoa.fleet.config import ConfigError, check_runnable, load_config
-    from stoa.fleet.operator.launcher import train_local
+    from stoa.fleet.operator.launcher import Stopped, train_local
 
     try:
         cfg = load_config(config, _parse_sets(set_))
@@ -284,6 +287,8 @@ def train(
             return
         train_local(config, _parse_sets(set_), runs_root=runs, resume=resume, workers=workers, store=store,
                     adversaries=adversary or [])
+    except Stopped as e:  # SIGTERM / SIGHUP: the fleet stopped as by Ctrl-C, resumable
+        raise typer.Exit(128 + e.signum) from None
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
@@ -333,8 +338,9 @@ def trainer(
 ) -> None:
     """Train: consume episodes from the store, take optimizer steps, publish int8 weights through PULSE.
 
-    SIGINT / SIGTERM stop it after the current step with a checkpoint, without marking the run
-    finished (`--resume` continues it); a second Ctrl-C stops at once.
+    SIGINT / SIGTERM / SIGHUP stop it after the current step with a checkpoint, without marking the
+    run finished (`--resume` continues it); a step still running 20 s after the signal is abandoned
+    (exit 143; redone after `--resume`); a second Ctrl-C stops at once.
 
     Several GPUs: `torchrun --nproc-per-node N -m stoa trainer ...` with learner.kind = "megatron"."""
     from stoa.fleet.config import ConfigError, check_runnable, load_config
@@ -363,7 +369,10 @@ def trainer(
     trainer = Trainer(cfg, open_store(store), run_dir, private_key, resume=resume)
     import signal
 
-    for sig in (signal.SIGINT, signal.SIGTERM):  # stop after the current step, with a checkpoint
+    from stoa.fleet import lifetime
+
+    lifetime.install()  # a stop request is bounded; started by `stoa train`, it dies with it
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # stop after the current step, with a checkpoint
         signal.signal(sig, trainer.request_stop)
     trainer.run()
 
@@ -464,6 +473,9 @@ def worker(
         return
     wid = id or default_worker_id(worker_key)
     cache_dir = cache or default_cache_dir(run, wid)
+    from stoa.fleet import lifetime
+
+    lifetime.install()  # a stop request is bounded; started by `stoa train`, it dies with it
     args = (the_store, run, public_key, wid, cache_dir)
     kwargs = {"max_batches": max_batches, "private_key": worker_key,
               "max_seconds": None if max_hours is None else max_hours * 3600}

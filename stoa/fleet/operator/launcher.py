@@ -25,7 +25,7 @@ from stoa.fleet.operator.status import clean
 from stoa.fleet.run import read_heartbeats
 from stoa.transport.store import LocalStore
 
-__all__ = ["FleetGone", "no_worker_left", "train_local"]
+__all__ = ["FleetGone", "Stopped", "no_worker_left", "train_local"]
 
 _WORKER_EXITS = {0: "stopped", 2: "configuration error", 3: "banned", 4: "no such run", 5: "store unreachable"}
 """What a worker's exit status means (``stoa.fleet.worker``'s ``EXIT_*``)."""
@@ -50,14 +50,24 @@ def no_worker_left(procs: dict[str, subprocess.Popen], finished: Callable[[], bo
             "logs in the run folder, and continue with --resume")
 
 
-def _spawn(args: list[str], log_path: Path, threads: int | None) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+class Stopped(KeyboardInterrupt):
+    """The launcher received SIGTERM or SIGHUP (``signum``): stopped as by Ctrl-C."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _spawn(args: list[str], log_path: Path, threads: int | None, bind_fd: int) -> subprocess.Popen:
+    from stoa.fleet import lifetime
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **lifetime.child_env(bind_fd))
     # The engine's math threads, read when its library loads (OpenBLAS for MLX, OpenMP for torch); the
     # trainer's learner then sets its own torch thread count from its config.
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env[var] = str(threads)
     return subprocess.Popen([sys.executable, "-m", "stoa", *args], stdout=open(log_path, "ab"),
-                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True, pass_fds=(bind_fd,))
 
 
 def _enrolled_key(store: Any, run: str, run_key: Path, keys: Path, wid: str, enroll: bool) -> Path:
@@ -109,46 +119,27 @@ def train_local(config_path: str | Path, overrides: dict[str, Any] | None = None
         raise SystemExit(f"{the_store} already holds run {cfg.name!r}: pass --resume, or use another prefix")
 
     console.print(f"[bold]stoa train[/bold] {cfg.name}: trainer + {n_workers} int8 worker(s), store {store_dir}")
-    trainer_args = ["trainer", str(config_path), "--store", str(store_dir), "--run-dir", str(run_dir),
-                    "--key", str(key_file)]
-    for k, v in (overrides or {}).items():
-        trainer_args += ["--set", f"{k}={json.dumps(v)}"]
-    if resume:
-        trainer_args.append("--resume")
-    procs = {"trainer": _spawn(trainer_args, run_dir / "trainer.log", 1)}
-    fleet = [(f"worker-{i}", None) for i in range(n_workers)]
-    fleet += [(f"adversary-{j}-{kind}", kind) for j, kind in enumerate(adversaries)]
-    for wid, kind in fleet:
-        args = ["worker", "--store", str(store_dir), "--run", cfg.name, "--public-key", public_hex, "--id", wid,
-                "--cache", str(run_dir / "cache" / wid)]
-        if cfg.trust.mode == "enrolled":
-            args += ["--key", str(_enrolled_key(the_store, cfg.name, key_file, run_dir / "keys", wid,
-                                                enroll=kind != "unenrolled"))]
-        procs[wid] = _spawn(args + (["--adversary", kind] if kind else []), run_dir / f"{wid}.log",
-                            cfg.fleet.worker_threads)
-    t0 = time.time()
-    from stoa.transport.exchange import is_finished
+    # SIGTERM and SIGHUP (kill, systemd, Docker, Kubernetes, a CI cancellation, a closed terminal) stop the
+    # fleet as Ctrl-C does; the children hold the read end of a pipe whose write end dies with this
+    # process, however it dies (stoa.fleet.lifetime), so a SIGKILL of the launcher takes them too.
+    def stop(signum: int, _frame: Any) -> None:
+        if not stopping:
+            stopping.append(signum)
+            raise Stopped(signum)
 
-    run_public = load_private_key(key_file).public_key()
-    gone = None
+    stopping: list[int] = []
+    old_handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    bind_read, bind_write = os.pipe()
+    procs: dict[str, subprocess.Popen] = {}
+    t0 = time.time()
     try:
-        _watch(cfg, run_dir, the_store, procs, console, t0, lambda: is_finished(the_store, cfg.name, run_public),
-               run_public)
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted: stopping the fleet (resume with --resume)[/yellow]")
-        raise
-    except FleetGone as e:
-        gone = str(e)
+        gone = _run_fleet(cfg, config_path, overrides, run_dir, store_dir, key_file, public_hex, the_store,
+                          resume, n_workers, adversaries, bind_read, procs, console, t0)
     finally:
-        for name, p in procs.items():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.time() + 30
-        for p in procs.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                p.kill()
+        for sig, h in old_handlers.items():
+            signal.signal(sig, h)
+        os.close(bind_write)
+        os.close(bind_read)
     if gone:
         raise SystemExit(gone)
     code = procs["trainer"].returncode
@@ -159,6 +150,59 @@ def train_local(config_path: str | Path, overrides: dict[str, Any] | None = None
     summary = write_report(run_dir, the_store, wall_s=time.time() - t0, workers=n_workers)
     console.out((run_dir / "summary.md").read_text(), highlight=False)
     return summary
+
+
+def _run_fleet(cfg: RunConfig, config_path: str | Path, overrides: dict[str, Any] | None, run_dir: Path,
+               store_dir: str, key_file: Path, public_hex: str, the_store: Any, resume: bool, n_workers: int,
+               adversaries: list[str], bind_fd: int, procs: dict[str, subprocess.Popen], console: Any,
+               t0: float) -> str | None:
+    """Start the trainer and workers into ``procs`` and watch them; on any exit (the run's end, Ctrl-C,
+    SIGTERM/SIGHUP, an error) stop the ones still running: SIGTERM, then SIGKILL after the stop bound.
+    Returns why the run cannot go on when no worker is left (:class:`FleetGone`), else None."""
+    from stoa.fleet.lifetime import STOP_BOUND_S
+    from stoa.transport.signing import load_private_key
+
+    trainer_args = ["trainer", str(config_path), "--store", str(store_dir), "--run-dir", str(run_dir),
+                    "--key", str(key_file)]
+    for k, v in (overrides or {}).items():
+        trainer_args += ["--set", f"{k}={json.dumps(v)}"]
+    if resume:
+        trainer_args.append("--resume")
+    try:
+        procs["trainer"] = _spawn(trainer_args, run_dir / "trainer.log", 1, bind_fd)
+        fleet = [(f"worker-{i}", None) for i in range(n_workers)]
+        fleet += [(f"adversary-{j}-{kind}", kind) for j, kind in enumerate(adversaries)]
+        for wid, kind in fleet:
+            args = ["worker", "--store", str(store_dir), "--run", cfg.name, "--public-key", public_hex, "--id", wid,
+                    "--cache", str(run_dir / "cache" / wid)]
+            if cfg.trust.mode == "enrolled":
+                args += ["--key", str(_enrolled_key(the_store, cfg.name, key_file, run_dir / "keys", wid,
+                                                    enroll=kind != "unenrolled"))]
+            procs[wid] = _spawn(args + (["--adversary", kind] if kind else []), run_dir / f"{wid}.log",
+                                cfg.fleet.worker_threads, bind_fd)
+        from stoa.transport.exchange import is_finished
+
+        run_public = load_private_key(key_file).public_key()
+        _watch(cfg, run_dir, the_store, procs, console, t0, lambda: is_finished(the_store, cfg.name, run_public),
+               run_public)
+    except KeyboardInterrupt as e:
+        why = f"{e.args[0]}: " if isinstance(e, Stopped) and e.args else "interrupted: "
+        console.print(f"[yellow]{why}stopping the fleet (resume with --resume)[/yellow]")
+        raise
+    except FleetGone as e:
+        return str(e)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.time() + STOP_BOUND_S + 5  # each child exits within the bound by itself
+        for p in procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    return None
 
 
 def _watch(cfg: RunConfig, run_dir: Path, store: LocalStore, procs: dict[str, subprocess.Popen], console: Any,

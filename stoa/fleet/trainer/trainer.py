@@ -14,9 +14,11 @@ Loop (``stoa trainer CONFIG --store URL``)::
         evaluate every eval.every versions; checkpoint every trainer.checkpoint_every steps
     evaluate and checkpoint the final version; mark the run finished
 
-SIGINT or SIGTERM (:meth:`Trainer.request_stop`) stops it after the current step: it writes the
-trust report and a checkpoint and returns without marking the run finished, so ``--resume``
-continues it (a second SIGINT stops at once).
+SIGINT, SIGTERM or SIGHUP (:meth:`Trainer.request_stop`) stops it after the current step: it writes
+the trust report and a checkpoint and returns without marking the run finished, so ``--resume``
+continues it (a second SIGINT stops at once). In ``stoa trainer`` the wait is bounded
+(:mod:`stoa.fleet.lifetime`): a step still running :data:`~stoa.fleet.lifetime.STOP_BOUND_S` seconds
+after the signal is abandoned, and ``--resume`` redoes it from the newest checkpoint.
 
 Versions are publication counters: version v is the policy after v weight updates *as
 published*. After a crash the trainer resumes from its newest checkpoint and publishes the next
@@ -48,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from stoa.errors import ExpectedFailure
+from stoa.fleet import lifetime
 from stoa.fleet.config import RunConfig
 from stoa.fleet.intake import Intake, Taken
 from stoa.fleet.metrics import MetricsSink
@@ -177,6 +180,8 @@ class Trainer:
     def request_stop(self, signum: Any = None, *_: Any) -> None:
         """Stop after the current step (a signal handler; a second SIGINT stops at once)."""
         self._signals += 1
+        if signum is not None:
+            lifetime.stop_requested()  # in `stoa trainer`: exit within the bound even mid-step
         if self._signals > 1 and signum == signal.SIGINT:
             raise KeyboardInterrupt
         if not self._stop and signum is not None:

@@ -28,7 +28,9 @@ after a capped backoff (0.5 s doubling to 60 s, jittered) with a warning line sa
 and what the worker keeps doing; the held weights keep serving. What ends it (exit status):
 
 * ``0`` the run finished, ``max_batches`` were uploaded, the time limit passed, or the user
-  stopped it (SIGINT / SIGTERM finish the current upload first; a second SIGINT stops at once);
+  stopped it (SIGINT / SIGTERM / SIGHUP finish the current upload first; a second SIGINT stops at
+  once; in ``stoa worker`` a cohort still in progress 20 s after the signal is abandoned, exit
+  ``143``: its batch never committed, and the next session generates that number again);
 * ``2`` a configuration error: a run config that does not verify under the given public key, a
   model the worker cannot load (the message names it), or a worker id the run's roster gives to
   another key, or a key the roster binds to another id (a restart under a new ``--id``: the
@@ -58,6 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from stoa.fleet import lifetime
 from stoa.fleet.config import RunConfig
 from stoa.fleet.parity import join_check
 from stoa.fleet.run import Heartbeat, fetch_run, write_heartbeat
@@ -235,7 +238,7 @@ class Worker:
         """Around a session: SIGINT / SIGTERM ask for a stop; a :class:`WorkerExit`, a changed weight
         layout or a second Ctrl-C end it with their exit status; on the way out the final
         heartbeat, the weights kept for the next session, and a last word."""
-        old = {s: signal.signal(s, self.request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        old = {s: signal.signal(s, self.request_stop) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         kept = ""
         try:
             yield
@@ -273,6 +276,8 @@ class Worker:
     # -- stopping ---------------------------------------------------------------------------------
     def request_stop(self, signum: Any = None, *_: Any) -> None:
         self._signals += 1
+        if signum is not None:
+            lifetime.stop_requested()  # in `stoa worker`: exit within the bound even mid-cohort
         if self._signals > 1 and signum == signal.SIGINT:
             raise KeyboardInterrupt
         if not self._stop:
