@@ -68,6 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from stoa.transport import layout
+from stoa.transport.manifest import MAX_VERSION
 from stoa.transport.signing import (
     SignatureError,
     generate_private_key,
@@ -222,7 +223,7 @@ def open_sealed(blob: bytes, where: str = "batch") -> tuple[BatchSeal, bytes]:
         raise SealError(f"{where}: seal body has the wrong fields (expected {sorted(types)})")
     if body["format"] != _SEAL_FORMAT:
         raise SealError(f"{where}: seal format {body['format'][:40]!r} is not {_SEAL_FORMAT!r}")
-    if not (layout.is_seq(body["seq"]) and 0 <= body["version"] <= 10**12 - 1):
+    if not (layout.is_seq(body["seq"]) and 0 <= body["version"] <= MAX_VERSION):
         raise SealError(f"{where}: seal seq/version out of range")
     if body["bytes"] != len(payload) or hashlib.sha256(payload).hexdigest() != body["sha256"]:
         raise SealError(f"{where}: payload does not match the seal's sha256 (altered after signing)")
