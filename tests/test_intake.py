@@ -472,3 +472,39 @@ def test_ground_keys_choose_no_trained_items(tmp_path):
     refused = forged.upload(work, 0)
     run.intake.take(0)
     assert [e["category"] for e in run.lines() if e.get("rejected") == refused] == ["assignment"]
+
+
+@pytest.mark.parametrize("order", ["same poll as its first batch", "poll before its first batch",
+                                   "poll after its first batch"])
+def test_numbers_planted_ahead_of_a_new_worker_are_never_its_gaps_in_any_order(tmp_path, order):
+    """Junk at a worker's upcoming numbers counts as taken by others whenever the trainer reads it,
+    also in the poll that makes the worker's record (before that poll, or after it)."""
+    run = _Run(tmp_path)
+    w = RolloutWriter(run.store, RUN, "w", private_key=generate_private_key())
+
+    def plant():
+        for j in range(1, 8):
+            run.store.put(rollout_key(RUN, "w", j, 0), b"junk")
+
+    if order.startswith("poll before"):
+        plant()
+        run.intake.take(0)
+    w.upload(_work(run, w, 0, tag=0), 0, seq=0)
+    if order.startswith("same"):
+        plant()
+    run.intake.take(0)
+    if order.startswith("poll after"):
+        plant()
+        run.intake.take(0)
+    for cohort in range(1, 8):
+        seq = w.skip_taken()
+        w.upload(_work(run, w, seq, tag=cohort), 0, seq=seq)
+        run.intake.take(0)
+    rec = run.intake.gate.records[w.key_id]
+    assert rec.batches_seen == 8 and rec.max_seq == 14 and rec.taken_by_others == 7
+    assert rec.withheld == 0 and run.intake.gate.withholding()[w.key_id] == (0.0, False)
+    # The count survives the trainer's checkpoint.
+    state = run.intake.gate.records.state()
+    again = type(run.intake.gate.records)(0)
+    again.restore(json.loads(json.dumps(state)))
+    assert again.planted == run.intake.gate.records.planted

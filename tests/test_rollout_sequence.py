@@ -85,3 +85,36 @@ def test_numbers_planted_ahead_of_a_worker_waste_none_of_its_cohorts(tmp_path):
         w.upload(episodes("w", 1, cohort), 1, seq=seq)  # never SequenceTaken
         got.append(seq)
     assert got == [3, 5, 6]
+
+
+def test_one_planted_extreme_number_costs_only_its_own_key_never_the_floor_document(tmp_path):
+    """A batch named with the largest sequence number a key can hold must leave every other worker's
+    floor readable (writers, trainer and readers share one bound), and a bad entry costs its own key."""
+    from stoa.transport.sequence import RememberingWriter, SequenceFile, catch_up, read_floor, write_floors
+    from stoa.transport.signing import sign_document
+
+    store, me, run_key = LocalStore(tmp_path / "store"), generate_private_key(), generate_private_key()
+    reader = RolloutReader(store, RUN)
+    store.put(rollout_key(RUN, "x", 10**12 - 1, 1), b"junk")  # the largest number a key may name
+    w = RememberingWriter(store, RUN, "w", me, SequenceFile(tmp_path / "a" / "sequence.json"))
+    keys = [w.upload(episodes("w", 1, i), 1) for i in range(3)]
+    reader.poll(admission=sealed_only)
+    write_floors(store, RUN, reader.next_numbers(), run_key)
+    assert read_floor(store, RUN, run_key.public_key(), "x") == 10**12  # one above the largest number
+    assert read_floor(store, RUN, run_key.public_key(), "w") == 3
+    for k in keys:
+        store.delete(k)
+    fresh = RememberingWriter(store, RUN, "w", me, SequenceFile(tmp_path / "b" / "sequence.json"))
+    assert catch_up(fresh, store, RUN, run_key.public_key()) is not None and fresh.next_seq == 3
+    fresh.upload(episodes("w", 2, 9), 2)
+    assert [b.seq for b in reader.poll(admission=sealed_only)] == [3]  # read, not silently skipped
+    # A worker that remembered the top "next" number keeps it (no number left, never a wrap to 0).
+    top = SequenceFile(tmp_path / "c" / "sequence.json")
+    top.write(RUN, 10**12)
+    assert top.read(RUN) == 10**12
+    # An entry out of range, or of the wrong type, costs that key's floor only.
+    for bad in (10**12 + 1, -1, "7", True):
+        store.put(f"{RUN}/sequence.json", sign_document(
+            "sequence-floors", {"format": "stoa.sequence_floors/1", "run": RUN, "next": {"w": 5, "x": bad},
+                                "time": 1.0}, run_key))
+        assert read_floor(store, RUN, run_key.public_key(), "w") == 5

@@ -52,6 +52,7 @@ import zstandard
 
 from stoa.transport import layout
 from stoa.transport.identity import BatchSeal, SealError, is_sealed, open_sealed, seal_batch
+from stoa.transport.manifest import MAX_VERSION
 from stoa.transport.signing import SignatureError, key_id, load_private_key, read_signed, sign_document
 from stoa.transport.store import KeyNotFound, ObjectStore, ObjectTooLarge, StoreError, validate_key
 from stoa.transport.turns import in_turns
@@ -65,7 +66,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"s(\d{12})-v(\d{12})\.episodes")
-_MAX_NUM = 10**12 - 1
 _STATE_FORMAT = "stoa.rollout_reader.v1"
 _PROGRESS_FORMAT = "stoa.progress/1"
 _MAX_PROGRESS_WORKERS = 4096
@@ -106,7 +106,7 @@ def _declared_size(payload: bytes) -> int:
 
 def rollout_key(run: str, worker_id: str, seq: int, version: int) -> str:
     """The object key of a worker's ``seq``-th batch, sampled with weights ``version``."""
-    if not (0 <= seq <= _MAX_NUM and 0 <= version <= _MAX_NUM):
+    if not (layout.is_seq(seq) and 0 <= version <= MAX_VERSION):
         raise ValueError(f"seq {seq} and version {version} must lie in [0, 10^12)")
     return f"{layout.rollouts(_check_run(run), _check_worker(worker_id))}s{seq:012d}-v{version:012d}.episodes"
 
@@ -321,7 +321,7 @@ class RolloutWriter:
         nxt = seq + 1
         while nxt in taken:
             nxt += 1
-        if nxt > _MAX_NUM:
+        if nxt > layout.MAX_SEQ:
             raise StoreError(f"worker {self.worker_id!r}: no sequence number left below 10^12")
         return nxt
 
@@ -704,7 +704,7 @@ class Progress:
         if not isinstance(taken, dict) or len(taken) > _MAX_PROGRESS_WORKERS:
             raise SignatureError(f"{where}: taken must map at most {_MAX_PROGRESS_WORKERS} workers to counts")
         for w, n in taken.items():
-            if not layout.WORKER_ID.fullmatch(w) or isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= _MAX_NUM:
+            if not layout.WORKER_ID.fullmatch(w) or not layout.is_next_seq(n):
                 raise SignatureError(f"{where}: bad entry {_shown(w)}: {str(n)[:20]}")
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
             raise SignatureError(f"{where}: time must be a finite number")

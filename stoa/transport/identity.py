@@ -68,6 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from stoa.transport import layout
+from stoa.transport.manifest import MAX_VERSION
 from stoa.transport.signing import (
     SignatureError,
     generate_private_key,
@@ -125,7 +126,6 @@ _MAX_ROSTER_BYTES = 4 << 20
 _MAX_NOTE = 256
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX16 = re.compile(r"[0-9a-f]{16}")
-_MAX_NUM = 10**12 - 1
 
 
 class SealError(SignatureError):
@@ -223,7 +223,7 @@ def open_sealed(blob: bytes, where: str = "batch") -> tuple[BatchSeal, bytes]:
         raise SealError(f"{where}: seal body has the wrong fields (expected {sorted(types)})")
     if body["format"] != _SEAL_FORMAT:
         raise SealError(f"{where}: seal format {body['format'][:40]!r} is not {_SEAL_FORMAT!r}")
-    if not (0 <= body["seq"] <= _MAX_NUM and 0 <= body["version"] <= _MAX_NUM):
+    if not (layout.is_seq(body["seq"]) and 0 <= body["version"] <= MAX_VERSION):
         raise SealError(f"{where}: seal seq/version out of range")
     if body["bytes"] != len(payload) or hashlib.sha256(payload).hexdigest() != body["sha256"]:
         raise SealError(f"{where}: payload does not match the seal's sha256 (altered after signing)")

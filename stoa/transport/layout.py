@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 
 __all__ = [
-    "WORKER_ID", "ban", "bans", "config", "eval_prefix", "evaluation", "finished", "heartbeat", "heartbeats", "misnamed", "model_file",
+    "MAX_SEQ", "WORKER_ID", "is_next_seq", "is_seq", "ban", "bans", "config", "eval_prefix", "evaluation", "finished", "heartbeat", "heartbeats", "misnamed", "model_file",
     "pointer", "progress", "quarantine", "quarantined", "roster", "rollouts", "salt", "trust_report", "weights",
 ]
 
@@ -37,6 +37,22 @@ __all__ = [
 WORKER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 """A worker id: 1-64 characters of ``[A-Za-z0-9._-]``, not starting with ``.``, ``_`` or ``-``
 (never a path, never a hidden name); use ``WORKER_ID.fullmatch``."""
+
+
+MAX_SEQ = 10**12 - 1
+"""The largest sequence number a batch key names (twelve decimal digits). One bound, here, for every
+writer, the trainer and every reader of the numbers: a batch is numbered in ``[0, MAX_SEQ]``, and a
+"next number" (a floor, a count of batches taken) lies in ``[0, MAX_SEQ + 1]``."""
+
+
+def is_seq(n: object) -> bool:
+    """Whether ``n`` is a sequence number a batch key may name."""
+    return isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_SEQ
+
+
+def is_next_seq(n: object) -> bool:
+    """Whether ``n`` is a next number (one above a sequence number, or 0): a floor or a count."""
+    return isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_SEQ + 1
 
 
 def config(run: str) -> str:

@@ -36,7 +36,6 @@ _KIND = "sequence-floors"
 _FORMAT = "stoa.sequence_floors/1"
 _MAX_WORKERS = 4096
 _MAX_BYTES = 1 << 20
-_MAX_NUM = 10**12 - 1
 
 
 class SequenceFile:
@@ -56,7 +55,7 @@ class SequenceFile:
         except (OSError, ValueError, AttributeError) as e:
             log.warning("ignoring %s (%s); numbering from the store", self.path, e)
             return 0
-        return n if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= _MAX_NUM else 0
+        return n if layout.is_next_seq(n) else 0
 
     def write(self, run: str, n: int) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -111,10 +110,10 @@ def read_floor(store: ObjectStore, run: str, public_key: Any, worker_id: str) ->
     if body.get("format") != _FORMAT or not isinstance(floors, dict) or len(floors) > _MAX_WORKERS \
             or isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
         raise SignatureError(f"{key}: not a {_FORMAT} document")
-    for w, n in floors.items():
-        if not layout.WORKER_ID.fullmatch(w) or isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= _MAX_NUM:
-            raise SignatureError(f"{key}: bad entry {w[:64]!r}")
-    return floors.get(worker_id, 0)
+    n = floors.get(worker_id, 0)
+    if not layout.is_next_seq(n):  # a bad entry costs its own worker, never the others' floors
+        raise SignatureError(f"{key}: bad entry for {worker_id[:64]!r}")
+    return n
 
 
 def catch_up(writer: RememberingWriter, store: ObjectStore, run: str, public_key: Any) -> str | None:

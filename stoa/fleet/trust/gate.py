@@ -153,7 +153,7 @@ class TrustGate:
     def planted(self, refused: Sequence[Rejection]) -> None:
         """Numbers held by objects the reader refused under a worker id, sealed by another key (or
         none), are not that worker's gaps (:func:`stoa.fleet.trust.planted.count_planted`)."""
-        count_planted(self.records, refused)
+        count_planted(self.records, refused, self.records.planted)
 
     def ban(self, kid: str, reason: str, version: int = -1, *, code: str = "banned") -> None:
         """Ban a key: the records refuse it at once; its ban document tells the worker, the

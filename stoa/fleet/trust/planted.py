@@ -17,16 +17,32 @@ if TYPE_CHECKING:
     from stoa.fleet.trust.records import WorkerRecord
     from stoa.transport.exchange import Rejection
 
-__all__ = ["count_planted"]
+__all__ = ["count_planted", "planted_before"]
+
+_MAX_IDS = 4096
 
 
-def count_planted(records: Mapping[str, WorkerRecord], rejected: Sequence[Rejection]) -> None:
+def count_planted(records: Mapping[str, WorkerRecord], rejected: Sequence[Rejection],
+                  seen: dict[str, dict[str, int]] | None = None) -> None:
     """Add each quarantined object of ``rejected`` (a poll's ``PollReport.rejected``) to the
-    ``taken_by_others`` of every key whose record carries its worker id, but did not seal it."""
+    ``taken_by_others`` of every key whose record carries its worker id, but did not seal it; and,
+    into ``seen`` (worker id -> sealing key id, ``""`` when none -> count), for the keys whose record
+    is made later (:func:`planted_before`), so the order in which the store lists objects never
+    matters. ``seen`` remembers at most 4096 worker ids."""
     by_id: dict[str, list[tuple[str, WorkerRecord]]] = {}
     for kid, rec in records.items():
         by_id.setdefault(rec.worker_id, []).append((kid, rec))
     for r in rejected:
-        for kid, rec in by_id.get(r.worker_id, []) if r.worker_id else []:
+        if not r.worker_id:
+            continue
+        for kid, rec in by_id.get(r.worker_id, []):
             if kid != r.key_id:
                 rec.taken_by_others += 1
+        if seen is not None and (r.worker_id in seen or len(seen) < _MAX_IDS):
+            per = seen.setdefault(r.worker_id, {})
+            per[r.key_id or ""] = per.get(r.key_id or "", 0) + 1
+
+
+def planted_before(seen: Mapping[str, Mapping[str, int]], kid: str, worker_id: str) -> int:
+    """Objects under ``worker_id`` that ``kid`` did not seal, quarantined before its record was made."""
+    return sum(n for sealer, n in seen.get(worker_id, {}).items() if sealer != kid)

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from stoa.fleet.trust.planted import planted_before
 from stoa.transport import layout
 from stoa.transport.identity import printable
 from stoa.transport.signing import read_signed
@@ -112,12 +113,16 @@ class Records(dict[str, WorkerRecord]):
         super().__init__()
         self.ban_after = ban_after
         self.anonymous: dict[str, dict[str, int]] = {}
+        self.planted: dict[str, dict[str, int]] = {}
+        """Worker id -> sealing key id (``""``: none) -> quarantined objects under that id
+        (:func:`stoa.fleet.trust.planted.count_planted`): a key's record made later starts with the
+        ones it did not seal as ``taken_by_others``."""
 
     def touch(self, kid: str, worker_id: str) -> WorkerRecord:
         """The record of ``kid`` (made on first sight), marked as seen now."""
         rec = self.get(kid)
         if rec is None:
-            rec = self[kid] = WorkerRecord(worker_id)
+            rec = self[kid] = WorkerRecord(worker_id, taken_by_others=planted_before(self.planted, kid, worker_id))
         rec.last_seen = time.time()
         return rec
 
@@ -221,7 +226,7 @@ class Records(dict[str, WorkerRecord]):
         }
 
     def state(self) -> dict[str, Any]:
-        return {"records": {k: asdict(r) for k, r in self.items()}, "anonymous": self.anonymous}
+        return {"records": {k: asdict(r) for k, r in self.items()}, "anonymous": self.anonymous, "planted": self.planted}
 
     def restore(self, state: dict[str, Any]) -> None:
         self.clear()
@@ -229,6 +234,7 @@ class Records(dict[str, WorkerRecord]):
         for r in self.values():  # checkpoints from before reasons were bounded
             r.last_reason, r.banned = printable(r.last_reason, _MAX_REASON), printable(r.banned, 2 * _MAX_REASON)
         self.anonymous = {w: dict(d) for w, d in state.get("anonymous", {}).items()}
+        self.planted = {w: dict(d) for w, d in state.get("planted", {}).items()}
 
 
 # -- the report -------------------------------------------------------------------------------------
