@@ -11,15 +11,21 @@ way (the worker itself could have planted it).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from stoa.fleet.trust.records import WorkerRecord
     from stoa.transport.exchange import Rejection
 
 __all__ = ["count_planted", "planted_before"]
 
 _MAX_IDS = 4096
+
+
+class WorkerRecord(Protocol):
+    """What counting needs of a key's record (:class:`stoa.fleet.trust.records.WorkerRecord`)."""
+
+    worker_id: str
+    taken_by_others: int
 
 
 def count_planted(records: Mapping[str, WorkerRecord], rejected: Sequence[Rejection],
