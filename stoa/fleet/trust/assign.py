@@ -21,8 +21,11 @@ cannot do is learn a key's work before that key has done accepted work.
 function without a salt (group ids ``<key>-p<seq>-g<j>``, where salted work is
 ``<key>-s<seq>-g<j>``). Probation batches are checked like any other (an accepted one gives the
 key standing, binds its id in an open run and publishes its salt) but are never trained on. So
-grinding keys buys nothing: every batch a key can compute before its salt exists is probation,
-and trying a key costs one accepted batch of checked work. An enrolled key has its salt from
+every batch a key can compute before its salt exists is probation, and trying a key costs one
+accepted batch of checked work. That does not make grinding useless: once its salt is out, all of
+a key's future work is known, so an attacker who makes many keys and keeps those whose salted work
+lands where it wants chooses what it is trained on (measured by benchmarks/assign_grinding.py:
+62-67% of a grinder's trained groups on a chosen tenth of the items). An enrolled key has its salt from
 enrollment and has no probation.
 
 What follows: a worker cannot pick easy prompts or reroll a group (the same number gives the same
