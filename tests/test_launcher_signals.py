@@ -66,14 +66,7 @@ def test_no_process_of_the_run_outlives_the_launcher(tmp_path, sig):
             assert launcher.wait(timeout=5) == 128 + signal.SIGTERM  # stopped as by Ctrl-C
             assert "stopping" in (runs / "arithmetic-tiny" / "trainer.log").read_text()
     finally:
-        for pid in run_processes(str(runs)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if launcher.poll() is None:
-            launcher.kill()
-        launcher.wait()
+        _kill_everything(runs, launcher)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -106,11 +99,16 @@ def test_sigterm_to_stoa_train_stops_the_fleet_with_a_checkpoint_and_resume_fini
         trained = [g for e in ledger for g in e.get("trained", [])]
         assert len([e for e in ledger if "trained" in e]) == 6 and len(trained) == len(set(trained))
     finally:
-        for pid in run_processes(str(runs)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if launcher.poll() is None:
-            launcher.kill()
-        launcher.wait()
+        _kill_everything(runs, launcher)
+
+
+def _kill_everything(runs, launcher: subprocess.Popen) -> None:
+    """Whatever a failed test left of the run: its processes, then the launcher."""
+    for pid in run_processes(str(runs)):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if launcher.poll() is None:
+        launcher.kill()
+    launcher.wait()
