@@ -213,6 +213,42 @@ def test_micro_batching_does_not_change_the_gradient(aggregation, qwen2_dir):
             torch.testing.assert_close(g2[n], g1[n], rtol=1e-4, atol=1e-8)
 
 
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_scaling_kept_advantages_by_their_share_is_the_whole_batch_mean(name, aggregation, qwen2_dir):
+    """What the trainer's ``average_over = "step"`` relies on: leaving zero-advantage episodes out
+    and scaling the rest's advantages by :func:`signal_share` gives the loss and gradient of the
+    whole batch, for every built-in objective and aggregation."""
+    from stoa.algos.advantages import signal_share
+
+    objective = resolve_objective(name, {"aggregation": aggregation})
+    eps = random_episodes(16, 300, seed=11)
+    adv = np.random.default_rng(2).standard_normal(len(eps))
+    keep = np.arange(len(eps)) // 4 != 1  # the second group (4 samples) carries no signal, as a whole
+    adv[~keep] = 0.0
+    share = signal_share([e.num_model_tokens for e in eps], keep, aggregation)
+    assert 0.3 < share < 1.0
+    one = learner(qwen2_dir, micro_batch_tokens=10_000)
+    m_all, g_all = one.gradients(eps, adv, objective)
+    kept = [e for e, k in zip(eps, keep) if k]
+    m_kept, g_kept = one.gradients(kept, adv[keep] * share, objective)
+    m_raw, g_raw = one.gradients(kept, adv[keep], objective)
+    assert m_kept["loss"] == pytest.approx(m_all["loss"], rel=1e-5, abs=1e-8)
+    for n in g_all:
+        torch.testing.assert_close(g_kept[n], g_all[n], rtol=1e-4, atol=1e-8)
+    assert m_raw["loss"] != pytest.approx(m_all["loss"], rel=1e-3)  # unscaled: the kept-only mean
+
+
+def test_signal_share_counts_tokens_or_sequences():
+    from stoa.algos.advantages import signal_share
+
+    assert signal_share([3, 1, 0, 4], [True, False, True, False]) == pytest.approx(3 / 8)
+    assert signal_share([3, 1, 0, 4], [True, False, True, False], "seq_mean_token_mean") == pytest.approx(1 / 3)
+    assert signal_share([0, 0], [False, False]) == 1.0
+    with pytest.raises(ValueError, match="same shape"):
+        signal_share([1, 2], [True])
+
+
 def test_dppo_step_moves_log_probs_with_the_advantage(qwen2_dir):
     """On-policy batch (behaviour = current log-probs): after steps, positive-advantage episodes
     became likelier and negative ones less likely; the importance-sampled objective rose."""

@@ -110,3 +110,25 @@ def group_advantages(
         "zero_variance_mask": zero_var,
     }
     return adv.astype(np.float32), stats
+
+
+def signal_share(loss_tokens: Sequence[int] | np.ndarray, keep: Sequence[bool] | np.ndarray,
+                 aggregation: str = "token_mean") -> float:
+    """The kept episodes' share of a batch's loss denominator.
+
+    A trainer that leaves zero-variance groups out of a step (their advantage is 0, so they add
+    nothing to the gradient) still decides what the loss's mean runs over. Averaging over the
+    whole batch, as a full-batch token mean does, is the mean over the kept episodes times this
+    share: counted tokens for ``"token_mean"``, sequences with a counted token for the other
+    aggregations. ``loss_tokens[i]`` is episode ``i``'s counted (model) tokens. Every objective's
+    loss is linear in the advantage's scale, so scaling the kept advantages by the share gives
+    that mean without computing the left-out episodes. 1.0 for a batch with nothing counted.
+    """
+    n = np.asarray(loss_tokens, dtype=np.float64)
+    k = np.asarray(keep, dtype=bool)
+    if n.shape != k.shape:
+        raise ValueError(f"loss_tokens {n.shape} and keep {k.shape} must have the same shape")
+    if aggregation != "token_mean":
+        n = (n > 0).astype(np.float64)
+    total = float(n.sum())
+    return float(n[k].sum()) / total if total > 0 else 1.0

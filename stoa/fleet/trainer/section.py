@@ -47,6 +47,12 @@ class TrainerConfig:
     """Group advantage estimator (``stoa.algos.advantages``)."""
     skip_zero_variance_groups: bool = True
     """Leave out groups whose rewards are all equal (they carry no signal)."""
+    average_over: Literal["step", "signal"] = "step"
+    """What the loss's mean runs over when zero-variance groups are left out. ``step``: every
+    token (or sequence, per the objective's aggregation) the step took, the left-out groups counted
+    with advantage 0, as a full-batch mean counts them; a step in which few groups carry signal
+    then moves the policy less. ``signal``: only the groups with signal, so a step with one such
+    group moves the policy as far as a step with all of them (noisy with small steps)."""
     checkpoint_every: int = 25
     """Save a full training checkpoint every this many steps (and at the end)."""
     threads: int = 0
@@ -66,6 +72,7 @@ class TrainerConfig:
         check(self.steps >= 0 and self.groups_per_step >= 1, "trainer.steps >= 0 and groups_per_step >= 1")
         check(self.mismatch_every >= 0, "trainer.mismatch_every must be >= 0")
         check(self.max_lag >= 0, "trainer.max_lag must be >= 0")
+        check(self.average_over in ("step", "signal"), "trainer.average_over must be 'step' or 'signal'")
         check(self.checkpoint_every >= 1 and self.threads >= 0, "trainer.checkpoint_every >= 1, threads >= 0")
 
 

@@ -378,7 +378,7 @@ class Trainer:
         """Advantages and one learner step over ``taken``; returns (rollout metrics, learner metrics).
 
         Raises whatever the learner raises (the caller has the intake find the batch to blame)."""
-        from stoa.algos.advantages import group_advantages
+        from stoa.algos.advantages import group_advantages, signal_share
 
         tc = self.cfg.trainer
         episodes = taken.episodes
@@ -401,10 +401,17 @@ class Trainer:
             rollout[f"staleness/lag{lag}"] = n
         if tc.mismatch_every and (self.rl_step + 1) % tc.mismatch_every == 0:
             rollout.update(self._mismatch(episodes))
+        share = signal_share([e.num_model_tokens for e in episodes], keep,
+                             getattr(getattr(self.cfg.objective, "config", None), "aggregation", "token_mean"))
+        rollout["loss/signal_share"] = share
         learn: dict[str, Any] = {"learner/skipped_no_signal": not keep.any()}
         if keep.any():
             sel = [e for e, k in zip(episodes, keep) if k]
-            learn = self.learner.train_step(sel, adv[keep], objective=self.cfg.objective)
+            # Averaging over the whole step: the left-out groups have advantage 0 and would only add
+            # to the denominator; every objective's loss is linear in the advantage's scale, so
+            # scaling the kept advantages by their share is that mean, without their compute.
+            scale = share if tc.average_over == "step" else 1.0
+            learn = self.learner.train_step(sel, adv[keep] * np.float32(scale), objective=self.cfg.objective)
         return rollout, learn
 
     def _count(self, taken: Taken, zero_variance_groups: int) -> None:
