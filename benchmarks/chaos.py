@@ -1,11 +1,16 @@
-"""A fleet run under seeded faults against a fault-free run of the same seed: what held, what it cost.
+"""Fleet runs under seeded faults against a fault-free run of the same seed: what held, what each kind cost.
 
-Both runs are real ``stoa trainer`` / ``stoa worker`` processes meeting in a local store, on a tiny
-model and the synthetic search task (``stoa.testing.chaos``). The chaos run injects, on a schedule
-drawn from ``--seed``: workers SIGKILLed and restarted under the same identity, a worker asleep
-(SIGSTOP / SIGCONT) mid-cohort that wakes stale, and one SIGKILL of the trainer followed by
-``--resume``. Store faults (5xx, timeouts, resets, slow responses through a proxy), a full cache
-disk, and memory / open files under churn are not injected by this version.
+Every run is real ``stoa trainer`` / ``stoa worker`` processes on a tiny model and the synthetic
+search task (``stoa.testing.chaos``), meeting in a real S3 server (SeaweedFS) through the fault
+proxy (``stoa.testing.storefaults``; no faults in the fault-free run). One run per fault kind, each
+with that kind alone on a schedule drawn from ``--seed``, then (without ``--quick``) one run with
+all of them: workers SIGKILLed and restarted under the same identity, workers asleep (SIGSTOP /
+SIGCONT) for seconds mid-cohort or for longer than the heartbeat window, the trainer SIGKILLed
+and resumed, a worker's cache disk full (a filled tmpfs; root only), and store faults at stated
+rates in windows of seconds (5xx, timeouts past the clients' read timeout, resets mid-body, slow
+answers, stalled multipart parts). Each row's cost is its wall time over the fault-free run's,
+and the same for the RL phase alone (first RL step to the end: process start-up left out).
+Not injected: memory and open files under long churn.
 
     python benchmarks/chaos.py [--quick] [--json out.json] [--seed 0] [--steps 30] [--workers 4]
 """
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -75,7 +81,7 @@ samples = 1
 """
 
 
-def one_run(root: Path, seed: int, steps: int, workers: int, faults: list) -> dict:
+def one_run(root: Path, seed: int, steps: int, workers: int, faults: list, s3) -> dict:
     from stoa.fleet.metrics import read_metrics
     from stoa.testing.chaos import ChaosRun, verify
     from stoa.transport.signing import generate_private_key, load_public_key, save_keypair
@@ -85,51 +91,92 @@ def one_run(root: Path, seed: int, steps: int, workers: int, faults: list) -> di
     config.write_text(CONFIG.format(seed=seed, steps=steps))
     key, pub = save_keypair(generate_private_key(), root / "keys", "run")
     run = ChaosRun(config, root / "fleet", "chaos-bench", key, str(pub), workers, faults,
-                   env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+                   env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}, s3=s3, seed=seed)
     wall = run.run(timeout=1800)
     got = verify(run, load_public_key(pub))
-    train = [r for r in read_metrics(run.run_dir / "metrics.jsonl") if r.get("kind") == "train"]
+    rows = read_metrics(run.run_dir / "metrics.jsonl")
+    train = [r for r in rows if r.get("kind") == "train"]
+    end = max(r["time"] for r in rows)
+    events = [r["event"] for r in rows if r.get("kind") == "event" and r.get("worker")]
     half = max(1, len(train) // 2)
     reward = lambda rows: sum(r["reward/mean"] for r in rows) / max(1, len(rows))  # noqa: E731
     honest = got.pop("workers")
-    return {"wall_s": round(wall, 1), "faults": [f["kind"] for f in run.fired], **got,
+    return {"wall_s": round(wall, 1), "rl_s": round(end - train[0]["time"], 1) if train else None,
+            "faults": [f["kind"] for f in run.fired], "store_faults": run.store_faults, **got,
+            "trainer_store_retries": train[-1].get("store/retries", 0) if train else 0,
+            "worker_store_retries": max((r.get("fleet/store_retries", 0) for r in train), default=0),
+            "fleet_events": {e: events.count(e) for e in sorted(set(events))},
+            "stale_groups": train[-1].get("dropped/stale_groups", 0) if train else 0,
             "reward_first_half": round(reward(train[:half]), 4), "reward_second_half": round(reward(train[half:]), 4),
             "honest_strikes": sum(w["strikes"] for w in honest.values()),
             "honest_banned": sum(bool(w["banned"]) for w in honest.values()),
             "accepted_batches": sum(w["accepted_batches"] for w in honest.values())}
 
 
+def schedules(seed: int, steps: int, workers: int, quick: bool) -> dict[str, list]:
+    """One schedule per fault kind (that kind alone), and without ``quick`` all of them together."""
+    from stoa.testing.chaos import STORE_KINDS, plan
+
+    none = dict(worker_kills=0, pauses=0, trainer_kills=0)
+    sleep_s = (40.0, 50.0) if quick else (60.0, 120.0)
+    out = {"kill-worker": plan(seed, steps, workers, **{**none, "worker_kills": 2}),
+           "pause-worker": plan(seed, steps, workers, **{**none, "pauses": 1}),
+           "sleep-worker": plan(seed, steps, workers, **none, sleeps=1, sleep_s=sleep_s),
+           "kill-trainer": plan(seed, steps, workers, **{**none, "trainer_kills": 1})}
+    if os.geteuid() == 0:  # the full disk is a tmpfs the harness mounts
+        out["disk-full"] = plan(seed, steps, workers, **none, disk_fulls=1)
+    for kind in STORE_KINDS:
+        out[kind] = plan(seed, steps, workers, **none, store={kind: 2})
+    if not quick:
+        kills, pauses = max(2, steps // 6), max(1, steps // 15)
+        out["all"] = plan(seed, steps, workers, worker_kills=kills, pauses=pauses, trainer_kills=1, sleeps=1,
+                          sleep_s=sleep_s, disk_fulls=int(os.geteuid() == 0), store={k: 1 for k in STORE_KINDS})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="10 steps, 3 workers, 4 faults (about a minute)")
+    ap.add_argument("--quick", action="store_true", help="10 steps, 3 workers, one run per fault kind, no combined run")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--workers", type=int, default=4)
     args = ap.parse_args()
-    from stoa.testing.chaos import plan
+    from stoa.testing.seaweed import SeaweedFS
 
     steps, workers = (10, 3) if args.quick else (args.steps, args.workers)
-    kills, pauses = (2, 1) if args.quick else (max(2, steps // 6), max(1, steps // 15))
-    faults = plan(args.seed, steps, workers, worker_kills=kills, pauses=pauses, trainer_kills=1)
-    with tempfile.TemporaryDirectory() as tmp:
-        clean = one_run(Path(tmp) / "clean", args.seed, steps, workers, [])
-        chaos = one_run(Path(tmp) / "chaos", args.seed, steps, workers, faults)
+    plans = schedules(args.seed, steps, workers, args.quick)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp, SeaweedFS.start() as s3:
+        results["fault-free"] = one_run(Path(tmp) / "clean", args.seed, steps, workers, [], s3)
+        for name, faults in plans.items():
+            print(f"[chaos] {name}: " + ", ".join(f"{f.target} after step {f.after_step}"
+                                                 + (f" for {f.seconds:g} s" if f.seconds else "")
+                                                 + (f" at {f.rate:g}" if f.rate else "") for f in faults), flush=True)
+            results[name] = one_run(Path(tmp) / name, args.seed, steps, workers, faults, s3)
+    clean = results["fault-free"]
+    for r in results.values():
+        r["overhead"] = round(r["wall_s"] / clean["wall_s"] - 1, 3)
+        r["rl_overhead"] = round(r["rl_s"] / clean["rl_s"] - 1, 3) if r["rl_s"] and clean["rl_s"] else None
     out = {"seed": args.seed, "steps": steps, "workers": workers,
-           "schedule": [f.__dict__ for f in faults], "fault_free": clean, "chaos": chaos,
-           "overhead": round(chaos["wall_s"] / clean["wall_s"] - 1, 3)}
-    rows = [("wall s", "wall_s"), ("finished", "finished"), ("groups trained", "groups_trained"),
-            ("trained twice", "trained_twice"), ("groups still in the store", "groups_uploaded"),
-            ("of them lost", "groups_lost"), ("accepted batches", "accepted_batches"),
-            ("trainer resumes", "resumed"), ("honest workers struck", "honest_strikes"),
-            ("honest workers banned", "honest_banned"), ("reward, first half of steps", "reward_first_half"),
-            ("reward, second half", "reward_second_half")]
-    print(f"chaos benchmark: seed {args.seed}, {steps} steps, {workers} workers; faults: "
-          + ", ".join(f"{f.kind} {f.target} after step {f.after_step}" for f in faults))
-    print(f"| {'':28} | fault-free | chaos |\n|{'-' * 30}|-----------:|------:|")
-    for label, k in rows:
-        print(f"| {label:28} | {clean[k]!s:>10} | {chaos[k]!s:>5} |")
-    print(f"wall-time overhead of the faults: {out['overhead'] * 100:+.0f}%")
+           "schedules": {k: [f.__dict__ for f in v] for k, v in plans.items()}, "runs": results}
+    print(f"chaos benchmark: seed {args.seed}, {steps} steps, {workers} workers, store: SeaweedFS behind the fault proxy")
+    print("| fault kind | fired | injected by the proxy | wall s | overhead | RL s | RL overhead | store retries "
+          "(trainer / workers) | fleet events | stale groups dropped | groups trained | lost | trained twice "
+          "| honest struck / banned |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+    for name, r in results.items():
+        inj = ", ".join(f"{k} {v}" for k, v in r["store_faults"].items()) or "-"
+        ev = ", ".join(f"{k} {v}" for k, v in r["fleet_events"].items()) or "-"
+        pct = lambda x: "-" if x is None or name == "fault-free" else f"{x * 100:+.0f}%"  # noqa: E731
+        print(f"| {name} | {len(r['faults'])} | {inj} | {r['wall_s']} | {pct(r['overhead'])} | {r['rl_s']} | "
+              f"{pct(r['rl_overhead'])} | {r['trainer_store_retries']} / {r['worker_store_retries']} | {ev} | "
+              f"{r['stale_groups']} | {r['groups_trained']} | {r['groups_lost']} | {r['trained_twice']} | "
+              f"{r['honest_strikes']} / {r['honest_banned']} |")
+    held = all(r["finished"] and not r["groups_lost"] and not r["trained_twice"] and not r["honest_strikes"]
+               and not r["honest_banned"] for r in results.values())
+    print("held in every run: finished, 0 groups lost, 0 trained twice, 0 honest workers struck or banned"
+          if held else "NOT HELD in some run: see the table")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
 

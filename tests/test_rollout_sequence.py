@@ -118,3 +118,38 @@ def test_one_planted_extreme_number_costs_only_its_own_key_never_the_floor_docum
             "sequence-floors", {"format": "stoa.sequence_floors/1", "run": RUN, "next": {"w": 5, "x": bad},
                                 "time": 1.0}, run_key))
         assert read_floor(store, RUN, run_key.public_key(), "w") == 5
+
+
+def test_a_full_cache_disk_never_makes_an_uploaded_batch_look_failed(tmp_path):
+    """The cache folder is a 64 KiB tmpfs filled up (writes fail with ENOSPC, as on a full disk):
+    each batch is uploaded once and counts as uploaded, no half-written file is left in the cache,
+    and once space is back the number is recorded again."""
+    import os
+    import subprocess
+
+    import pytest
+
+    from stoa.testing.chaos import _FILLER, _fill
+    from stoa.transport.sequence import RememberingWriter, SequenceFile
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a size-capped tmpfs for the cache")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(cache)], check=True)
+    try:
+        store, me = LocalStore(tmp_path / "store"), generate_private_key()
+        w = RememberingWriter(store, RUN, "w", me, SequenceFile(cache / "sequence.json"))
+        w.upload(episodes("w", 0, 0), 0, seq=0)
+        _fill(cache)
+        keys = [w.upload(episodes("w", 0, tag), 0, seq=tag) for tag in (1, 2)]  # raised OSError before
+        assert [k.rpartition("/")[2][:13] for k in keys] == ["s000000000001", "s000000000002"]
+        assert "No space left" in w.trouble
+        assert sorted(p.name for p in cache.iterdir()) == sorted([_FILLER, "sequence.json"])
+        assert SequenceFile(cache / "sequence.json").read(RUN) == 1  # the last number it could record
+        (cache / _FILLER).unlink()
+        w.upload(episodes("w", 0, 3), 0, seq=3)
+        assert w.trouble == "" and SequenceFile(cache / "sequence.json").read(RUN) == 4
+        assert len(store.list(f"{RUN}/rollouts/")) == 4
+    finally:
+        subprocess.run(["umount", "-l", str(cache)], check=True)

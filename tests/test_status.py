@@ -146,3 +146,15 @@ def test_unsigned_documents_are_marked_unverified_and_a_forged_report_never_pass
     store.put(f"{run}/trust.json", sign_document("trust-report", real, run_key))
     s = _no_nan(_stoa("status", "--store", str(store.root), "--run", run, "--public-key", pub, "--json").stdout)
     assert s["trust"]["workers"]["c" * 16]["banned"] == "audit: spot-check: forged"
+
+
+def test_a_worker_retrying_a_failure_says_what_fails(tmp_path):
+    store, run = _run(tmp_path)
+    disk = "cache: OSError: [Errno 28] No space left on device"
+    write_heartbeat(store, run, Heartbeat("worker-9", 7, "generating", 1, 1, 1.0, 1.0, "int8", "h", time.time(),
+                                          store_retries=3, trouble=disk))
+    s = fleet_status(store, run)
+    assert {w["worker_id"]: w["store_retries"] for w in s["workers"]}["worker-9"] == 3
+    con = Console(width=80, record=True, force_terminal=False, color_system=None)
+    con.print(Group(*render(s)))
+    assert f"worker-9 is retrying: {disk}" in " ".join(con.export_text().split())

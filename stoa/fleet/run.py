@@ -117,6 +117,10 @@ class Heartbeat:
     """Unix time of the report."""
     sync_bytes: int = 0
     """Bytes read from the weight channel since the worker started."""
+    store_retries: int = 0
+    """Store requests the worker's client retried since it started (5xx, throttling, timeouts, resets)."""
+    trouble: str = ""
+    """What is failing now and being retried (the store, or the worker's own cache disk), or empty."""
 
     def to_json(self) -> bytes:
         return json.dumps(self.__dict__, sort_keys=True).encode()
@@ -128,8 +132,10 @@ class Heartbeat:
         d = json.loads(blob)
         types = {"worker_id": str, "version": int, "status": str, "episodes": int, "batches": int,
                  "episodes_per_s": (int, float), "tokens_per_s": (int, float), "mode": str, "host": str,
-                 "time": (int, float), "sync_bytes": int}
-        if not isinstance(d, dict) or set(d) - set(types) or any(not isinstance(d.get(k), t) for k, t in types.items()):
+                 "time": (int, float), "sync_bytes": int, "store_retries": int, "trouble": str}
+        optional = {"sync_bytes", "store_retries", "trouble"}  # absent in older workers' heartbeats
+        if not isinstance(d, dict) or set(d) - set(types) or any(
+                not isinstance(d.get(k), t) for k, t in types.items() if k in d or k not in optional):
             raise ValueError("malformed heartbeat")
         if not all(math.isfinite(d[k]) for k in ("episodes_per_s", "tokens_per_s", "time")):
             raise ValueError("heartbeat has non-finite numbers")

@@ -134,6 +134,17 @@ class S3Store:
         self._secrets = tuple(s for s in (credentials or ()) if s)
         self.bucket, self.prefix, self.endpoint_url, self.config = bucket, prefix, endpoint_url, config
         self._client = client if client is not None else self._make_client(endpoint_url, region, config, credentials)
+        self._counts = _counters(self._client)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """What this store's client went through so far (they only grow; shared by stores on one client):
+        ``requests`` (HTTP attempts), ``retries`` (attempts after a request's first: 5xx, throttling,
+        timeouts, resets), ``resumed_reads`` (downloads continued after a broken body), ``resent``
+        (bodies sent again after a damaged upload or a conflict), ``errors`` (operations that failed)."""
+        c = self._counts
+        return {"requests": c["attempts"], "retries": max(0, c["attempts"] - c["calls"]) + c["retried_bodies"],
+                "resumed_reads": c["resumed_reads"], "resent": c["resent"], "errors": c["errors"]}
 
     @staticmethod
     def _make_client(endpoint_url: str | None, region: str | None, config: S3Config,
@@ -171,6 +182,7 @@ class S3Store:
         return text
 
     def _fail(self, op: str, key: str, e: Exception) -> StoreError:
+        self._counts["errors"] += 1
         return StoreError(self._redact(f"{self}: {op} {key!r} failed: {_describe(e)}"))
 
     def put(self, key: str, data: bytes) -> None:
@@ -186,6 +198,7 @@ class S3Store:
                 # botocore does not retry a 4xx; BadDigest means our bytes were damaged on the
                 # way (Content-MD5 caught it), so we send them once more ourselves.
                 if _error_code(e) in _RESEND_CODES and attempt == 0:
+                    self._counts["resent"] += 1
                     continue
                 raise self._fail("put", key, e) from e
 
@@ -209,10 +222,12 @@ class S3Store:
                     return False
                 if code in _RESEND_CODES and not resent:
                     resent = True  # damaged on the way (see put)
+                    self._counts["resent"] += 1
                     continue
                 if code in _CONFLICT_CODES and attempt + 1 < self.config.max_attempts:
                     # S3 answers 409 to racing conditional writes and asks callers to retry;
                     # botocore does not, so this (bounded, jittered) loop is the only layer.
+                    self._counts["resent"] += 1
                     _sleep_backoff(attempt)
                     continue
                 raise self._fail("put_if_absent", key, e) from e
@@ -255,20 +270,30 @@ class S3Store:
 
     def _request(self, op: str, key: str, full: str, **kw: Any) -> dict:
         from botocore.exceptions import ClientError
+        from urllib3.exceptions import HTTPError as BrokenBody
 
-        try:
-            return self._client.get_object(Bucket=self.bucket, Key=full, **kw)
-        except ClientError as e:
-            code = _error_code(e)
-            if code in _MISSING_CODES:
-                raise KeyNotFound(f"{self}: no object {key!r}") from None
-            if code in _PRECONDITION_CODES and "IfMatch" in kw:
-                raise _Changed(f"{key!r} was replaced during the download") from None
-            if code in _RANGE_CODES:
-                raise
-            raise self._fail(op, key, e) from e
-        except Exception as e:
-            raise self._fail(op, key, e) from e
+        for attempt in range(self.config.max_attempts):
+            try:
+                return self._client.get_object(Bucket=self.bucket, Key=full, **kw)
+            except ClientError as e:
+                code = _error_code(e)
+                if code in _MISSING_CODES:
+                    raise KeyNotFound(f"{self}: no object {key!r}") from None
+                if code in _PRECONDITION_CODES and "IfMatch" in kw:
+                    raise _Changed(f"{key!r} was replaced during the download") from None
+                if code in _RANGE_CODES:
+                    raise
+                raise self._fail(op, key, e) from e
+            except BrokenBody as e:
+                # botocore reads a GET's error answer (404, 412, 5xx) outside its retry layer, so
+                # a connection that breaks inside that body reaches us raw: ask again.
+                if attempt + 1 >= self.config.max_attempts:
+                    raise self._fail(op, key, e) from e
+                self._counts["retried_bodies"] += 1
+                _sleep_backoff(attempt)
+            except Exception as e:
+                raise self._fail(op, key, e) from e
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _download(self, full: str, key: str, limit: int | None) -> bytes:
         from botocore.exceptions import ClientError
@@ -331,6 +356,7 @@ class S3Store:
                 stalled = 0 if pos > before else stalled + 1
                 if stalled > self.config.max_resumes:
                     raise self._fail("get", key, e) from e
+                self._counts["resumed_reads"] += 1
                 log.info("%s: get %r broke at byte %d (%s); continuing", self, key, pos, _describe(e))
                 if stalled:
                     _sleep_backoff(stalled)
@@ -381,6 +407,27 @@ class S3Store:
 
 class _ShortRead(IOError):
     pass
+
+
+def _counters(client: Any) -> dict[str, int]:
+    """Counters kept on the boto3 client: one API call is one ``before-call`` event and each of its
+    HTTP attempts one ``before-send`` event, so retries = attempts - calls."""
+    counts = getattr(client, "_stoa_counts", None)
+    if counts is None:
+        counts = dict.fromkeys(("calls", "attempts", "retried_bodies", "resumed_reads", "resent", "errors"), 0)
+        events = getattr(getattr(client, "meta", None), "events", None)
+        if events is not None:
+            def on(name: str) -> Any:
+                def count(**_: Any) -> None:
+                    counts[name] += 1
+                return count
+            events.register("before-call.s3", on("calls"), unique_id="stoa-count-calls")
+            events.register("before-send.s3", on("attempts"), unique_id="stoa-count-attempts")
+        try:
+            client._stoa_counts = counts
+        except AttributeError:
+            pass
+    return counts
 
 
 def _total_size(resp: dict) -> int:

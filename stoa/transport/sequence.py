@@ -58,13 +58,18 @@ class SequenceFile:
         return n if layout.is_next_seq(n) else 0
 
     def write(self, run: str, n: int) -> None:
+        """Replace the file (a failed write, e.g. a full disk, leaves the old one and no temp file)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(json.dumps({"run": run, "next": int(n)}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "w") as f:
+                f.write(json.dumps({"run": run, "next": int(n)}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
 
 
 class RememberingWriter(RolloutWriter):
@@ -75,16 +80,34 @@ class RememberingWriter(RolloutWriter):
         super().__init__(store, run, worker_id, private_key)
         self.remember = remember
         self.next_seq = max(self.next_seq, remember.read(self.run))
+        self.trouble = ""
+        """Why the cache file could not be written (e.g. the disk is full), or empty."""
 
     def upload(self, *args: Any, **kwargs: Any) -> str:
         key = super().upload(*args, **kwargs)
-        self.remember.write(self.run, self.next_seq)
+        self._remember()
         return key
 
     def skip_to(self, seq: int) -> None:
         """Continue at ``seq`` or above (remembered at once)."""
         self.next_seq = max(self.next_seq, seq)
-        self.remember.write(self.run, self.next_seq)
+        self._remember()
+
+    def _remember(self) -> None:
+        # The batch is in the store by now: a cache that cannot be written must not make the
+        # upload look failed (its retry would find the number taken and drop the batch's record).
+        # Until the file can be written, numbering rests on the store and the trainer's floor.
+        try:
+            self.remember.write(self.run, self.next_seq)
+        except OSError as e:
+            if not self.trouble:
+                log.error("cannot record the next sequence number in %s (%s); uploads go on, numbered from the "
+                          "store and the trainer's floor until the file can be written", self.remember.path, e)
+            self.trouble = f"cache: {type(e).__name__}: {e}"
+            return
+        if self.trouble:
+            log.info("the next sequence number is recorded in %s again", self.remember.path)
+        self.trouble = ""
 
 
 def write_floors(store: ObjectStore, run: str, floors: dict[str, int], private_key: Any) -> None:

@@ -398,6 +398,7 @@ def open_store(url: str | os.PathLike[str], *, s3_config: S3Config | None = None
       means AWS itself); the region from ``?region=`` or the standard AWS settings.
       Credentials may ride in the URL (``s3://KEY:SECRET@bucket/prefix``) or the endpoint's
       userinfo (``?endpoint=https://KEY:SECRET@host``); they are never shown in reprs or errors.
+      ``?read_timeout=SECONDS`` and ``?max_attempts=N`` override those of :class:`S3Config`.
 
     Raises:
         StoreURLError: a location that names no store (unknown scheme, no bucket, bad query),
@@ -422,15 +423,22 @@ def open_store(url: str | os.PathLike[str], *, s3_config: S3Config | None = None
         if not bucket:
             raise StoreURLError(f"{shown!r}: an s3:// URL needs a bucket name: s3://BUCKET/PREFIX")
         query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
-        unknown = set(query) - {"endpoint", "region"}
+        unknown = set(query) - {"endpoint", "region", "read_timeout", "max_attempts"}
         if unknown:
-            raise StoreURLError(f"{shown!r}: unknown query parameters {sorted(unknown)} (known: endpoint, region)")
+            raise StoreURLError(f"{shown!r}: unknown query parameters {sorted(unknown)} "
+                                "(known: endpoint, region, read_timeout, max_attempts)")
         endpoint = query.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+        from dataclasses import replace
+
         from stoa.transport.s3 import S3Config, S3Store
 
         try:
+            tuning = {k: float(query[k]) if k == "read_timeout" else int(query[k])
+                      for k in ("read_timeout", "max_attempts") if k in query}
+            config = replace(s3_config or S3Config(), **{("read_timeout_s" if k == "read_timeout" else k): v
+                                                         for k, v in tuning.items()})
             return S3Store(bucket, parsed.path.strip("/"), endpoint_url=endpoint, region=query.get("region"),
-                           config=s3_config or S3Config(), credentials=creds)
+                           config=config, credentials=creds)
         except ValueError as e:
             raise StoreURLError(f"{shown!r}: {_redact_url(str(e))}") from None
     if parsed.scheme and len(parsed.scheme) > 1:  # one letter: a Windows drive

@@ -213,6 +213,9 @@ def render(s: dict[str, Any]) -> list[Any]:
                   Text(f"{num(w['age_s'], '.0f')}s"), Text(num(w["episodes_per_s"], ".1f")),
                   Text(num(w["tokens_per_s"], ".0f")), Text(num(w["episodes"])))
     out.append(t)
+    for w in s["workers"]:
+        if w.get("trouble") and w["status"] != "stopped":
+            out.append(Text(f"{clean(w['worker_id'])} is retrying: {clean(w['trouble'])}", style="yellow"))
     for key in s["bad_heartbeats"]:
         out.append(Text(f"unreadable heartbeat {clean(key)}", style="yellow"))
     tr = s.get("trust")

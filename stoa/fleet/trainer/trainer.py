@@ -56,6 +56,7 @@ from stoa.fleet.intake import Intake, Taken
 from stoa.fleet.metrics import MetricsSink
 from stoa.fleet.parity import check_floor, check_trainer
 from stoa.fleet.run import publish_run, read_heartbeats
+from stoa.fleet.trainer.fleetwatch import FleetWatch, store_metrics
 from stoa.fleet.task import import_env_module
 from stoa.fleet.trainer.policies import HeldPolicies
 from stoa.fleet.trainer.publishing import PublishedRecord, next_version, publish_once
@@ -158,6 +159,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, store: ObjectStore, run_dir: Path, private_key: Any, resume: bool = False,
                  on_row: Callable[[dict], None] | None = None, ranks: Ranks | None = None):
         self.cfg, self.store, self.run_dir = cfg, store, Path(run_dir)
+        self.fleet = FleetWatch()
         self.ranks = ranks
         self.run_name = cfg.name
         self.key = private_key
@@ -359,14 +361,16 @@ class Trainer:
                           policy_versions=sorted({e.policy_version for e in taken.episodes}))
         beats, _ = read_heartbeats(self.store, self.run_name)
         now = time.time()
+        fleet, changes = self.fleet.see(beats, now)
+        for change in changes:
+            self._log("event", **change)
         self._log("train", rl_step=self.rl_step, **rollout, **learn,
                   **{"pulse/bytes": pub.bytes_written, "pulse/full_bytes": pub.full_state_bytes,
                      "pulse/anchor": pub.kind == "anchor", "pulse/seconds": pub.seconds,
                      "pulse/quantize_s": self.quantize_s,
                      "time/step_s": now - t0, "time/elapsed_s": now - self._t0,
-                     "throughput/episodes_per_s": self.counters.episodes_trained / (now - self._t0),
-                     "fleet/workers_alive": sum(now - b.time < 30 and b.status != "stopped" for b in beats)},
-                  **self.intake.metrics())
+                     "throughput/episodes_per_s": self.counters.episodes_trained / (now - self._t0)},
+                  **fleet, **store_metrics(self.store), **self.intake.metrics())
         self.intake.report(self.version)
         if self.version % self.cfg.eval.every == 0 and self.rl_step < self.cfg.trainer.steps:
             self.evaluate()

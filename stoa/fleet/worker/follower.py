@@ -221,10 +221,15 @@ class LiveWeights:
             from stoa.transport import pulse
 
             blob = pulse.encode_state({k: np.asarray(v) for k, v in live.state.items()})
-            tmp = self.keep_dir / f".{KEPT_STATE}.tmp"
-            tmp.write_bytes(blob)
-            tmp.replace(self.keep_dir / KEPT_STATE)
-            (self.keep_dir / KEPT_META).write_text(json.dumps({"run": self.run, "version": live.version}))
+            (self.keep_dir / KEPT_META).unlink(missing_ok=True)  # no meta: no kept weights, until both are whole
+            for name, data in ((KEPT_STATE, blob),
+                               (KEPT_META, json.dumps({"run": self.run, "version": live.version}).encode())):
+                tmp = self.keep_dir / f".{name}.tmp"
+                try:
+                    tmp.write_bytes(data)
+                    tmp.replace(self.keep_dir / name)
+                finally:
+                    tmp.unlink(missing_ok=True)  # a full disk leaves no half-written file behind
             return f"weights of version {live.version} kept in {self.keep_dir} for a quick restart"
         except Exception as err:  # noqa: BLE001 - never hide the reason a session ends
             log.warning("could not keep the weights (%s: %s)", type(err).__name__, err)

@@ -326,6 +326,10 @@ class Worker:
         held = f"; keeping version {self.engine.version}" if self.engine is not None else ""
         log.warning("%s (failure %d, for %.0fs); retrying in %.1fs%s", self._trouble, self._failures,
                     time.time() - self._trouble_since, delay, held)
+        if self._failures == 1 and self.engine is not None:
+            with contextlib.suppress(Exception):  # the trainer sees the trouble when the store takes it
+                self._last_beat = 0.0
+                self._beat(self._last_status or "waiting")
         self._sleep(delay)
 
     def _recovered(self) -> None:
@@ -341,9 +345,12 @@ class Worker:
             return  # an idle worker reports every 2 s, not every poll
         self._last_status, self._last_beat = status, now
         e = self.engine
+        stats = getattr(self.store, "stats", None)  # an S3 store counts its client's retries
+        retries = int(stats.get("retries", 0)) if isinstance(stats, dict) else 0
         write_heartbeat(self.store, self.run_name, Heartbeat(
             self.worker_id, max(e.version, 0) if e else 0, status, self.episodes, self.batches, self.episodes_per_s,
-            self.tokens_per_s, e.mode if e else "", self.host, time.time(), self.sync_bytes))
+            self.tokens_per_s, e.mode if e else "", self.host, time.time(), self.sync_bytes, retries,
+            (self._trouble or (self.writer.trouble if self.writer else ""))[:200]))
 
     def _trainer_view(self) -> str:
         """Accepted / rejected counts for this worker's key from the trainer's signed trust report."""

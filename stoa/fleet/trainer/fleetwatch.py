@@ -1,0 +1,65 @@
+"""What the trainer sees of its fleet between steps: workers alive, silent or in trouble, store retries.
+
+:class:`FleetWatch` reads the workers' heartbeats (``stoa.fleet.run.Heartbeat``) once per step and
+answers with the step's ``fleet/*`` metrics and the events of what changed since the last look: a
+worker whose heartbeat went silent (stopped or asleep: no word for :data:`SILENT_S`), one heard
+again, one that reports trouble (its store or its own cache disk failing and retried) and one whose
+trouble cleared. It keeps only its own state and does no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["SILENT_S", "FleetWatch", "store_metrics"]
+
+SILENT_S = 30.0
+"""A worker not heard from for this long is silent (not alive)."""
+
+
+class FleetWatch:
+    """Per worker: whether it was silent, and its trouble, at the last look."""
+
+    def __init__(self) -> None:
+        self._silent: dict[str, float] = {}  # worker -> time of its last heartbeat when it fell silent
+        self._trouble: dict[str, str] = {}
+
+    def see(self, beats: Iterable[Any], now: float) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """The ``fleet/*`` metrics for this step and the events (dicts with ``event`` and ``worker``)."""
+        events: list[dict[str, Any]] = []
+        alive = silent = trouble = retries = 0
+        for b in beats:
+            retries += b.store_retries
+            if b.status == "stopped":
+                self._silent.pop(b.worker_id, None)
+                continue
+            quiet = now - b.time >= SILENT_S
+            if quiet:
+                silent += 1
+                if b.worker_id not in self._silent:
+                    self._silent[b.worker_id] = b.time
+                    events.append({"event": "worker_silent", "worker": b.worker_id, "last_heard_s": round(now - b.time, 1),
+                                   "worker_version": b.version})
+            else:
+                alive += 1
+                if b.worker_id in self._silent:
+                    events.append({"event": "worker_back", "worker": b.worker_id,
+                                   "silent_s": round(b.time - self._silent.pop(b.worker_id), 1), "worker_version": b.version})
+            was = self._trouble.get(b.worker_id, "")
+            if b.trouble and not quiet:
+                trouble += 1
+                if b.trouble != was:
+                    events.append({"event": "worker_trouble", "worker": b.worker_id, "trouble": b.trouble[:200]})
+                self._trouble[b.worker_id] = b.trouble
+            elif was and not b.trouble:
+                events.append({"event": "worker_recovered", "worker": b.worker_id, "was": was[:200]})
+                del self._trouble[b.worker_id]
+        return {"fleet/workers_alive": alive, "fleet/workers_silent": silent, "fleet/workers_in_trouble": trouble,
+                "fleet/store_retries": retries}, events
+
+
+def store_metrics(store: Any) -> dict[str, int]:
+    """The trainer's own store client's counters as ``store/*`` metrics (none for a local store)."""
+    stats = getattr(store, "stats", None)
+    return {f"store/{k}": int(v) for k, v in stats.items()} if isinstance(stats, dict) else {}

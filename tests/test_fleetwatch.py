@@ -1,0 +1,38 @@
+"""The trainer's view of its fleet (stoa.fleet.trainer.fleetwatch): a worker asleep past the
+heartbeat window, one heard again, one whose store or cache disk fails, each once as an event."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from stoa.fleet.run import Heartbeat
+from stoa.fleet.trainer.fleetwatch import FleetWatch
+
+
+def beat(wid: str, t: float, **kw) -> Heartbeat:
+    return replace(Heartbeat(wid, 3, "generating", 0, 0, 0.0, 0.0, "int8", "h", t), **kw)
+
+
+def test_a_sleeping_worker_is_silent_once_then_back_and_trouble_is_reported_once():
+    w = FleetWatch()
+    m, ev = w.see([beat("a", 100.0, store_retries=2), beat("b", 100.0, store_retries=5)], 101.0)
+    assert m == {"fleet/workers_alive": 2, "fleet/workers_silent": 0, "fleet/workers_in_trouble": 0,
+                 "fleet/store_retries": 7} and ev == []
+    m, ev = w.see([beat("a", 140.0), beat("b", 100.0)], 141.0)  # b asleep for 41 s
+    assert m["fleet/workers_silent"] == 1 and [e["event"] for e in ev] == ["worker_silent"]
+    assert w.see([beat("a", 150.0), beat("b", 100.0)], 151.0)[1] == []  # said once
+    disk = "cache: OSError: [Errno 28] No space left on device"
+    m, ev = w.see([beat("a", 160.0, trouble=disk), beat("b", 170.0)], 171.0)
+    assert [(e["event"], e["worker"]) for e in ev] == [("worker_trouble", "a"), ("worker_back", "b")]
+    assert ev[1]["silent_s"] == 70.0 and m["fleet/workers_in_trouble"] == 1
+    assert w.see([beat("a", 175.0, trouble=disk), beat("b", 175.0)], 176.0)[1] == []
+    ev = w.see([beat("a", 180.0), beat("b", 180.0, status="stopped")], 181.0)[1]
+    assert [(e["event"], e["was"]) for e in ev] == [("worker_recovered", disk)]
+
+
+def test_heartbeats_of_older_workers_still_parse():
+    old = b'{"batches": 1, "episodes": 2, "episodes_per_s": 0.5, "host": "h", "mode": "int8", "status": "waiting",' \
+          b' "time": 1.0, "tokens_per_s": 3.0, "version": 4, "worker_id": "w"}'
+    hb = Heartbeat.parse(old)
+    assert hb.store_retries == 0 and hb.trouble == "" and hb.sync_bytes == 0
+    assert Heartbeat.parse(beat("w", 1.0, store_retries=3, trouble="x").to_json()).store_retries == 3
