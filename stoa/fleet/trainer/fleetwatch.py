@@ -30,7 +30,7 @@ class FleetWatch:
         events: list[dict[str, Any]] = []
         alive = silent = trouble = retries = 0
         for b in beats:
-            retries += b.store_retries
+            retries += max(0, min(b.store_retries, 10**9))  # a stranger's count: bounded, shown only
             if b.status == "stopped":
                 self._silent.pop(b.worker_id, None)
                 continue
