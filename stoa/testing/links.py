@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-__all__ = ["SHAPING", "HttpRequest", "Link", "LinkNet", "LinkProfile", "LinkStats"]
+__all__ = ["SHAPING", "HttpRequest", "Link", "LinkNet", "LinkProfile", "LinkStats", "quiet_loop_errors", "reset_connection"]
 
 SHAPING = "proxy token bucket (user space)"
 """How bandwidth is shaped: by the proxy itself (see the module docstring for why not tc)."""
@@ -257,7 +257,7 @@ class Link:
             self._conns.discard(pair)
             self.stats.resets += 1
         for w in pair:
-            _rst(w)
+            reset_connection(w)
 
     async def _gate(self) -> None:
         while (left := self._outage_until - time.monotonic()) > 0:
@@ -267,14 +267,14 @@ class Link:
         self.stats.connections += 1
         if not self.up() and getattr(self, "_outage_mode", "") == "reset":
             self.stats.refused += 1
-            _rst(c_writer)
+            reset_connection(c_writer)
             return
         try:
             u_reader, u_writer = await asyncio.open_connection(*self.net.upstream)
         except OSError as e:
             self.stats.upstream_errors += 1
             self.last_upstream_error = repr(e)
-            _rst(c_writer)
+            reset_connection(c_writer)
             return
         pair = (c_writer, u_writer)
         self._conns.add(pair)
@@ -351,7 +351,7 @@ class Link:
             w.cancel()
 
 
-def _rst(writer: asyncio.StreamWriter) -> None:
+def reset_connection(writer: asyncio.StreamWriter) -> None:
     """Close so that the peer sees a reset (SO_LINGER 0), not an orderly end."""
     sock = writer.get_extra_info("socket")
     try:
@@ -362,7 +362,7 @@ def _rst(writer: asyncio.StreamWriter) -> None:
     writer.transport.abort()
 
 
-def _quiet(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+def quiet_loop_errors(loop: asyncio.AbstractEventLoop, context: dict) -> None:
     # Resets and cancellations are this module's business, not noise for the test log.
     if not isinstance(context.get("exception"), (ConnectionError, asyncio.CancelledError, _Reset)):
         loop.default_exception_handler(context)
@@ -387,7 +387,7 @@ class LinkNet:
         if not ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
             raise ValueError(f"upstream {host} is not a loopback address; links only front local test servers")
         self._loop = asyncio.new_event_loop()
-        self._loop.set_exception_handler(_quiet)
+        self._loop.set_exception_handler(quiet_loop_errors)
         self._thread = threading.Thread(target=self._loop.run_forever, name="stoa-links", daemon=True)
         self._thread.start()
 

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from stoa.testing.links import _quiet, _rst
+from stoa.testing.links import quiet_loop_errors, reset_connection
 
 __all__ = ["KINDS", "FaultProxy", "FaultRates", "Request"]
 
@@ -119,7 +119,7 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._conns: set[asyncio.StreamWriter] = set()
         self._loop = asyncio.new_event_loop()
-        self._loop.set_exception_handler(_quiet)
+        self._loop.set_exception_handler(quiet_loop_errors)
         self._thread = threading.Thread(target=self._loop.run_forever, name="stoa-storefaults", daemon=True)
         self._thread.start()
 
@@ -188,7 +188,7 @@ class FaultProxy:
                 if not keep:
                     return
         except (_Cut, ConnectionError, asyncio.IncompleteReadError, ValueError):
-            _rst(c_writer)
+            reset_connection(c_writer)
         finally:
             self._conns.discard(c_writer)
             if up is not None:
@@ -221,7 +221,7 @@ class FaultProxy:
         if kind in ("reset", "multipart-stall") and length > 1:
             await _pipe(c_reader, u_writer, length // 2)
             if kind == "reset":
-                _rst(u_writer)
+                reset_connection(u_writer)
                 raise _Cut()
             await asyncio.sleep(self.rates.hold_s)
             await _pipe(c_reader, u_writer, length - length // 2)
@@ -269,7 +269,7 @@ class FaultProxy:
         async def stop() -> None:
             self._server.close()
             for w in list(self._conns):
-                _rst(w)
+                reset_connection(w)
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for t in tasks:
                 t.cancel()
