@@ -79,10 +79,12 @@ def _work(run: _Run, writer: RolloutWriter, seq: int, version: int = 0, tag: int
           **over) -> list[Episode]:
     """The episodes a writer's key owes as its ``seq``-th batch: the work the intake assigns it
     (salted, as once the run publishes the key's salt), or with ``probation`` the work a key can
-    compute without its salt (:func:`assignment`)."""
+    compute without its salt (:func:`assignment`). Salted work is bound first to ``version``, as the
+    trainer binds a ticket at that version (the first binding of a number stands)."""
     if probation:
         a = assignment(run.cfg.seed, writer.key_id, seq, run.intake.n_items, run.cfg.rollout.groups_per_cohort)
     else:
+        run.intake.binder.bind(writer.key_id, seq, version)
         a = run.intake.assigned(Batch("", writer.worker_id, version, [], seq, writer.key_id))
     rng = np.random.default_rng(1000 * seq + tag)
     out = []
@@ -294,6 +296,8 @@ def test_a_copy_of_another_keys_batch_is_not_the_copiers_assigned_work(tmp_path)
     relabelled = copy.deepcopy(work)  # under group ids of the copier's own (as the `copy` adversary does)
     for e in relabelled:
         e.worker_id, e.group_id = "c2", f"c2-copy-{e.group_id}"
+    for c in (c1, c2):  # each copier's number is bound: the copy still is not its work
+        run.intake.binder.bind(c.key_id, 0, 0)
     keys = [c1.upload(as_is, 0), c2.upload(relabelled, 0)]
     run.intake.take(0)
     assert [b.worker_id for b, _ in run.intake.pool.entries] == ["h"]

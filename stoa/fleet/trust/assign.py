@@ -64,14 +64,17 @@ def _tag(key_id: str) -> str:
     return key_id[:16] or "anon"
 
 
-def assignment(run_seed: int, key_id: str, seq: int, n_items: int, groups: int, salt: str | None = None) -> Assignment:
+def assignment(run_seed: int, key_id: str, seq: int, n_items: int, groups: int, salt: str | None = None,
+               beacon: str | None = None) -> Assignment:
     """The batch that key ``key_id`` owes as its sequence number ``seq``: with the key's published
-    ``salt`` its real work, without one its probation work (see the module docstring)."""
+    ``salt`` and the ``beacon`` the trainer bound to the number its real work, without a salt its
+    probation work (see the module docstring)."""
     if n_items < 1 or groups < 1 or seq < 0:
         raise ValueError(f"n_items ({n_items}) and groups ({groups}) must be >= 1 and seq ({seq}) >= 0")
     probation = not salt
     text = (f"stoa-assignment\x1f{run_seed}\x1f{key_id}\x1f{seq}" if probation
-            else f"stoa-assignment/salted\x1f{run_seed}\x1f{key_id}\x1f{seq}\x1f{salt}")
+            else f"stoa-assignment/salted\x1f{run_seed}\x1f{key_id}\x1f{seq}\x1f{salt}"
+            + (f"\x1f{beacon}" if beacon else ""))
     digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
     rng = np.random.default_rng(int.from_bytes(digest, "little"))
     items = tuple(int(i) for i in rng.integers(n_items, size=groups))
