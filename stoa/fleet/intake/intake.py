@@ -238,7 +238,14 @@ class Intake:
         their fresh beacons (:mod:`stoa.fleet.trust.binding`); drop the bindings that can only
         make stale batches. Refused tickets are quarantined by the binder, and noted here."""
         self.binder.prune(version - self.cfg.trainer.max_lag)
-        standing = lambda kid: self.gate.established(kid) and not self.gate.is_banned(kid)  # noqa: E731
+        reread = [False]
+
+        def standing(kid: str) -> bool:
+            if not self.gate.established(kid) and not reread[0]:  # enrolled since the roster was last read?
+                reread[0] = True
+                self.gate.refresh(force=True)
+            return self.gate.established(kid) and not self.gate.is_banned(kid)
+
         for kid, where, reason in self.binder.poll(max(0, version - self.cfg.rollout.lag), standing):
             self.ledger.write(refused_ticket=where, key_id=kid, reason=reason[:500])
             self.event(event="ticket_refused", ticket=where, key_id=kid, reason=reason[:500])
