@@ -90,9 +90,15 @@ class Bound:
 def beacon(private_key: Any, run: str, kid: str, seq: int, version: int) -> str:
     """The beacon of number ``seq`` of key ``kid`` bound at ``version`` (32 hex): a keyed hash under
     the run's private key, so only the trainer can make it and a restarted trainer makes it again."""
-    raw = load_private_key(private_key).private_bytes_raw()
-    mac_key = hashlib.sha256(b"stoa-binding-beacon-key\x1f" + raw).digest()
-    text = f"stoa-binding-beacon\x1f{run.strip('/')}\x1f{kid}\x1f{seq}\x1f{version}"
+    return _beacon(_mac_key(private_key), run.strip("/"), kid, seq, version)
+
+
+def _mac_key(private_key: Any) -> bytes:
+    return hashlib.sha256(b"stoa-binding-beacon-key\x1f" + load_private_key(private_key).private_bytes_raw()).digest()
+
+
+def _beacon(mac_key: bytes, run: str, kid: str, seq: int, version: int) -> str:
+    text = f"stoa-binding-beacon\x1f{run}\x1f{kid}\x1f{seq}\x1f{version}"
     return hashlib.blake2b(text.encode(), key=mac_key, digest_size=16).hexdigest()
 
 
@@ -154,6 +160,7 @@ class Binder:
 
     def __init__(self, store: ObjectStore, run: str, private_key: Any):
         self.store, self.run, self.key = store, run.strip("/"), load_private_key(private_key)
+        self._mac = _mac_key(self.key)
         self.bound: dict[str, dict[int, int]] = {}
         self.top: dict[str, int] = {}
         self.dirty = False
@@ -163,7 +170,7 @@ class Binder:
     def bound_to(self, kid: str, seq: int) -> Bound | None:
         """What number ``seq`` of ``kid`` is bound to, or None (never bound, or dropped as stale)."""
         version = self.bound.get(kid, {}).get(seq)
-        return None if version is None else Bound(seq, version, beacon(self.key, self.run, kid, seq, version))
+        return None if version is None else Bound(seq, version, _beacon(self._mac, self.run, kid, seq, version))
 
     # -- binding ------------------------------------------------------------------------------
     def bind(self, kid: str, seq: int, version: int) -> Bound | None:
@@ -237,7 +244,7 @@ class Binder:
 
     def write(self) -> bool:
         """Put the signed document of the live bindings; False (logged) when the store failed."""
-        entries = {kid: [[s, v, beacon(self.key, self.run, kid, s, v)] for s, v in sorted(rows.items())]
+        entries = {kid: [[s, v, _beacon(self._mac, self.run, kid, s, v)] for s, v in sorted(rows.items())]
                    for kid, rows in sorted(self.bound.items())}
         body = {"format": _BINDINGS_FORMAT, "run": self.run, "time": time.time(), "bindings": entries,
                 "top": dict(sorted(self.top.items()))}
