@@ -79,10 +79,12 @@ def _work(run: _Run, writer: RolloutWriter, seq: int, version: int = 0, tag: int
           **over) -> list[Episode]:
     """The episodes a writer's key owes as its ``seq``-th batch: the work the intake assigns it
     (salted, as once the run publishes the key's salt), or with ``probation`` the work a key can
-    compute without its salt (:func:`assignment`)."""
+    compute without its salt (:func:`assignment`). Salted work is bound first to ``version``, as the
+    trainer binds a ticket at that version (the first binding of a number stands)."""
     if probation:
         a = assignment(run.cfg.seed, writer.key_id, seq, run.intake.n_items, run.cfg.rollout.groups_per_cohort)
     else:
+        run.intake.binder.bind(writer.key_id, seq, version)
         a = run.intake.assigned(Batch("", writer.worker_id, version, [], seq, writer.key_id))
     rng = np.random.default_rng(1000 * seq + tag)
     out = []
@@ -294,6 +296,8 @@ def test_a_copy_of_another_keys_batch_is_not_the_copiers_assigned_work(tmp_path)
     relabelled = copy.deepcopy(work)  # under group ids of the copier's own (as the `copy` adversary does)
     for e in relabelled:
         e.worker_id, e.group_id = "c2", f"c2-copy-{e.group_id}"
+    for c in (c1, c2):  # each copier's number is bound: the copy still is not its work
+        run.intake.binder.bind(c.key_id, 0, 0)
     keys = [c1.upload(as_is, 0), c2.upload(relabelled, 0)]
     run.intake.take(0)
     assert [b.worker_id for b, _ in run.intake.pool.entries] == ["h"]
@@ -508,3 +512,69 @@ def test_numbers_planted_ahead_of_a_new_worker_are_never_its_gaps_in_any_order(t
     again = type(run.intake.gate.records)(0)
     again.restore(json.loads(json.dumps(state)))
     assert again.planted == run.intake.gate.records.planted
+
+
+def test_a_number_is_made_under_its_bound_version_only_and_its_work_is_unknown_before_it_is_bound(tmp_path):
+    """Attack (version rerolls): a worker holding several versions made its assigned batch under
+    each and uploaded the one it liked best; the items did not depend on the version, and any
+    claim at or above its floor was taken. Attack (key grinding): once a key's salt was out, all
+    its future work was known. Now a worker tickets a number when it is due, the trainer binds it
+    to its version and a fresh beacon, and only that version and the beacon's work are taken. An
+    honest worker that ticketed ahead and was outpaced by the trainer is still taken."""
+    from stoa.fleet.trust.binding import read_bindings, write_ticket
+    from stoa.transport.identity import enroll_worker, read_salt
+
+    run = _Run(tmp_path, groups_per_step=64)
+    intake, n, groups = run.intake, run.intake.n_items, run.cfg.rollout.groups_per_cohort
+    keys = {name: generate_private_key() for name in ("honest", "shopper")}
+    for name, k in keys.items():
+        enroll_worker(run.store, RUN, run.key, k.public_key(), name)
+    honest, shopper = (RolloutWriter(run.store, RUN, name, private_key=k) for name, k in keys.items())
+
+    def work(writer, seq, version, *, predicted=False):
+        """The worker's side: its salt and the binding of ``seq`` it reads from the store (with
+        ``predicted``: what it could compute from its salt alone, as a grinder does)."""
+        salt = read_salt(run.store, RUN, writer.key_id, run.key.public_key())
+        bound = read_bindings(run.store, RUN, run.key.public_key())[0].get(writer.key_id, {}).get(seq)
+        a = assignment(run.cfg.seed, writer.key_id, seq, n, groups, salt, None if predicted else bound.beacon)
+        return [Episode([1, 2], [Segment("model", [3, 4], [-0.5, -0.5])], reward=float(s), policy_version=version,
+                        worker_id=writer.worker_id, env_id=ENV["id"], group_id=g, sample_index=s, item_index=i)
+                for g, i in zip(a.group_ids, a.items) for s in range(run.cfg.rollout.group_size)]
+
+    for v in range(4):
+        intake.take(v)
+    for seq in (0, 1):
+        write_ticket(run.store, RUN, seq, keys["honest"])
+    for seq in (0, 1):
+        write_ticket(run.store, RUN, seq, keys["shopper"])
+    intake.take(3)  # binds every ticket to version 3
+    assert intake.binder.bound[shopper.key_id] == {0: 3, 1: 3} == intake.binder.bound[honest.key_id]
+    assert read_salt(run.store, RUN, shopper.key_id, run.key.public_key()) is not None
+    rerolled = shopper.upload(work(shopper, 0, 1), 1)  # made under version 1, which it held: within max_lag
+    predicted = shopper.upload(work(shopper, 1, 3, predicted=True), 3)  # the salt-only work, at the bound version
+    unbound = shopper.upload(_work_unbound(run, shopper, 2), 3)  # a number it never ticketed
+    fair = honest.upload(work(honest, 0, 3), 3)
+    for v in (4, 5):
+        intake.take(v)  # the trainer moves on before the honest worker's next batch comes
+    ahead = honest.upload(work(honest, 1, 3), 3)  # ticketed ahead, bound to 3: below the old floor (5)
+    intake.take(5)
+    pooled = {b.key for b in intake.pool.batches()}
+    assert fair in pooled and ahead in pooled
+    lines = {e["rejected"]: e for e in run.lines() if "rejected" in e}
+    assert {k: lines[k]["category"] for k in (rerolled, predicted, unbound)} == dict.fromkeys(
+        (rerolled, predicted, unbound), "assignment")
+    assert "bound to version 3" in lines[rerolled]["reason"]
+    assert "assigned item" in lines[predicted]["reason"]
+    assert "never bound" in lines[unbound]["reason"]
+    assert intake.gate.records[honest.key_id].strikes == 0 and intake.gate.records[honest.key_id].withheld == 0
+
+
+def _work_unbound(run: _Run, writer: RolloutWriter, seq: int) -> list[Episode]:
+    """Salted-looking work for a number nobody ticketed (the group ids of the salted form)."""
+    from stoa.transport.identity import assignment_salt
+
+    a = assignment(run.cfg.seed, writer.key_id, seq, run.intake.n_items, run.cfg.rollout.groups_per_cohort,
+                   assignment_salt(run.key, RUN, writer.key_id))
+    return [Episode([1, 2], [Segment("model", [3, 4], [-0.5, -0.5])], reward=float(s), policy_version=3,
+                    worker_id=writer.worker_id, env_id=ENV["id"], group_id=g, sample_index=s, item_index=i)
+            for g, i in zip(a.group_ids, a.items) for s in range(run.cfg.rollout.group_size)]

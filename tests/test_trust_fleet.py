@@ -170,7 +170,10 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
         assert trained_by_key.get(kid_of[w], 0) > 0
 
     # Every refusal took the one path: quarantined, a ledger line and an event row, with one category.
-    quarantined = {json.loads(store.get(k))["key"] for k in store.list(f"{run}/quarantine/") if k.endswith(".reason.json")}
+    reasons = [k for k in store.list(f"{run}/quarantine/") if k.endswith(".reason.json")]
+    quarantined = {json.loads(store.get(k))["key"] for k in reasons if "/_tickets/" not in k}
+    tickets = {json.loads(store.get(k))["key"] for k in reasons if "/_tickets/" in k}  # a banned key's, say
+    assert tickets == {e["refused_ticket"] for e in ledger if "refused_ticket" in e}
     events = {r["batch"]: r["category"] for r in read_metrics(run_dir / "metrics.jsonl")
               if r["kind"] == "event" and r.get("event") == "rejected"}
     ledgered = {e["rejected"]: e["category"] for e in ledger if "rejected" in e}

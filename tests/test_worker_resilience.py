@@ -200,3 +200,48 @@ def test_a_key_restarted_under_another_id_is_told_which_id_is_its_own(tmp_path, 
         assert not store.list(f"{RUN}/rollouts/")  # nothing uploaded that the trainer would refuse
     assert "is bound to worker id 'alice'" in caplog.text and "--id alice" in caplog.text
     assert "worker id 'bob' belongs to another key" in caplog.text
+
+
+def test_a_worker_with_its_salt_makes_each_number_under_the_version_bound_to_it(tmp_path, tiny_model):
+    """Version rerolls: a worker holding several versions made its batch under the one it liked,
+    and its items did not depend on the version. Now a worker with its salt tickets each number,
+    waits for the trainer's binding, and makes the number with exactly the bound version (here
+    older than the head it joined at) and the items the binding's beacon names."""
+    import threading
+
+    from stoa.fleet.trust.assign import assignment
+    from stoa.fleet.trust.binding import Binder
+    from stoa.transport.exchange import RolloutReader
+    from stoa.transport.identity import assignment_salt, enroll_worker
+
+    key, wkey = generate_private_key(), generate_private_key()
+    store = LocalStore(tmp_path / "store")
+    pub, state = _publish_tiny_run(tmp_path, tiny_model, store, key)
+    for v in (2, 3):
+        pub.publish(v, state)
+    enroll_worker(store, RUN, key, wkey.public_key(), "w0")  # enrolled: its salt is published, no probation
+    binder, stop = Binder(store, RUN, key), threading.Event()
+
+    def trainer() -> None:  # the trainer's polls: every new ticket is bound to version 2
+        while not stop.is_set():
+            binder.poll(2, lambda kid: True)
+            stop.wait(0.05)
+
+    polls = threading.Thread(target=trainer, daemon=True)
+    polls.start()
+    try:
+        w = Worker(store, RUN, key.public_key(), "w0", tmp_path / "cache", max_batches=2, private_key=wkey)
+        assert w.run() == 0 and w.batches == 2
+    finally:
+        stop.set()
+        polls.join()
+    cfg = load_config(tmp_path / "vol.toml")
+    batches = RolloutReader(store, RUN, vocab_size=10**6).poll()
+    assert sorted((b.seq, b.version) for b in batches) == [(0, 2), (1, 2)]
+    n_items = len(cfg.env.make(cfg.env.train_split).unwrapped)
+    for b in batches:
+        bound = binder.bound_to(w.key_id, b.seq)
+        want = assignment(cfg.seed, w.key_id, b.seq, n_items, cfg.rollout.groups_per_cohort,
+                          assignment_salt(key, RUN, w.key_id), bound.beacon)
+        assert {(e.group_id, e.item_index) for e in b.episodes} == set(zip(want.group_ids, want.items))
+        assert {e.policy_version for e in b.episodes} == {2}

@@ -9,10 +9,13 @@
     <run>/workers.json                                  signed roster (stoa.transport.identity)
     <run>/bans/<key_id>.json                            signed: one banned worker key (stoa.transport.identity)
     <run>/salts/<key_id>.json                           signed: one key's assignment salt (stoa.transport.identity)
+    <run>/tickets/<key_id>/<seq:012d>.json              signed by the worker's key: it asks for number seq (trust.binding)
+    <run>/bindings.json                                 signed: the version and beacon bound to each ticketed number
     <run>/workers/<worker_id>.json                      heartbeats (stoa.fleet.run)
     <run>/rollouts/<worker_id>/s<seq>-v<version>.episodes   rollout batches (stoa.transport.exchange)
     <run>/quarantine/<worker_id>/<name>[.reason.json]   refused batches, and why
     <run>/quarantine/_misnamed/<sha256 of the key, 32 hex>[.reason.json]
+    <run>/quarantine/_tickets/<sha256 of the key, 32 hex>[.reason.json]   refused tickets, and why
     <run>/progress.json                                 signed: batches taken per worker
     <run>/finished.json                                 signed: the run is over
     <run>/trust.json                                    signed: the trainer's per-key report (stoa.fleet.trust.records)
@@ -30,7 +33,8 @@ import re
 
 __all__ = [
     "MAX_SEQ", "WORKER_ID", "is_next_seq", "is_seq", "ban", "bans", "config", "eval_prefix", "evaluation", "finished", "heartbeat", "heartbeats", "misnamed", "model_file",
-    "pointer", "progress", "quarantine", "quarantined", "roster", "rollouts", "salt", "trust_report", "weights",
+    "pointer", "progress", "quarantine", "quarantined", "roster", "rollouts", "salt", "ticket", "tickets", "bindings", "quarantined_ticket", "trust_report",
+    "weights",
 ]
 
 
@@ -87,6 +91,24 @@ def ban(run: str, key_id: str) -> str:
 
 def salt(run: str, key_id: str) -> str:
     return f"{run}/salts/{key_id}.json"
+
+
+def tickets(run: str) -> str:
+    """The prefix of the workers' tickets."""
+    return f"{run}/tickets/"
+
+
+def ticket(run: str, key_id: str, seq: int) -> str:
+    return f"{run}/tickets/{key_id}/{seq:012d}.json"
+
+
+def bindings(run: str) -> str:
+    return f"{run}/bindings.json"
+
+
+def quarantined_ticket(run: str, digest: str) -> str:
+    """Where a refused ticket is kept, by the sha256 of its key (its reason: + ``.reason.json``)."""
+    return f"{run}/quarantine/_tickets/{digest}"
 
 
 def heartbeats(run: str) -> str:

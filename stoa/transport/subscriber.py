@@ -412,8 +412,9 @@ class WeightSubscriber:
         """Bring ``have`` (``(version, state)``, or None for a new worker) to the newest version.
 
         ``version``: stop at this older version of the head's chain instead (a study's forced
-        staleness, ``rollout.lag``); it is reached by the same verified route, and ignored when it
-        is not older than the head.
+        staleness, ``rollout.lag``, or the version a worker's batch number is bound to); it is
+        reached by the same verified route, also from a held state newer than it, and ignored
+        when it is not older than the head.
 
         ``check``: ``"now"`` verifies the result before anything is written. ``"background"``
         (with ``apply_inplace``, from a held state this subscriber verified) writes deltas whose
@@ -459,7 +460,8 @@ class WeightSubscriber:
                                 f"{have[0]}: the held state is from another branch; re-joining from an anchor")
                 banned.add((have[0], "have"))
             held_sha = self._held[1] if have is not None and self._held and self._held[0] == have[0] else None
-            if have is not None and have[0] == head and held_sha == ptr.manifest_sha256:
+            older = version is not None and version < head  # asked for an older version than the head
+            if have is not None and have[0] == head and held_sha == ptr.manifest_sha256 and not older:
                 return SyncResult(head, have[1], self._read, [], [], True, problems,
                                   self._cache.get(held_sha, (None,))[0], held_sha)
             target = self.pinned_manifest(head, ptr.manifest_sha256, problems)

@@ -4,14 +4,15 @@ Every refusal, the reader's included, goes through :meth:`Intake.reject`, which 
 object in the store (so a restart never retries it), counts it against its sender's key
 (strikes, bans), writes the ledger and emits an event row, together.
 
-**A key's versions only go forward.** A worker holding several versions' weights could make its
-assigned batch under each and upload the one it prefers. So each batch of a key must claim at
-least (a) every version its lower-numbered batches claimed, and (b) the trainer's version at the
-last listing of the store before any of those batches appeared in it, less ``rollout.lag``: when
-that batch was uploaded, that version was already published, and an honest worker syncs to the
-newest version before it starts its next batch. A batch below that floor was made under a version
-the worker no longer had to use; it is dropped unread (``behind``), like a stale one, and both
-count as withheld numbers, never as delivered work.
+**A batch's version is bound.** A worker holding several versions' weights could make its
+assigned batch under each and upload the one it prefers. So a salted batch is accepted only under
+the version (and with the beacon) the trainer bound to its number when the worker ticketed it
+(:mod:`stoa.fleet.trust.binding`); every poll binds the new tickets first. A probation batch,
+never trained, keeps the older rule: it must claim at least (a) every version its key's
+lower-numbered batches claimed, and (b) the trainer's version at the last listing of the store
+before any of those batches appeared in it, less ``rollout.lag``. A batch below that floor is
+dropped unread (``behind``), like a stale one, and both count as withheld numbers, never as
+delivered work.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from stoa.fleet.intake.copies import Copies
 from stoa.fleet.intake.pool import Pool, Taken
 from stoa.fleet.trust.admission import batch_problem
 from stoa.fleet.trust.assign import Assignment, assignment, assignment_problem, is_probation
+from stoa.fleet.trust.binding import Binder
 from stoa.fleet.trust.gate import TrustGate, scoped
 from stoa.fleet.trust.ledger import Ledger
 from stoa.fleet.trust.records import public_reason
@@ -103,6 +105,8 @@ class Intake:
         self.listed: dict[str, int] = {}  # object key -> the trainer's version at the listing before it appeared
         self._list_version = -1  # the trainer's version at the last listing (-1: none yet)
         self._salts: dict[str, str] = {}
+        self.binder = Binder(store, cfg.name, private_key)
+        self.binder.recover()  # a restart keeps every binding a worker may have seen
         self.reader = RolloutReader(store, cfg.name, vocab_size=vocab_size, hand_back=True)
         self.copies = Copies(cfg.trust.max_hashes)
         self.pool = Pool()
@@ -180,14 +184,16 @@ class Intake:
         with the key's secret salt, or its probation work when it presents itself as such
         (:mod:`stoa.fleet.trust.assign`)."""
         rc = self.cfg.rollout
-        salt = None
+        salt = beacon = None
         if not is_probation(batch.episodes, batch.key_id, batch.seq):
             salt = self._salts.get(batch.key_id)
             if salt is None:
                 if len(self._salts) > 16384:
                     self._salts.clear()
                 salt = self._salts[batch.key_id] = assignment_salt(self.key, self.cfg.name, batch.key_id)
-        return assignment(self.cfg.seed, batch.key_id, batch.seq, self.n_items, rc.groups_per_cohort, salt)
+            bound = self.binder.bound_to(batch.key_id, batch.seq)
+            beacon = bound.beacon if bound is not None else None
+        return assignment(self.cfg.seed, batch.key_id, batch.seq, self.n_items, rc.groups_per_cohort, salt, beacon)
 
     def calibrate(self, episodes: list[Episode]) -> float | None:
         """Set the audit's int8-versus-float floor from the trainer's own int8 ``episodes`` (scored
@@ -200,6 +206,7 @@ class Intake:
     # -- polling and checks ------------------------------------------------------------------------
     def _poll(self, version: int) -> None:
         self.gate.refresh()
+        self._bind(version)
         batches = self.reader.poll(admission=self.gate.admission())  # unsealed and refused keys: never decoded
         self._listed(self.reader.last_report.listed, version)
         for refused in self.reader.last_report.rejected:
@@ -225,6 +232,36 @@ class Intake:
             for batch in self.pool.of_key(kid):
                 self.pool.remove(batch.key)
                 self.reject(batch, f"worker key {kid} was banned: {reason[:300]}", "banned")
+
+    def _bind(self, version: int) -> None:
+        """Bind the new tickets of keys with standing to ``version`` (less ``rollout.lag``) and
+        their fresh beacons (:mod:`stoa.fleet.trust.binding`); drop the bindings that can only
+        make stale batches. Refused tickets are quarantined by the binder, and noted here."""
+        self.binder.prune(version - self.cfg.trainer.max_lag)
+        reread = [False]
+
+        def standing(kid: str) -> bool:
+            if not self.gate.established(kid) and not reread[0]:  # enrolled since the roster was last read?
+                reread[0] = True
+                self.gate.refresh(force=True)
+            return self.gate.established(kid) and not self.gate.is_banned(kid)
+
+        for kid, where, reason in self.binder.poll(max(0, version - self.cfg.rollout.lag), standing):
+            self.ledger.write(refused_ticket=where, key_id=kid, reason=reason[:500])
+            self.event(event="ticket_refused", ticket=where, key_id=kid, reason=reason[:500])
+
+    def _binding_problem(self, batch: Batch) -> str | None:
+        """Why a salted ``batch`` is not made under its number's binding, or None (probation
+        work needs no binding)."""
+        if not batch.key_id or is_probation(batch.episodes, batch.key_id, batch.seq):
+            return None
+        bound = self.binder.bound_to(batch.key_id, batch.seq)
+        if bound is None:
+            return (f"number {batch.seq} of key {batch.key_id} was never bound to a version (a worker tickets a "
+                    "number and makes it only once the trainer's bindings name it)")
+        if batch.version != bound.version:
+            return f"it claims version {batch.version}, but its number was bound to version {bound.version}"
+        return None
 
     def _listed(self, keys: list[str], version: int) -> None:
         """The reader's listing of the rollouts at the trainer's ``version``: every object new since
@@ -271,8 +308,9 @@ class Intake:
                                 group_size=cfg.rollout.group_size, reward_range=cfg.trust.reward_range,
                                 env_id=cfg.env.id, metric_types=self.metric_types)
             if why is None and batch.key_id:
-                why = assignment_problem(batch.episodes, self.assigned(batch), cfg.rollout.group_size)
                 category = "assignment"
+                why = self._binding_problem(batch) or assignment_problem(batch.episodes, self.assigned(batch),
+                                                                          cfg.rollout.group_size)
         except Exception as e:  # whatever a stranger's batch breaks, it is the batch's fault
             why, category = f"checking the batch failed: {type(e).__name__}: {e}", "invalid"
         if why:
@@ -287,6 +325,8 @@ class Intake:
         if not batch.key_id:
             return -1
         listed = self.listed.pop(batch.key, -1)
+        if not is_probation(batch.episodes, batch.key_id, batch.seq):
+            listed = -1  # bound work: its version was fixed by the trainer when its number was due
         mine = max(batch.version, listed - self.cfg.rollout.lag if listed >= 0 else -1)
         floor = self.gate.version_floor(batch.key_id, batch.worker_id, batch.seq, mine)
         for later in self.pool.of_key(batch.key_id):
@@ -333,6 +373,7 @@ class Intake:
         return {"dropped/stale_groups": c.dropped_stale_groups, "dropped/reused_groups": c.dropped_reused_groups,
                 "dropped/behind_groups": c.dropped_behind_groups, "trust/probation_batches": c.probation_batches,
                 "dropped/quarantined_batches": self.reader.quarantined, "dropped/rejected_batches": c.rejected_batches,
+                "trust/bound_numbers": self.binder.bound_total, "trust/refused_tickets": self.binder.tickets_refused,
                 **self.gate.metrics()}
 
     def report(self, version: int, force: bool = False) -> None:
@@ -350,7 +391,8 @@ class Intake:
                                                                            for e in b.episodes}
                               if gid in self.used_groups and gid not in waiting_groups)
         return {"reader": self.reader.state(pending=pending), "hashes": self.copies.state(pending),
-                "used_groups": pending_used, "counters": asdict(self.counters), "trust": self.gate.state()}
+                "used_groups": pending_used, "counters": asdict(self.counters), "trust": self.gate.state(),
+                "bindings": self.binder.state()}
 
     def restore(self, state: dict[str, Any]) -> None:
         self.reader.restore(state["reader"])
@@ -359,6 +401,7 @@ class Intake:
         self.counters = IntakeCounters(**state["counters"])
         if state.get("trust"):
             self.gate.restore(state["trust"])
+        self.binder.restore(state.get("bindings", {}))
 
     def prune(self, state: dict[str, Any]) -> None:
         """Delete consumed batches that ``state`` (a checkpoint's) no longer needs from the store."""

@@ -5,6 +5,8 @@
   metric types, task id), before anything is scored;
 * :mod:`~stoa.fleet.trust.assign`: the work each key's n-th batch owes (salted per key; probation
   work before the key's salt is published);
+* :mod:`~stoa.fleet.trust.binding`: the version and beacon the trainer binds to a key's number
+  when the worker tickets it (tickets, the signed bindings document);
 * :mod:`~stoa.fleet.trust.gate`: the :class:`~stoa.fleet.trust.gate.TrustGate` over three kinds of
   state: :mod:`~stoa.fleet.trust.roster` (who may upload, bans, assignment salts),
   :mod:`~stoa.fleet.trust.records` (per-key accounting, bans, the signed ``TrustReport``) and

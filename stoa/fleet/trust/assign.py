@@ -13,26 +13,30 @@ sequence number), anyone could make keys until one's work fell on items of its c
 thousand keys take a fraction of a second). So a key's work also depends on its **assignment
 salt**, a secret that only the run's private key makes
 (:func:`stoa.transport.identity.assignment_salt`) and that the trainer publishes for a key once
-the key has standing: when it is enrolled, or when a batch of it is accepted. A worker reads its
-salt (``<run>/salts/<key id>.json``) and computes its work before generating, as before; what it
-cannot do is learn a key's work before that key has done accepted work.
+the key has standing: when it is enrolled, or when a batch of it is accepted
+(``<run>/salts/<key id>.json``).
 
 **Probation.** Until a key's salt is published, its worker plays *probation* work: the same
 function without a salt (group ids ``<key>-p<seq>-g<j>``, where salted work is
 ``<key>-s<seq>-g<j>``). Probation batches are checked like any other (an accepted one gives the
 key standing, binds its id in an open run and publishes its salt) but are never trained on. So
 every batch a key can compute before its salt exists is probation, and trying a key costs one
-accepted batch of checked work. That does not make grinding useless: once its salt is out, all of
-a key's future work is known, so an attacker who makes many keys and keeps those whose salted work
-lands where it wants chooses what it is trained on (measured by benchmarks/assign_grinding.py:
-62-67% of a grinder's trained groups on a chosen tenth of the items). An enrolled key has its salt from
-enrollment and has no probation.
+accepted batch of checked work. An enrolled key has its salt from enrollment and has no probation.
+
+**The number's beacon.** A salt alone would fix all of a key's future work once it is out, so an
+attacker with many keys could keep those whose work lands where it wants; and a worker holding
+several versions could make one batch under each and keep the one it likes. So salted work also
+mixes in the **beacon** the trainer binds to the number when the worker tickets it, together with
+the one weight version the batch must be made with (:mod:`stoa.fleet.trust.binding`): a key learns
+a batch's items and seed only when that batch is due, and a number has one version and one random
+stream. Measured by benchmarks/assign_grinding.py: a grinder's kept keys put 10.7% of their
+trained groups on a chosen tenth of the items (honest keys 10.6%; 55-75% with the salt alone).
 
 What follows: a worker cannot pick easy prompts or reroll a group (the same number gives the same
-items and the same random stream), cannot relabel another key's episodes as its own, and cannot
-hide a batch without leaving a gap in its sequence numbers, which the trainer counts per key (the
-withholding rate). What it can still do: skip numbers (every skip is counted, never proven
-malicious: a crash mid-cohort also leaves one).
+items and the same random stream, under one version), cannot relabel another key's episodes as its
+own, and cannot hide a batch without leaving a gap in its sequence numbers, which the trainer
+counts per key (the withholding rate). What it can still do: skip numbers, bound or not (every
+skip is counted, never proven malicious: a crash mid-cohort also leaves one).
 """
 
 from __future__ import annotations
@@ -64,14 +68,17 @@ def _tag(key_id: str) -> str:
     return key_id[:16] or "anon"
 
 
-def assignment(run_seed: int, key_id: str, seq: int, n_items: int, groups: int, salt: str | None = None) -> Assignment:
+def assignment(run_seed: int, key_id: str, seq: int, n_items: int, groups: int, salt: str | None = None,
+               beacon: str | None = None) -> Assignment:
     """The batch that key ``key_id`` owes as its sequence number ``seq``: with the key's published
-    ``salt`` its real work, without one its probation work (see the module docstring)."""
+    ``salt`` and the ``beacon`` the trainer bound to the number its real work, without a salt its
+    probation work (see the module docstring)."""
     if n_items < 1 or groups < 1 or seq < 0:
         raise ValueError(f"n_items ({n_items}) and groups ({groups}) must be >= 1 and seq ({seq}) >= 0")
     probation = not salt
     text = (f"stoa-assignment\x1f{run_seed}\x1f{key_id}\x1f{seq}" if probation
-            else f"stoa-assignment/salted\x1f{run_seed}\x1f{key_id}\x1f{seq}\x1f{salt}")
+            else f"stoa-assignment/salted\x1f{run_seed}\x1f{key_id}\x1f{seq}\x1f{salt}"
+            + (f"\x1f{beacon}" if beacon else ""))
     digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
     rng = np.random.default_rng(int.from_bytes(digest, "little"))
     items = tuple(int(i) for i in rng.integers(n_items, size=groups))

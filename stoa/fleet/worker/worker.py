@@ -13,7 +13,10 @@
             rollout.cohorts_per_version cohorts from us, or too many of our batches wait for the
             trainer: wait
         make the work assigned to the next sequence number (stoa.fleet.trust.assign): its prompts,
-            group ids and sampling seed follow from the run seed, its key and the number
+            group ids and sampling seed follow from the run seed, its key and the number; once the
+            key has its salt, also from the number's binding (stoa.fleet.trust.binding): ticket the
+            number (and the next), wait for the trainer to bind it, and bring the weights to
+            exactly the bound version
         play group_size samples of each with the engine
         once the weights they were made with passed their check, upload them as one batch (else
             the weights are repaired, the cohort dropped, and the number's work made again)
@@ -66,6 +69,7 @@ from stoa.fleet.parity import join_check
 from stoa.fleet.run import Heartbeat, fetch_run, write_heartbeat
 from stoa.fleet.task import EnvConfig, import_env_module
 from stoa.fleet.trust.assign import assignment
+from stoa.fleet.trust.binding import TICKETS_AHEAD, Bound, read_bindings, write_ticket
 from stoa.fleet.worker.follower import LayoutChanged, LiveWeights
 from stoa.fleet.worker.invite import check_worker_id
 from stoa.fleet.worker.section import RolloutConfig
@@ -201,6 +205,9 @@ class Worker:
         self._signals = 0
         self._salt: str | None = None  # this key's assignment salt, once the run publishes it (trust.assign)
         self._salt_read = 0.0
+        self._ticketed: dict[int, float] = {}  # number -> when its ticket was written
+        self._bindings: dict[int, Bound] = {}  # this key's bindings, as last read
+        self._max_lag = 0
 
     @property
     def sync_bytes(self) -> int:
@@ -223,14 +230,16 @@ class Worker:
                 return self.exit_code
             self.engine = self._start_engine(model_dir, first, cfg)
             make_env, n_items = self._task(cfg.env)
+            self._max_lag = cfg.trainer.max_lag
             self._last_progress = time.time()
             while self._more_to_do():
                 if self._pending is not None:  # a batch whose upload failed goes first
                     self._retrying("talking to the store", self._upload_pending)
                 elif self._retrying("talking to the store", self._ready, rc):
-                    cohort = self._cohort(cfg.seed, rc, n_items)  # the work our next number owes
-                    episodes, seconds = self._generate(make_env, cohort)
-                    self._deliver(cohort, episodes, seconds)  # dropped if its weights failed their check
+                    cohort = self._retrying("binding our next number", self._cohort, cfg.seed, rc, n_items)
+                    if cohort is not None:  # the work our next number owes, with the weights it is bound to
+                        episodes, seconds = self._generate(make_env, cohort)
+                        self._deliver(cohort, episodes, seconds)  # dropped if its weights failed their check
         return self.exit_code
 
     @contextlib.contextmanager
@@ -498,10 +507,15 @@ class Worker:
         if time.time() - self._roster_read > _ROSTER_EVERY_S:
             self._heed_roster()
         assert self.weights is not None and self.engine is not None
-        self.weights.follow(rc.lag)
+        if self._read_salt() is None:
+            self.weights.follow(rc.lag)
+            at = self.engine.version
+        else:  # bound work: the weights go to each number's bound version, never past it (_cohort)
+            head = self.weights.head()
+            at = self.engine.version if head is None else max(0, head - rc.lag)
         self._recovered()
         self._maybe_progress()
-        if ((rc.cohorts_per_version and self._cohorts_at.get(self.engine.version, 0) >= rc.cohorts_per_version)
+        if ((rc.cohorts_per_version and self._cohorts_at.get(at, 0) >= rc.cohorts_per_version)
                 or (rc.max_outstanding and self._outstanding(self.writer) >= rc.max_outstanding)):
             self._beat("waiting")
             self._sleep(rc.poll_seconds)
@@ -569,16 +583,49 @@ class Worker:
         return None
 
     # -- one cohort -------------------------------------------------------------------------------
-    def _cohort(self, run_seed: int, rc: RolloutConfig, n_items: int) -> CohortPlan:
+    def _cohort(self, run_seed: int, rc: RolloutConfig, n_items: int) -> CohortPlan | None:
         """The work of our next sequence number (:mod:`stoa.fleet.trust.assign`): its items, group
-        ids and sampling seed follow from the run's seed, our key and the number."""
+        ids and sampling seed follow from the run's seed, our key and the number, and once the key
+        has its salt from the number's binding, with the weights brought to the bound version.
+        None (after a short wait) while the number is not bound yet, or when its binding can only
+        make a stale batch (the number is then left: a gap)."""
         from stoa.backends.engine import RolloutRequest
 
-        assert self.writer is not None
+        assert self.writer is not None and self.weights is not None and self.engine is not None
         seq = self.writer.next_seq
-        work = assignment(run_seed, self.writer.key_id, seq, n_items, rc.groups_per_cohort, self._read_salt())
+        salt, bound = self._read_salt(), None
+        if salt is not None:
+            bound = self._bound(seq)
+            if bound is None:
+                self._beat("waiting")
+                self._sleep(rc.poll_seconds)
+                return None
+            head = self.weights.newest
+            if head is not None and head - bound.version > self._max_lag:
+                log.warning("number %d was bound to version %d, now more than %d behind the head (%d): leaving it",
+                            seq, bound.version, self._max_lag, head)
+                self.writer.skip_to(seq + 1)
+                return None
+            if self.engine.version != bound.version or self.weights.damaged:
+                self.weights.catch_up(bound.version)
+        work = assignment(run_seed, self.writer.key_id, seq, n_items, rc.groups_per_cohort, salt,
+                          bound.beacon if bound else None)
         return CohortPlan(seq, [RolloutRequest(i, g, rc.group_size) for i, g in zip(work.items, work.group_ids)],
-                      rc.sampling(work.seed))
+                          rc.sampling(work.seed))
+
+    def _bound(self, seq: int) -> Bound | None:
+        """Number ``seq``'s binding, or None while the trainer has not bound it: tickets ``seq``
+        and the next numbers (again after 30 s without a binding), then reads the bindings."""
+        now = time.time()
+        for s in range(seq, seq + TICKETS_AHEAD):
+            if s not in self._bindings and now - self._ticketed.get(s, 0.0) > 30.0:
+                write_ticket(self.store, self.run_name, s, self.private_key)
+                self._ticketed[s] = now
+        if seq not in self._bindings:
+            bound, _ = read_bindings(self.store, self.run_name, self.public_key)
+            self._bindings = dict(bound.get(self.key_id, {}))
+        self._ticketed = {s: t for s, t in self._ticketed.items() if s >= seq}
+        return self._bindings.get(seq)
 
     def _read_salt(self) -> str | None:
         """This key's assignment salt once the run has published it (read at most every 2 s until
