@@ -89,3 +89,100 @@ def test_stages_hold_only_their_share(tiny, single):
         P.Stage(tiny, (1, 3), {n: single.state[n] for n in first.names})
     with pytest.raises(EngineError, match="start where"):
         P.Pipeline(tiny, [last, first])
+
+
+class _CorruptStage:
+    """A stage that adds noise to the residual stream it passes on (a dishonest or broken host)."""
+
+    def __init__(self, stage, scale: float) -> None:
+        self.__dict__.update(stage.__dict__)
+        self._stage, self._scale = stage, scale
+
+    def forward(self, x, start, longest, rows=None):
+        out = self._stage.forward(x, start, longest, rows)
+        g = torch.Generator().manual_seed(int(start.sum()) + out.shape[0])
+        return out + self._scale * out.std() * torch.randn(out.shape, generator=g)
+
+    def kv(self, slots):
+        return self._stage.kv(slots)
+
+
+def test_a_stage_that_corrupts_activations_is_caught_by_the_trainers_rederivation(tiny, single):
+    """Honest pipeline episodes pass the trainer's draw check under the single engine (the weights
+    of record); a middle stage that perturbs the activations yields draws the check rejects."""
+    from stoa.fleet.trust.audit import AuditConfig
+
+    band = AuditConfig().sampling_band
+    pipe = P.make(tiny, 4, state=single.state, config=CONFIG)
+    reqs = requests(4, 4)
+    honest = pipe.rollout(make_env, reqs, SAMPLING)
+    margins = np.concatenate([d.margins for d in single.check_draws(honest, [SAMPLING.seed] * len(honest),
+                                                                    drift=band / 2)])
+    assert margins.min() > -band / 20
+    pipe.stages[2] = _CorruptStage(pipe.stages[2], 0.5)
+    pipe._cache = None
+    bad = pipe.rollout(make_env, reqs, SAMPLING)
+    margins = np.concatenate([d.margins for d in single.check_draws(bad, [SAMPLING.seed] * len(bad),
+                                                                    drift=band / 2)])
+    assert int((margins < -band).sum()) >= 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [2, 4])
+def test_pipeline_on_the_real_model_matches_the_single_engine(real_model, stages):
+    """SmolLM2-135M-Instruct (30 layers, tied 49,152-token head) cut into 2 and 4 stages."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from custom_env import ArithmeticEnv
+
+    config = EngineConfig(max_batch=8)
+    eng = make_engine(real_model, "torch", config=config, device="cpu")
+    pipe = P.make(real_model, stages, state=eng.state, config=config)
+    make = lambda: ArithmeticEnv(size=40)  # noqa: E731
+    reqs = [RolloutRequest(i, f"g{i}", 3) for i in range(2)]
+    s = SamplingConfig(max_turn_tokens=24, max_episode_tokens=160, seed=5)
+    assert_same_episodes(pipe.rollout(make, reqs, s), eng.rollout(make, reqs, s), tol=1e-5)
+    mem = [st.memory() for st in pipe.stages]
+    whole = sum(a.nbytes for a in eng.state.values())
+    assert sum(m.state for m in mem) > whole  # the tied embeddings sit in the first and the last stage
+    assert max(m.state for m in mem[1:-1] or [0]) < whole / stages
+
+
+def test_a_stage_reads_only_its_share_of_an_anchor_and_applies_deltas_to_it(tiny, single):
+    from stoa.transport import pulse
+
+    state = single.state
+    anchor = pulse.encode_state(state)
+    reads = []
+
+    def read(a, b):
+        reads.append((a, b))
+        return anchor[a:b]
+
+    parts = P.split_layers(MODEL.num_layers, 4)
+    shares = [P.read_share(read, len(anchor), p, MODEL.num_layers, tied=True) for p in parts]
+    mid, layout, got = shares[1]
+    assert sorted(mid) == P.stage_names(list(state), parts[1], MODEL.num_layers, True)
+    assert got < len(anchor) / 3 and got == sum(a.nbytes for a in mid.values()) + (reads[0][1] + reads[1][1] - 8)
+    assert pulse.state_hash(mid) == pulse.state_hash({n: state[n] for n in mid})
+    pipe = P.Pipeline(tiny, [P.Stage(tiny, p, sh[0]) for p, sh in zip(parts, shares)], config=CONFIG)
+    assert pipe.state_hash() == single.state_hash()
+
+    new = {k: v.copy() for k, v in state.items()}
+    rng = np.random.default_rng(0)
+    for n in ("model.layers.0.mlp.up_proj.weight", "model.layers.2.self_attn.q_proj.weight"):
+        flat = new[n].reshape(-1)
+        at = rng.choice(flat.size, 200, replace=False)
+        flat[at] = (flat[at].astype(np.int16) + 1).clip(0, 255).astype(np.uint8)
+    blob = pulse.encode_delta(state, new)
+    with pytest.raises(pulse.PulseError, match="nothing was written"):
+        pipe.stages[2].apply_delta(blob, layout, expect_hash="0" * 64)
+    assert pipe.state_hash() == single.state_hash()
+    changed = [st.apply_delta(blob, layout, pulse.state_hash({n: new[n] for n in st.names})) for st in pipe.stages]
+    assert changed == [["model.layers.0.mlp.up_proj.weight"], [], ["model.layers.2.self_attn.q_proj.weight"], []]
+    assert pipe.state_hash() == pulse.state_hash(new)
+    other = make_engine(tiny, "torch", state=new, config=CONFIG, device="cpu")
+    assert_same_episodes(pipe.rollout(make_env, requests(3, 2), SAMPLING), other.rollout(make_env, requests(3, 2),
+                                                                                         SAMPLING))

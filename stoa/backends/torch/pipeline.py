@@ -33,7 +33,7 @@ from stoa.backends.torch.engine import _DTYPES, _check_state, _exact_matmuls, _l
 from stoa.backends.torch.engine import resolve_device, resolve_mode
 from stoa.types import Episode
 
-__all__ = ["Pipeline", "Stage", "StageMemory", "make", "split_layers", "stage_names"]
+__all__ = ["Pipeline", "Stage", "StageMemory", "make", "read_share", "split_layers", "stage_names"]
 
 
 def split_layers(layers: int, stages: int) -> list[tuple[int, int]]:
@@ -143,6 +143,51 @@ class Stage:
         assert self.cache is not None, "kv(slots) first"
         self.cache.ensure(longest)
         return self.decoder.forward(x, start, longest, self.cache, rows)
+
+
+    def apply_delta(self, blob: bytes, layout: Mapping[str, tuple[np.dtype, tuple[int, ...]]],
+                    expect_hash: str | None = None) -> list[str]:
+        """Apply a whole-state PULSE delta to this stage's share only
+        (:func:`stoa.transport.pulse.apply_delta_share`; ``layout``: the whole state's, e.g. from
+        :func:`read_share`; ``expect_hash``: the share's hash after, when the publisher signs one);
+        the names that changed here."""
+        from stoa.transport import pulse
+
+        changed = pulse.apply_delta_share(self.state, layout, blob, expect_hash)
+        if changed:
+            rebuild(self.decoder, self.layout, self.state, changed)
+        return changed
+
+
+def read_share(read: Callable[[int, int], bytes], size: int, part: tuple[int, int], layers: int, tied: bool
+               ) -> tuple[dict[str, np.ndarray], dict[str, tuple[np.dtype, tuple[int, ...]]], int]:
+    """A stage's share of an anchor (a safetensors file of ``size`` bytes) read by byte ranges:
+    ``read(start, end)`` returns bytes ``[start, end)`` (a ranged GET, a file seek). Reads the
+    header, then each run of adjacent wanted tensors in one range. Returns the share (writeable
+    arrays), the whole state's layout (name -> (dtype, shape)) and the bytes read."""
+    from stoa.transport import tensorfile
+
+    first = read(0, 8)
+    head = first + read(8, 8 + tensorfile.header_length(first))
+    idx = tensorfile.index(head, size)
+    got = len(head)
+    spans = sorted((idx[n][2], idx[n][3], n) for n in stage_names(list(idx), part, layers, tied))
+    share: dict[str, np.ndarray] = {}
+    i = 0
+    while i < len(spans):
+        j = i
+        while j + 1 < len(spans) and spans[j + 1][0] == spans[j][1]:
+            j += 1
+        a, b = spans[i][0], spans[j][1]
+        buf = read(a, b)
+        if len(buf) != b - a:
+            raise EngineError(f"a range read of [{a}, {b}) returned {len(buf)} bytes")
+        got += len(buf)
+        for s0, s1, n in spans[i:j + 1]:
+            dt, shape = idx[n][0], idx[n][1]
+            share[n] = np.frombuffer(buf, dt, count=(s1 - s0) // dt.itemsize, offset=s0 - a).reshape(shape).copy()
+        i = j + 1
+    return share, {n: (v[0], v[1]) for n, v in idx.items()}, got
 
 
 class _ChainCache:
