@@ -128,8 +128,8 @@ def test_a_stage_that_corrupts_activations_is_caught_by_the_trainers_rederivatio
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stages", [2, 4])
-def test_pipeline_on_the_real_model_matches_the_single_engine(real_model, stages):
+@pytest.mark.timeout(1800)
+def test_pipeline_on_the_real_model_matches_the_single_engine(real_model):
     """SmolLM2-135M-Instruct (30 layers, tied 49,152-token head) cut into 2 and 4 stages."""
     import sys
     from pathlib import Path
@@ -139,15 +139,18 @@ def test_pipeline_on_the_real_model_matches_the_single_engine(real_model, stages
 
     config = EngineConfig(max_batch=8)
     eng = make_engine(real_model, "torch", config=config, device="cpu")
-    pipe = P.make(real_model, stages, state=eng.state, config=config)
     make = lambda: ArithmeticEnv(size=40)  # noqa: E731
-    reqs = [RolloutRequest(i, f"g{i}", 3) for i in range(2)]
-    s = SamplingConfig(max_turn_tokens=24, max_episode_tokens=160, seed=5)
-    assert_same_episodes(pipe.rollout(make, reqs, s), eng.rollout(make, reqs, s), tol=1e-5)
-    mem = [st.memory() for st in pipe.stages]
+    reqs = [RolloutRequest(i, f"g{i}", 2) for i in range(2)]
+    s = SamplingConfig(max_turn_tokens=16, max_episode_tokens=100, seed=5)
+    want = eng.rollout(make, reqs, s)
     whole = sum(a.nbytes for a in eng.state.values())
-    assert sum(m.state for m in mem) > whole  # the tied embeddings sit in the first and the last stage
-    assert max(m.state for m in mem[1:-1] or [0]) < whole / stages
+    for stages in (2, 4):
+        pipe = P.make(real_model, stages, state=eng.state, config=config)
+        assert_same_episodes(pipe.rollout(make, reqs, s), want, tol=1e-5)
+        mem = [st.memory() for st in pipe.stages]
+        print(f"{stages} stages, state MB per stage: {[round(m.state / 1e6, 1) for m in mem]} of {whole / 1e6:.1f}")
+        assert sum(m.state for m in mem) > whole  # the tied embeddings sit in the first and the last stage
+        assert max((m.state for m in mem[1:-1]), default=0) < whole / stages
 
 
 def test_a_stage_reads_only_its_share_of_an_anchor_and_applies_deltas_to_it(tiny, single):
