@@ -391,7 +391,7 @@ def build_model(args, tmp: Path) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a tiny model, few settings (< 1 minute)")
+    ap.add_argument("--quick", action="store_true", help="a tiny model, few settings (a minute on a quiet machine)")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--model", type=Path, help="a Hugging Face folder (default: the real model when built)")
     ap.add_argument("--stages", default="2,4")
@@ -403,12 +403,13 @@ def main() -> None:
     ap.add_argument("--mbit", type=float, default=100.0, help="link rate each way (Mbit/s)")
     ap.add_argument("--channels", default="tcp,store")
     ap.add_argument("--store-settings", default="2:4", help="STAGES:MICRO pairs run on the store channel")
+    ap.add_argument("--store-latency-ms", default="0,20", help="one-way latencies run on the store channel")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the baseline and of every stage")
     ap.add_argument("--bucket", default="stoa-pipeline")
     args = ap.parse_args()
     if args.quick:
         args.stages, args.latency_ms, args.micro, args.batch, args.prompt, args.tokens = "2", "0,20", "1,4", 16, 8, 12
-        args.store_settings = "2:4"
+        args.store_settings, args.store_latency_ms = "2:4", "0"
     import torch
 
     from stoa.backends.torch import pipeline as P
@@ -458,7 +459,8 @@ def main() -> None:
                     for micro in [int(x) for x in args.micro.split(",")]:
                         if channel == "store" and (n, micro) not in store_pairs:
                             continue
-                        for lat in [float(x) for x in args.latency_ms.split(",")]:
+                        lats = args.store_latency_ms if channel == "store" else args.latency_ms
+                        for lat in [float(x) for x in lats.split(",")]:
                             got = run_pipeline(args, model, anchor, parts, micro, lat, channel, prompts, s3, tmp,
                                                f"{channel}{n}m{micro}l{lat:g}")
                             tps = args.batch * args.tokens / got["seconds"]
