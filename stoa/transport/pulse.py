@@ -50,11 +50,13 @@ __all__ = [
     "PulseError",
     "apply_delta",
     "apply_delta_inplace",
+    "apply_delta_share",
     "apply_deltas_inplace",
     "apply_deltas_verified",
     "decode_state",
     "encode_delta",
     "encode_state",
+    "layout_of",
     "state_hash",
 ]
 
@@ -521,6 +523,64 @@ def _write(state: Mapping[str, np.ndarray], decoded: list[tuple[str, np.ndarray,
     for name, sel, d in decoded:
         flat = state[name].reshape(-1).view(_UINT[d.itemsize])
         flat[sel] += d  # wrapping add in the unsigned ring undoes the encoder's subtraction
+
+
+class _Shape(Mapping):
+    """A whole state's layout with only ``share``'s arrays present: the others are zero-byte
+    read-only stand-ins of the right dtype and shape (enough to decode a delta against)."""
+
+    def __init__(self, share: Mapping[str, np.ndarray], layout: Mapping[str, tuple[np.dtype, tuple[int, ...]]]):
+        self.share, self.layout = share, layout
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name in self.share:
+            return self.share[name]
+        dt, shape = self.layout[name]
+        return np.broadcast_to(np.zeros((), dt), shape)
+
+    def __iter__(self):
+        return iter(self.layout)
+
+    def __len__(self) -> int:
+        return len(self.layout)
+
+
+def apply_delta_share(share: dict[str, np.ndarray], layout: Mapping[str, tuple[np.dtype, tuple[int, ...]]],
+                      blob: bytes, expect_hash: str | None = None) -> list[str]:
+    """Apply a whole-state delta to ``share``, a part of the state (a pipeline stage's tensors),
+    by writing into its arrays; returns the names of ``share`` that changed, sorted.
+
+    ``layout``: name -> (dtype, shape) of *every* tensor of the whole state (the delta's
+    fingerprint covers them all; a stage knows them from the model's config without holding
+    them). The whole blob is decoded and checked (crc32, fingerprint, every entry) before the
+    first write; entries for tensors outside the share are skipped. Given ``expect_hash`` (the
+    :func:`state_hash` the share must reach), nothing is written unless the result has it.
+    """
+    if set(share) - set(layout):
+        raise PulseError(f"share holds tensors the layout lacks: {sorted(set(share) - set(layout))[:5]}")
+    for n, a in share.items():
+        if (a.dtype, tuple(a.shape)) != (np.dtype(layout[n][0]), tuple(layout[n][1])):
+            raise PulseError(f"{n!r}: the share's array does not fit the layout")
+    mine = [(n, sel, d) for n, sel, d in _decode_delta(_Shape(share, layout), blob) if n in share]
+    for n, _, _ in mine:
+        if not (share[n].flags.c_contiguous and share[n].flags.writeable):
+            raise PulseError(f"{n!r}: in-place apply needs a C-contiguous, writeable array")
+    if expect_hash is not None:
+        after = dict(share)
+        for n, sel, d in mine:
+            after[n] = np.array(share[n], copy=True, order="C")
+            _write(after, [(n, sel, d)])
+        got = state_hash(after)
+        if got != expect_hash:
+            raise PulseError(f"the delta leads the share to {got[:12]}..., not the expected {expect_hash[:12]}...; "
+                             "nothing was written")
+    _write(share, mine)
+    return sorted(n for n, _, _ in mine)
+
+
+def layout_of(state: Mapping[str, np.ndarray]) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """name -> (dtype, shape) of every tensor of ``state`` (what :func:`apply_delta_share` needs)."""
+    return {n: (a.dtype, tuple(a.shape)) for n, a in state.items()}
 
 
 def apply_delta(prev_state: Mapping[str, np.ndarray], blob: bytes) -> dict[str, np.ndarray]:

@@ -30,8 +30,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-__all__ = ["DTYPES", "TensorFile", "TensorFileError", "check_name", "code", "encode", "header", "read",
-           "write"]
+__all__ = ["DTYPES", "TensorFile", "TensorFileError", "check_name", "code", "encode", "header", "header_length",
+           "index", "read", "write"]
 
 DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_), "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8),
@@ -147,10 +147,37 @@ def read(buf: Any, max_header: int = MAX_HEADER, max_tensors: int = MAX_TENSORS)
         TensorFileError: anything else.
     """
     size = memoryview(buf).nbytes
-    if size < 8:
+    spans, meta, base = _index(buf, size, size, max_header, max_tensors)
+    tensors = {name: np.frombuffer(buf, dt, math.prod(shape), base + a).reshape(shape)
+               for a, _, name, dt, shape in spans}
+    return TensorFile(tensors, meta, base)
+
+
+def header_length(first8: bytes) -> int:
+    """The JSON header's length from a file's first 8 bytes (read ``8 + header_length`` bytes to
+    have the whole header, then :func:`index` it)."""
+    if len(first8) < 8:
+        raise TensorFileError("not a tensor file (shorter than its 8-byte header length)")
+    return struct.unpack_from("<Q", first8)[0]
+
+
+def index(head: bytes, size: int, max_header: int = MAX_HEADER,
+          max_tensors: int = MAX_TENSORS) -> dict[str, tuple[np.dtype, tuple[int, ...], int, int]]:
+    """name -> (dtype, shape, start, end) with absolute byte offsets into the file, from its first
+    ``8 + header_length`` bytes ``head`` and its total ``size``: what to range-read for any one
+    tensor. Checked as :func:`read` checks a whole file."""
+    spans, _, base = _index(head, len(head), size, max_header, max_tensors)
+    return {name: (dt, shape, base + a, base + b) for a, b, name, dt, shape in spans}
+
+
+def _index(buf: Any, have: int, size: int, max_header: int, max_tensors: int
+           ) -> tuple[list[tuple[int, int, str, np.dtype, tuple[int, ...]]], dict[str, Any], int]:
+    """The header of a file of ``size`` bytes whose first ``have`` bytes are ``buf``: the tensors'
+    spans in data order, the metadata, and where the data starts."""
+    if have < 8:
         raise TensorFileError("not a tensor file (shorter than its 8-byte header length)")
     (hlen,) = struct.unpack_from("<Q", buf)
-    if hlen > min(size - 8, max_header):
+    if hlen > min(size - 8, max_header) or 8 + hlen > have:
         raise TensorFileError(f"header length {hlen} exceeds the file or the {max_header}-byte limit")
     try:
         table = json.loads(bytes(buf[8:8 + hlen]))
@@ -186,6 +213,4 @@ def read(buf: Any, max_header: int = MAX_HEADER, max_tensors: int = MAX_TENSORS)
         end = b
     if end != total:
         raise TensorFileError(f"{total - end} bytes of data no tensor claims")
-    tensors = {name: np.frombuffer(buf, dt, math.prod(shape), base + a).reshape(shape)
-               for a, _, name, dt, shape in spans}
-    return TensorFile(tensors, meta, base)
+    return spans, meta, base

@@ -119,12 +119,23 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class Decoder:
     """The model of ``spec`` in ``dtype`` on ``device``; weights start uninitialized (write them
     through :attr:`views`). ``config``: the ``transformers`` config of the same folder (its
-    rotary module computes RoPE's frequencies)."""
+    rotary module computes RoPE's frequencies).
+
+    ``part``: build only layers ``[a, b)`` (a pipeline stage), None: all of them. The first part
+    (``a == 0``) holds the embeddings and takes token ids; the last (``b`` = the layer count) holds
+    the final norm and the head (a tied head: the embeddings) and returns normed hidden states;
+    a middle part takes and returns the residual stream. :attr:`views` then names only the part's
+    tensors, and a :class:`KVCache` for it has ``b - a`` layers."""
 
     def __init__(self, spec: ModelSpec, config, device: torch.device, dtype: torch.dtype = torch.float32,
-                 attention_bias: bool = False, mlp_bias: bool = False) -> None:
+                 attention_bias: bool = False, mlp_bias: bool = False, part: tuple[int, int] | None = None) -> None:
         if spec.model_type not in FAMILIES:
             raise ValueError(f"model_type {spec.model_type!r} is not one of {FAMILIES}")
+        n_layers = spec.num_hidden_layers
+        lo, hi = (0, n_layers) if part is None else (int(part[0]), int(part[1]))
+        if not 0 <= lo < hi <= n_layers:
+            raise ValueError(f"part {part} is not a non-empty layer range of 0..{n_layers}")
+        self.part, self.first, self.last = (lo, hi), lo == 0, hi == n_layers
         self.spec, self.device, self.dtype = spec, torch.device(device), dtype
         self.gemma = spec.model_type in _GEMMA
         h, d, nq, nkv = spec.hidden_size, spec.head_dim, spec.num_attention_heads, spec.num_key_value_heads
@@ -133,19 +144,20 @@ class Decoder:
         qkv_bias = spec.model_type == "qwen2" or attention_bias
         new = lambda *shape: torch.empty(shape, dtype=dtype, device=self.device)  # noqa: E731
         self.views: dict[str, torch.Tensor] = {}
-        self.embed = new(spec.vocab_size, h)
-        self.views["model.embed_tokens.weight"] = self.embed
-        self.head = self.embed if spec.tie_word_embeddings else new(spec.vocab_size, h)
-        if not spec.tie_word_embeddings:
-            self.views["lm_head.weight"] = self.head
-        self.final_norm = self._param("model.norm.weight", new(h))
+        tied = spec.tie_word_embeddings
+        self.embed = self.head = self.final_norm = None
+        if self.first or (self.last and tied):
+            self.embed = self._param("model.embed_tokens.weight", new(spec.vocab_size, h))
+        if self.last:
+            self.head = self.embed if tied else self._param("lm_head.weight", new(spec.vocab_size, h))
+            self.final_norm = self._param("model.norm.weight", new(h))
         norm_names = ["input_layernorm", "post_attention_layernorm"]
         if self.gemma:
             norm_names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
         qk_norm = spec.model_type in ("qwen3", "gemma3_text")
         self.layers: list[_Layer] = []
         rope_kinds = sorted({t for t in spec.layer_types}) if spec.model_type == "gemma3_text" else [None]
-        for i in range(spec.num_hidden_layers):
+        for i in range(lo, hi):
             p = f"model.layers.{i}."
             qkv = new(sum(self.dims), h)
             qb = new(sum(self.dims)) if qkv_bias else None
@@ -213,9 +225,10 @@ class Decoder:
         """Final hidden states ``[n, m, hidden]`` of new tokens ``ids [n, m]`` (int64) of cache rows
         ``rows`` (None: rows ``0 .. n-1``), the first at positions ``start [n]``; ``longest`` is
         ``max(start) + m`` (a host int, so no device sync). Their keys and values are written to
-        the cache (which must hold ``longest`` positions)."""
+        the cache (which must hold ``longest`` positions). A part that is not the first takes the
+        residual stream ``[n, m, hidden]`` in place of ``ids``; one that is not the last returns it."""
         spec = self.spec
-        n, m = ids.shape
+        n, m = ids.shape[:2]
         pos = start[:, None] + torch.arange(m, device=self.device)[None]  # [n, m]
         self._tables(longest)
         cos = [c[pos][:, :, None] for c in self._cos]
@@ -227,13 +240,16 @@ class Decoder:
             masks[w] = seen & (keys[None, None, :] > pos[:, :, None] - w)
         masks = {w: mk[:, None, None] for w, mk in masks.items()}  # [n, 1, 1, m, L]
         rsel = torch.arange(n, device=self.device) if rows is None else rows
-        x = F.embedding(ids, self.embed)
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
+        if self.first:
+            x = F.embedding(ids, self.embed)
+            if self.embed_scale is not None:
+                x = x * self.embed_scale
+        else:
+            x = ids.to(self.dtype)
         for li, ly in enumerate(self.layers):
             x = self._layer(li, ly, x, pos, rsel, rows is None, cos[ly.rope], sin[ly.rope], masks[ly.window],
                             longest, cache)
-        return _rms(x, self.final_norm, spec.rms_norm_eps, self.gemma)
+        return _rms(x, self.final_norm, spec.rms_norm_eps, self.gemma) if self.last else x
 
     def _layer(self, li: int, ly: _Layer, x: torch.Tensor, pos: torch.Tensor, rsel: torch.Tensor, contiguous: bool,
                cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, longest: int, cache: KVCache) -> torch.Tensor:

@@ -40,7 +40,7 @@ from stoa.backends.torch import scoring
 from stoa.backends.torch.int8 import to_torch, dequantize_torch
 from stoa.types import Episode
 
-__all__ = ["MODES", "TorchEngine", "make"]
+__all__ = ["MODES", "TorchEngine", "draw", "make", "rebuild"]
 
 MODES = ("auto", "dequantized", "bfloat16")
 _DTYPES = {"dequantized": torch.float32, "bfloat16": torch.bfloat16}
@@ -111,6 +111,36 @@ def _check_state(state: Any, layout: dict[str, tuple[tuple[int, ...], bool]],
         if not ok or (dtypes is not None and a.dtype != dtypes[name]):
             raise EngineError(f"{name}: dtype {a.dtype}, the model needs "
                               f"{'uint8' if codes else dtypes[name] if dtypes else 'a float dtype'}")
+
+
+@torch.no_grad()
+def rebuild(decoder: D.Decoder, layout: dict[str, tuple[tuple[int, ...], bool]], state: dict[str, np.ndarray],
+            names: Sequence[str]) -> None:
+    """Recompute ``decoder``'s tensors that depend on state entries ``names`` (or parameter names):
+    the weights of record, ``code * scale + bias`` in float32, cast to the decoder's dtype."""
+    targets = set()
+    for n in names:
+        stem, _, leaf = n.rpartition(".")
+        targets.add(stem + ".weight" if leaf in ("scales", "biases") and stem + ".weight" in layout else n)
+    dev = decoder.device
+    for t in sorted(targets):
+        a = state[t]
+        if layout[t][1]:
+            stem = t[: -len(".weight")]
+            w = dequantize_torch(to_torch(a, dev), to_torch(state[stem + ".scales"], dev),
+                                 to_torch(state[stem + ".biases"], dev))
+        else:
+            w = to_torch(a, dev)
+        decoder.write(t, w)
+
+
+def draw(logits: torch.Tensor, seeds: np.ndarray, s: SamplingConfig, where: str,
+         host: HostSampler) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens and behaviour log-probs of ``logits [B, V]`` by the sampling rule, in numpy
+    (``where`` ``host``, or ``auto`` on a CPU) or on the logits' device."""
+    if where == "host" or (where == "auto" and logits.device.type == "cpu"):
+        return host(logits.float().cpu().numpy(), seeds, s.temperature, s.top_k, s.top_p)
+    return S.sample(logits, seeds, s.temperature, s.top_k, s.top_p)
 
 
 class TorchEngine:
@@ -200,22 +230,8 @@ class TorchEngine:
         if not self._lock.acquire(blocking=False):
             raise EngineBusyError(f"{what} while a rollout is running: weights change only between cohorts")
 
-    @torch.no_grad()
     def _rebuild(self, names: Sequence[str]) -> None:
-        """Recompute the model tensors that depend on state entries ``names`` (or parameter names)."""
-        targets = set()
-        for n in names:
-            stem, _, leaf = n.rpartition(".")
-            targets.add(stem + ".weight" if leaf in ("scales", "biases") and stem + ".weight" in self._layout else n)
-        for t in sorted(targets):
-            a = self._state[t]
-            if self._layout[t][1]:
-                stem = t[: -len(".weight")]
-                w = dequantize_torch(to_torch(a, self.device), to_torch(self._state[stem + ".scales"], self.device),
-                                     to_torch(self._state[stem + ".biases"], self.device))
-            else:
-                w = to_torch(a, self.device)
-            self.decoder.write(t, w)
+        rebuild(self.decoder, self._layout, self._state, names)
 
     def load_state(self, version: int, state: dict[str, np.ndarray]) -> None:
         self._exclusive("load_state")
@@ -255,10 +271,17 @@ class TorchEngine:
         """Tokens and behaviour log-probs for logits ``[B, V]`` and uint64 row seeds ``[B]``: in numpy
         (``config.sampler`` ``host``, or ``auto`` on a CPU: numpy's uint32 hash is several times
         faster than torch's int64 one there) or on the engine's device (``device``, ``auto`` on a GPU)."""
-        where = self.config.sampler
-        if where == "host" or (where == "auto" and self.device.type == "cpu"):
-            return self._host_sampler(logits.float().cpu().numpy(), seeds, s.temperature, s.top_k, s.top_p)
-        return S.sample(logits, seeds, s.temperature, s.top_k, s.top_p)
+        return draw(logits, seeds, s, self.config.sampler, self._host_sampler)
+
+    def feed(self, ids: torch.Tensor, start: torch.Tensor, longest: int, cache: D.KVCache, rows: torch.Tensor) -> None:
+        """:class:`stoa.backends.torch.rollout.CohortHost`'s prefill step."""
+        self.decoder.forward(ids, start, longest, cache, rows)
+
+    def next_tokens(self, ids: torch.Tensor, start: torch.Tensor, longest: int, cache: D.KVCache, seeds: np.ndarray,
+                    s: SamplingConfig) -> tuple[np.ndarray, np.ndarray]:
+        """:class:`stoa.backends.torch.rollout.CohortHost`'s decode step."""
+        hidden = self.decoder.forward(ids, start, longest, cache)
+        return self.sample(self.decoder.logits(hidden[:, 0]), seeds, s)
 
     def rollout(self, make_env: Callable[[], Any], requests: Sequence[RolloutRequest],
                 sampling: SamplingConfig = SamplingConfig()) -> list[Episode]:

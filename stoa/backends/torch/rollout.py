@@ -21,7 +21,7 @@ import torch
 from stoa.backends import episodes
 from stoa.backends.engine import EngineConfig, RolloutRequest, RolloutStats, SamplingConfig, TextCodec
 from stoa.backends.episodes import DONE, Play
-from stoa.backends.torch.decoder import Decoder, KVCache
+from stoa.backends.torch.decoder import KVCache
 from stoa.types import Episode
 
 
@@ -31,7 +31,6 @@ class CohortHost(Protocol):
     config: EngineConfig
     version: int
     device: torch.device
-    decoder: Decoder
 
     @property
     def worker_id(self) -> str: ...
@@ -41,7 +40,15 @@ class CohortHost(Protocol):
 
     def kv_cache(self, slots: int) -> KVCache: ...
 
-    def sample(self, logits: torch.Tensor, seeds: Any, s: SamplingConfig) -> tuple[Any, Any]: ...
+    def feed(self, ids: torch.Tensor, start: torch.Tensor, longest: int, cache: KVCache,
+             rows: torch.Tensor) -> None:
+        """Write the keys and values of tokens ``ids [n, m]`` of cache ``rows`` from positions
+        ``start [n]`` on (``longest = max(start) + m``)."""
+
+    def next_tokens(self, ids: torch.Tensor, start: torch.Tensor, longest: int, cache: KVCache, seeds: Any,
+                    s: SamplingConfig) -> tuple[Any, Any]:
+        """Feed one token per row of rows ``0 .. n-1`` (``ids [n, 1]``) and draw each row's next
+        token: (tokens, behaviour log-probs) by the sampling rule with row ``seeds``."""
 
 
 def _cached(p: Play) -> int:
@@ -105,8 +112,7 @@ class Cohort:
             starts = [_cached(self.rows[i]) + a for i in part]
             longest = max(starts) + m
             self.cache.ensure(longest)
-            self.e.decoder.forward(ids, torch.tensor(starts, device=dev), longest, self.cache,
-                                   torch.tensor(part, device=dev))
+            self.e.feed(ids, torch.tensor(starts, device=dev), longest, self.cache, torch.tensor(part, device=dev))
         st.prefill_calls += 1
         st.prefill_tokens += sum(len(self.rows[i].feed) for i in todo)
         for i, copies in twins.items():
@@ -121,8 +127,8 @@ class Cohort:
         longest = max(starts) + 1
         self.cache.ensure(longest)
         ids = torch.tensor([[p.pending] for p in rows], dtype=torch.int64, device=dev)
-        hidden = self.e.decoder.forward(ids, torch.tensor(starts, device=dev), longest, self.cache)
-        toks, lps = self.e.sample(self.e.decoder.logits(hidden[:, 0]), self.book.seeds(rows), self.s)
+        toks, lps = self.e.next_tokens(ids, torch.tensor(starts, device=dev), longest, self.cache,
+                                       self.book.seeds(rows), self.s)
         self.stats.decode_steps += 1
         done = [i for i in range(n) if self.book.record(rows[i], int(toks[i]), float(lps[i])) == DONE]
         for i in reversed(done):  # refill each freed slot with the last row
