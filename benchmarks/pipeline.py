@@ -413,7 +413,7 @@ def main() -> None:
     import torch
 
     from stoa.backends.torch import pipeline as P
-    from stoa.backends.torch.engine import _pretrained_state
+    from stoa.backends.torch.engine import pretrained_state
     from stoa.backends.torch.families import read_spec
     from stoa.transport import pulse
 
@@ -424,7 +424,7 @@ def main() -> None:
         model = build_model(args, tmp)
         spec = read_spec(model, "torch", RuntimeError)
         anchor = tmp / "anchor.safetensors"
-        anchor.write_bytes(pulse.encode_state(_pretrained_state(model)))
+        anchor.write_bytes(pulse.encode_state(pretrained_state(model)))
         rng = np.random.default_rng(0)
         prompts = rng.integers(3, spec.vocab_size, size=(args.batch, args.prompt)).astype(np.int64)
         whole, _ = load_stage(model, anchor, (0, spec.num_hidden_layers))

@@ -40,10 +40,11 @@ from stoa.backends.torch import scoring
 from stoa.backends.torch.int8 import to_torch, dequantize_torch
 from stoa.types import Episode
 
-__all__ = ["MODES", "TorchEngine", "draw", "make", "rebuild"]
+__all__ = ["ENGINE_DTYPES", "MODES", "TorchEngine", "check_state", "draw", "exact_matmuls", "make", "pretrained_state", "rebuild",
+           "state_layout"]
 
 MODES = ("auto", "dequantized", "bfloat16")
-_DTYPES = {"dequantized": torch.float32, "bfloat16": torch.bfloat16}
+ENGINE_DTYPES = {"dequantized": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -61,7 +62,7 @@ def resolve_mode(mode: str, device: torch.device) -> str:
 
 
 @contextlib.contextmanager
-def _exact_matmuls(device: torch.device) -> Iterator[None]:
+def exact_matmuls(device: torch.device) -> Iterator[None]:
     """No TF32 in the engine's CUDA matmuls (float32 means float32)."""
     if device.type != "cuda":
         yield
@@ -74,7 +75,7 @@ def _exact_matmuls(device: torch.device) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-def _layout(decoder: D.Decoder) -> dict[str, tuple[tuple[int, ...], bool]]:
+def state_layout(decoder: D.Decoder) -> dict[str, tuple[tuple[int, ...], bool]]:
     """State name -> (shape, is uint8 codes) that the decoder's parameters need."""
     from stoa.transport.quant import is_quantized
 
@@ -92,7 +93,7 @@ def _layout(decoder: D.Decoder) -> dict[str, tuple[tuple[int, ...], bool]]:
     return out
 
 
-def _check_state(state: Any, layout: dict[str, tuple[tuple[int, ...], bool]],
+def check_state(state: Any, layout: dict[str, tuple[tuple[int, ...], bool]],
                  dtypes: dict[str, np.dtype] | None) -> None:
     """:class:`EngineError` unless ``state`` has the layout's names and shapes, uint8 codes, float
     tensors elsewhere (and, given ``dtypes``, exactly those dtypes)."""
@@ -160,11 +161,11 @@ class TorchEngine:
         self._mode = resolve_mode(mode, self.device)
         spec = families.read_spec(self.hf_dir, "torch", EngineError)
         cfg = AutoConfig.from_pretrained(self.hf_dir)
-        self.decoder = D.Decoder(spec, cfg, self.device, _DTYPES[self._mode],
+        self.decoder = D.Decoder(spec, cfg, self.device, ENGINE_DTYPES[self._mode],
                                  attention_bias=bool(getattr(cfg, "attention_bias", False)),
                                  mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
-        self._layout = _layout(self.decoder)
-        _check_state(state, self._layout, None)
+        self.state_layout = state_layout(self.decoder)
+        check_state(state, self.state_layout, None)
         self._state = {k: np.array(v, copy=True, order="C") for k, v in state.items()}
         self._rebuild(list(self.decoder.views))
         rope = cfg.rope_parameters or {}
@@ -231,12 +232,12 @@ class TorchEngine:
             raise EngineBusyError(f"{what} while a rollout is running: weights change only between cohorts")
 
     def _rebuild(self, names: Sequence[str]) -> None:
-        rebuild(self.decoder, self._layout, self._state, names)
+        rebuild(self.decoder, self.state_layout, self._state, names)
 
     def load_state(self, version: int, state: dict[str, np.ndarray]) -> None:
         self._exclusive("load_state")
         try:
-            _check_state(state, self._layout, {k: v.dtype for k, v in self._state.items()})
+            check_state(state, self.state_layout, {k: v.dtype for k, v in self._state.items()})
             for k, v in state.items():
                 np.copyto(self._state[k], v)
             self._rebuild(list(self._state))
@@ -299,7 +300,7 @@ class TorchEngine:
             factory, idle = self._envs
             cohort = Cohort(self, make_env, requests, sampling, idle if factory is make_env else [])
             try:
-                with _exact_matmuls(self.device), torch.no_grad():
+                with exact_matmuls(self.device), torch.no_grad():
                     return cohort.run()
             finally:
                 self._stats = cohort.stats
@@ -328,7 +329,7 @@ class TorchEngine:
             raise EngineError(f"temperature={temperature} must be > 0")
         self._exclusive("score")
         try:
-            with _exact_matmuls(self.device), torch.no_grad():
+            with exact_matmuls(self.device), torch.no_grad():
                 return by_length([len(e) for e in episodes], max_tokens, lambda b: scoring.score_batch(
                     [episodes[i] for i in b], temperature, self._vocab, self.device, self._hidden,
                     self.decoder.logits, EngineError))
@@ -347,7 +348,7 @@ class TorchEngine:
             raise EngineError("one seed per episode")
         self._exclusive("check_draws")
         try:
-            with _exact_matmuls(self.device), torch.no_grad():
+            with exact_matmuls(self.device), torch.no_grad():
                 return by_length([len(e) for e in episodes], max_tokens, lambda b: scoring.draws_batch(
                     [episodes[i] for i in b], [int(seeds[i]) for i in b], top_k, drift, self._vocab, self.device,
                     self._hidden, self.decoder.logits, EngineError))
@@ -355,7 +356,7 @@ class TorchEngine:
             self._lock.release()
 
 
-def _pretrained_state(hf_dir: Path) -> dict[str, np.ndarray]:
+def pretrained_state(hf_dir: Path) -> dict[str, np.ndarray]:
     """The int8 state of a folder's float weights (``quantize_state``: what ``mlx_lm`` would hold),
     read tensor by tensor from the memory-mapped files."""
     import mmap
@@ -388,5 +389,5 @@ def make(hf_dir: str | Path, *, state: dict[str, np.ndarray] | None = None, vers
     if not (path / "config.json").is_file():
         raise EngineError(f"{path} is not a Hugging Face model folder (no config.json)")
     if state is None:
-        state = _pretrained_state(path)
+        state = pretrained_state(path)
     return TorchEngine(path, state, version, mode=mode, config=config, worker_id=worker_id, device=device)

@@ -29,7 +29,7 @@ import torch
 from stoa.backends.engine import EngineConfig, EngineError, RolloutRequest, RolloutStats, SamplingConfig, TextCodec
 from stoa.backends.sampling import HostSampler
 from stoa.backends.torch import decoder as D
-from stoa.backends.torch.engine import _DTYPES, _check_state, _exact_matmuls, _layout, draw, rebuild
+from stoa.backends.torch.engine import ENGINE_DTYPES, check_state, exact_matmuls, state_layout, draw, rebuild
 from stoa.backends.torch.engine import resolve_device, resolve_mode
 from stoa.types import Episode
 
@@ -99,15 +99,15 @@ class Stage:
         spec = families.read_spec(Path(hf_dir), "torch", EngineError)
         cfg = AutoConfig.from_pretrained(hf_dir)
         try:
-            self.decoder = D.Decoder(spec, cfg, self.device, _DTYPES[self.mode],
+            self.decoder = D.Decoder(spec, cfg, self.device, ENGINE_DTYPES[self.mode],
                                      attention_bias=bool(getattr(cfg, "attention_bias", False)),
                                      mlp_bias=bool(getattr(cfg, "mlp_bias", False)), part=part)
         except ValueError as e:
             raise EngineError(str(e)) from None
         self.part, self.first, self.last = self.decoder.part, self.decoder.first, self.decoder.last
-        self.layout = _layout(self.decoder)
+        self.layout = state_layout(self.decoder)
         share = {k: state[k] for k in self.layout if k in state}
-        _check_state(share, self.layout, None)
+        check_state(share, self.layout, None)
         self.state = {k: np.array(v, copy=True, order="C") for k, v in share.items()}
         rebuild(self.decoder, self.layout, self.state, list(self.layout))
         self.cache: D.KVCache | None = None
@@ -297,7 +297,7 @@ class Pipeline:
 
         cohort = Cohort(self, make_env, requests, sampling, [])
         try:
-            with _exact_matmuls(self.device), torch.no_grad():
+            with exact_matmuls(self.device), torch.no_grad():
                 return cohort.run()
         finally:
             self._stats = cohort.stats
@@ -309,11 +309,11 @@ def make(hf_dir: str | Path, stages: int | Sequence[tuple[int, int]], *, state: 
     """A :class:`Pipeline` of ``stages`` (a count, cut by :func:`split_layers`, or the layer ranges)
     on ``state`` (None: the folder's float weights quantized to int8, as the torch engine does)."""
     from stoa.backends.torch import families
-    from stoa.backends.torch.engine import _pretrained_state
+    from stoa.backends.torch.engine import pretrained_state
 
     path = Path(hf_dir)
     spec = families.read_spec(path, "torch", EngineError)
     parts = split_layers(spec.num_hidden_layers, stages) if isinstance(stages, int) else list(stages)
     if state is None:
-        state = _pretrained_state(path)
+        state = pretrained_state(path)
     return Pipeline(path, [Stage(path, p, state, mode, device) for p in parts], version, config, worker_id)
