@@ -76,6 +76,9 @@ __all__ = ["StartRefused", "Trainer", "eval_metrics", "prepare_model", "successe
 
 log = logging.getLogger("stoa.trainer")
 
+WATCH_IDLE_S = 5.0
+"""While it waits for rollouts, the trainer looks at its fleet's heartbeats this often (and after every step)."""
+
 
 class StartRefused(ExpectedFailure, RuntimeError):
     """This start would clobber a live run (weights already published, or published under
@@ -160,6 +163,7 @@ class Trainer:
                  on_row: Callable[[dict], None] | None = None, ranks: Ranks | None = None):
         self.cfg, self.store, self.run_dir = cfg, store, Path(run_dir)
         self.fleet = FleetWatch()
+        self._watched = 0.0
         self.ranks = ranks
         self.run_name = cfg.name
         self.key = private_key
@@ -247,6 +251,8 @@ class Trainer:
             if not self.step():
                 if self.ranks:
                     self.ranks.idle()  # a heartbeat keeps the other ranks' wait under the collective timeout
+                if time.time() - self._watched >= WATCH_IDLE_S:
+                    self._watch_fleet()  # a trainer waiting on rollouts still says which workers went silent
                 time.sleep(cfg.trainer.poll_seconds)
         if self._stop:
             return self._stopped()
@@ -359,11 +365,8 @@ class Trainer:
         pub = self._publish()
         self.ledger.write(trained=[g[0].group_id for g in taken.groups],
                           policy_versions=sorted({e.policy_version for e in taken.episodes}))
-        beats, _ = read_heartbeats(self.store, self.run_name)
+        fleet = self._watch_fleet()
         now = time.time()
-        fleet, changes = self.fleet.see(beats, now)
-        for change in changes:
-            self._log("event", **change)
         self._log("train", rl_step=self.rl_step, **rollout, **learn,
                   **{"pulse/bytes": pub.bytes_written, "pulse/full_bytes": pub.full_state_bytes,
                      "pulse/anchor": pub.kind == "anchor", "pulse/seconds": pub.seconds,
@@ -377,6 +380,15 @@ class Trainer:
         if self.rl_step % self.cfg.trainer.checkpoint_every == 0 and self.rl_step < self.cfg.trainer.steps:
             self.checkpoint()
         return True
+
+    def _watch_fleet(self) -> dict[str, float]:
+        """Read the heartbeats, log what changed in the fleet as events; returns the ``fleet/*`` metrics."""
+        beats, _ = read_heartbeats(self.store, self.run_name)
+        self._watched = time.time()
+        fleet, changes = self.fleet.see(beats, self._watched)
+        for change in changes:
+            self._log("event", **change)
+        return fleet
 
     def _learn(self, taken: Taken) -> tuple[dict[str, Any], dict]:
         """Advantages and one learner step over ``taken``; returns (rollout metrics, learner metrics).
