@@ -12,7 +12,11 @@ answers, stalled multipart parts). Each row's cost is its wall time over the fau
 and the same for the RL phase alone (first RL step to the end: process start-up left out).
 Not injected: memory and open files under long churn.
 
-    python benchmarks/chaos.py [--quick] [--json out.json] [--seed 0] [--steps 30] [--workers 4]
+With ``--learn`` the fleet is the demo's (``examples/papersearch_tiny.toml``: its model, warm
+start, 100 RL steps, 2 workers), fault-free and then under every kind at once, and the table adds
+held-out pass@1 and search rate at the first and last eval against the demo's bar.
+
+    python benchmarks/chaos.py [--quick | --learn] [--json out.json] [--seed 0] [--steps 30] [--workers 4]
 """
 
 from __future__ import annotations
@@ -81,18 +85,19 @@ samples = 1
 """
 
 
-def one_run(root: Path, seed: int, steps: int, workers: int, faults: list, s3) -> dict:
+def one_run(root: Path, config_text: str, run_name: str, seed: int, workers: int, faults: list, s3,
+            timeout: float = 1800) -> dict:
     from stoa.fleet.metrics import read_metrics
     from stoa.testing.chaos import ChaosRun, verify
     from stoa.transport.signing import generate_private_key, load_public_key, save_keypair
 
     root.mkdir(parents=True)
     config = root / "run.toml"
-    config.write_text(CONFIG.format(seed=seed, steps=steps))
+    config.write_text(config_text)
     key, pub = save_keypair(generate_private_key(), root / "keys", "run")
-    run = ChaosRun(config, root / "fleet", "chaos-bench", key, str(pub), workers, faults,
+    run = ChaosRun(config, root / "fleet", run_name, key, str(pub), workers, faults,
                    env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}, s3=s3, seed=seed)
-    wall = run.run(timeout=1800)
+    wall = run.run(timeout=timeout)
     got = verify(run, load_public_key(pub))
     rows = read_metrics(run.run_dir / "metrics.jsonl")
     train = [r for r in rows if r.get("kind") == "train"]
@@ -101,7 +106,10 @@ def one_run(root: Path, seed: int, steps: int, workers: int, faults: list, s3) -
     half = max(1, len(train) // 2)
     reward = lambda rows: sum(r["reward/mean"] for r in rows) / max(1, len(rows))  # noqa: E731
     honest = got.pop("workers")
-    return {"wall_s": round(wall, 1), "rl_s": round(end - train[0]["time"], 1) if train else None,
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    learned = {f"{k}_{at}": round(e.get(f"eval/{k}", float("nan")), 4)
+               for at, e in (("start", evals[0]), ("end", evals[-1])) if evals for k in ("pass@1", "searched")}
+    return {**learned, "eval_versions": [e["version"] for e in evals],"wall_s": round(wall, 1), "rl_s": round(end - train[0]["time"], 1) if train else None,
             "faults": [f["kind"] for f in run.fired], "store_faults": run.store_faults, **got,
             "trainer_store_retries": train[-1].get("store/retries", 0) if train else 0,
             "worker_store_retries": max((r.get("fleet/store_retries", 0) for r in train), default=0),
@@ -111,6 +119,19 @@ def one_run(root: Path, seed: int, steps: int, workers: int, faults: list, s3) -
             "honest_strikes": sum(w["strikes"] for w in honest.values()),
             "honest_banned": sum(bool(w["banned"]) for w in honest.values()),
             "accepted_batches": sum(w["accepted_batches"] for w in honest.values())}
+
+
+DEMO = Path(__file__).resolve().parents[1] / "examples" / "papersearch_tiny.toml"
+
+
+def learn_schedule(seed: int, steps: int, workers: int) -> list:
+    """Every fault kind at once over the demo's RL steps: workers killed and restarted, one paused,
+    one asleep past the heartbeat window, the trainer killed and resumed, a full cache disk (root
+    only) and one window of each store fault."""
+    from stoa.testing.chaos import STORE_KINDS, plan
+
+    return plan(seed, steps, workers, worker_kills=6, pauses=2, trainer_kills=1, sleeps=1, sleep_s=(60.0, 120.0),
+                disk_fulls=int(os.geteuid() == 0), store={k: 1 for k in STORE_KINDS})
 
 
 def schedules(seed: int, steps: int, workers: int, quick: bool) -> dict[str, list]:
@@ -141,19 +162,29 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--learn", action="store_true",
+                    help="the demo (examples/papersearch_tiny.toml, 2 workers) fault-free and under every fault "
+                         "kind at once: does it still learn? (~15-30 min on 2 cores)")
     args = ap.parse_args()
     from stoa.testing.seaweed import SeaweedFS
 
-    steps, workers = (10, 3) if args.quick else (args.steps, args.workers)
-    plans = schedules(args.seed, steps, workers, args.quick)
+    if args.learn:
+        text = DEMO.read_text().replace('name = "papersearch-tiny"', 'name = "chaos-learn"', 1)
+        text = text.replace("seed = 0", f"seed = {args.seed}", 1)
+        name, steps, workers, timeout = "chaos-learn", 100, 2, 5400
+        plans = {"all": learn_schedule(args.seed, steps, workers)}
+    else:
+        steps, workers = (10, 3) if args.quick else (args.steps, args.workers)
+        text, name, timeout = CONFIG.format(seed=args.seed, steps=steps), "chaos-bench", 1800
+        plans = schedules(args.seed, steps, workers, args.quick)
     results = {}
     with tempfile.TemporaryDirectory() as tmp, SeaweedFS.start() as s3:
-        results["fault-free"] = one_run(Path(tmp) / "clean", args.seed, steps, workers, [], s3)
-        for name, faults in plans.items():
-            print(f"[chaos] {name}: " + ", ".join(f"{f.target} after step {f.after_step}"
+        results["fault-free"] = one_run(Path(tmp) / "clean", text, name, args.seed, workers, [], s3, timeout)
+        for kind, faults in plans.items():
+            print(f"[chaos] {kind}: " + ", ".join(f"{f.kind} {f.target} after step {f.after_step}"
                                                  + (f" for {f.seconds:g} s" if f.seconds else "")
                                                  + (f" at {f.rate:g}" if f.rate else "") for f in faults), flush=True)
-            results[name] = one_run(Path(tmp) / name, args.seed, steps, workers, faults, s3)
+            results[kind] = one_run(Path(tmp) / kind, text, name, args.seed, workers, faults, s3, timeout)
     clean = results["fault-free"]
     for r in results.values():
         r["overhead"] = round(r["wall_s"] / clean["wall_s"] - 1, 3)
@@ -173,6 +204,16 @@ def main() -> None:
               f"{pct(r['rl_overhead'])} | {r['trainer_store_retries']} / {r['worker_store_retries']} | {ev} | "
               f"{r['stale_groups']} | {r['groups_trained']} | {r['groups_lost']} | {r['trained_twice']} | "
               f"{r['honest_strikes']} / {r['honest_banned']} |")
+    if any("pass@1_start" in r for r in results.values()):
+        print("\n| run | eval versions | pass@1 start -> end | searched start -> end |\n|---|---|---|---|")
+        for kind, r in results.items():
+            print(f"| {kind} | {r['eval_versions'][0]}-{r['eval_versions'][-1]} | "
+                  f"{r['pass@1_start']:.1%} -> {r['pass@1_end']:.1%} | {r['searched_start']:.1%} -> {r['searched_end']:.1%} |")
+    if args.learn:
+        bar = {k: r["pass@1_end"] - r["pass@1_start"] >= 0.40 and r["searched_end"] - r["searched_start"] >= 0.50
+               for k, r in results.items()}
+        print("the demo's bar (+40 points pass@1, +50 points search rate): "
+              + ", ".join(f"{k} {'met' if ok else 'NOT met'}" for k, ok in bar.items()))
     held = all(r["finished"] and not r["groups_lost"] and not r["trained_twice"] and not r["honest_strikes"]
                and not r["honest_banned"] for r in results.values())
     print("held in every run: finished, 0 groups lost, 0 trained twice, 0 honest workers struck or banned"

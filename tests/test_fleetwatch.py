@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from stoa.fleet.run import Heartbeat
+from stoa.fleet.sections import ConfigError
 from stoa.fleet.trainer.fleetwatch import FleetWatch
+from stoa.fleet.trainer.section import TrainerConfig
 
 
 def beat(wid: str, t: float, **kw) -> Heartbeat:
@@ -36,3 +40,14 @@ def test_heartbeats_of_older_workers_still_parse():
     hb = Heartbeat.parse(old)
     assert hb.store_retries == 0 and hb.trouble == "" and hb.sync_bytes == 0
     assert Heartbeat.parse(beat("w", 1.0, store_retries=3, trouble="x").to_json()).store_retries == 3
+
+
+def test_the_silence_window_is_the_trainers_setting():
+
+    w = FleetWatch(TrainerConfig(silent_after_s=5.0).silent_after_s)
+    assert w.see([beat("a", 100.0)], 104.0)[0]["fleet/workers_silent"] == 0
+    m, ev = w.see([beat("a", 100.0)], 105.5)
+    assert m["fleet/workers_silent"] == 1 and [e["event"] for e in ev] == ["worker_silent"]
+    assert FleetWatch().silent_s == 30.0
+    with pytest.raises(ConfigError, match="silent_after_s"):
+        TrainerConfig(silent_after_s=0)

@@ -9,7 +9,8 @@ struck or banned. Faults:
 * ``kill-worker``: SIGKILL a worker, restart it ``seconds`` later with the same id and cache;
 * ``pause-worker``: SIGSTOP a worker for ``seconds`` (mid-cohort), then SIGCONT: it wakes stale;
 * ``sleep-worker``: as ``pause-worker``, but for longer than the trainer's 30 s heartbeat window
-  (minutes in the benchmark): the trainer logs the worker ``worker_silent`` and ``worker_back``;
+  (minutes in the benchmark), and in any case until the trainer has logged the worker
+  ``worker_silent``; once awake it is logged ``worker_back``;
 * ``kill-trainer``: SIGKILL the trainer, restart it at once with ``--resume``;
 * ``disk-full``: fill the worker's cache file system (a size-capped tmpfs the harness mounted for
   it; root only) for ``seconds``: its writes fail with ENOSPC, then the filler is removed;
@@ -107,6 +108,8 @@ class ChaosRun:
     """Size of the tmpfs mounted as the cache of a worker that a ``disk-full`` fault targets."""
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     fired: list[dict[str, Any]] = field(default_factory=list)
+    woke: list[dict[str, Any]] = field(default_factory=list)
+    """Each paused or sleeping worker's wake-up: time, the trainer's step then, worker."""
     store_faults: dict[str, int] = field(default_factory=dict)
     """What the proxy injected, by its kind (``error-500``, ``timeout``, ...), once the run ended."""
 
@@ -176,7 +179,8 @@ class ChaosRun:
             later.append((time.time() + f.seconds, "disk-free", f.target))
         elif f.kind in ("pause-worker", "sleep-worker"):
             p.send_signal(signal.SIGSTOP)
-            later.append((time.time() + f.seconds, "cont", f.target))
+            self._asleep_since[f.target] = time.time()
+            later.append((time.time() + f.seconds, "cont" if f.kind == "pause-worker" else "wake", f.target))
         else:
             p.send_signal(signal.SIGKILL)
             p.wait()
@@ -202,9 +206,19 @@ class ChaosRun:
             slow=on.get("store-slow", 0.0), multipart_stall=min(1.0, on.get("store-multipart-stall", 0.0)),
             hold_s=STORE_READ_TIMEOUT_S + 1.0, slow_s=1.0))
 
+    def _silent_seen(self, wid: str) -> bool:
+        """Whether the trainer has logged ``wid`` silent since it was put to sleep."""
+        from stoa.fleet.metrics import read_metrics
+
+        path = self.run_dir / "metrics.jsonl"
+        since = self._asleep_since.get(wid, 0.0)
+        return path.exists() and any(r.get("event") == "worker_silent" and r.get("worker") == wid
+                                     and r.get("time", 0.0) >= since for r in read_metrics(path))
+
     def _later(self, what: str, arg: str) -> None:
-        if what == "cont":
+        if what in ("cont", "wake"):
             self.procs[arg].send_signal(signal.SIGCONT)
+            self.woke.append({"time": time.time(), "step": self.steps(), "worker": arg})
         elif what == "start":
             self._worker(arg)
         elif what == "disk-free":
@@ -245,6 +259,7 @@ class ChaosRun:
         self._bind = os.pipe()
         t0 = time.time()
         pending, later = sorted(self.faults, key=lambda f: f.after_step), []
+        self._asleep_since: dict[str, float] = {}
         self._store_on, self._mounts, self._proxy = {}, [], None
         try:
             self._setup()
@@ -255,6 +270,9 @@ class ChaosRun:
                 now = time.time()
                 for item in sorted(x for x in later if x[0] <= now):
                     later.remove(item)
+                    if item[1] == "wake" and not self._silent_seen(item[2]):
+                        later.append((now + 0.5, *item[1:]))  # asleep until the trainer has said so
+                        continue
                     self._later(item[1], item[2])
                 while pending and self.steps() >= pending[0].after_step:
                     self._fire(pending.pop(0), later)
@@ -310,8 +328,8 @@ def _fill(folder: Path) -> int:
 
 def verify(run: ChaosRun, public_key: Any) -> dict[str, Any]:
     """What held: ``finished``, ``groups_trained``, ``trained_twice``, ``groups_uploaded``,
-    ``groups_lost`` (uploaded and still in the store, yet neither trained, dropped with a reason, nor still waiting in the
-    newest checkpoint's reader), ``resumed`` (trainer restarts
+    ``groups_lost`` (uploaded and still in the store, yet neither trained, dropped with a reason, checked as
+    probation work, nor still waiting in the newest checkpoint's reader) and the first 20 of them (``lost``), ``resumed`` (trainer restarts
     seen in its events), and per honest worker its ``strikes`` and ``banned`` (from the trust report)."""
     from stoa.fleet.metrics import read_metrics
     from stoa.fleet.trust.records import read_trust_report
@@ -336,11 +354,15 @@ def verify(run: ChaosRun, public_key: Any) -> dict[str, Any]:
     from stoa.transport.identity import open_sealed
     from stoa.types import decode_episodes
 
+    probation = {e["probation"] for e in ledger if "probation" in e}  # checked and credited, never trained on
     uploaded = set()  # the batches still in the store (the trainer prunes those its checkpoints settled)
     for key in store.list(f"{run.run_name}/rollouts/"):
         seal, payload = open_sealed(store.get(key))
-        uploaded |= {f"{seal.key_id}/{e.group_id}" for e in decode_episodes(payload)}
+        groups = {f"{seal.key_id}/{e.group_id}" for e in decode_episodes(payload)}
+        uploaded |= groups
+        if key in probation:
+            settled |= groups
     return {"finished": is_finished(store, run.run_name, public_key), "groups_trained": len(trained),
             "trained_twice": len(trained) - len(set(trained)), "groups_uploaded": len(uploaded),
-            "groups_lost": len(uploaded - settled),
+            "groups_lost": len(uploaded - settled), "lost": sorted(uploaded - settled)[:20],
             "resumed": sum(r.get("event") == "resumed" for r in events), "workers": workers}

@@ -2,7 +2,8 @@
 
 :class:`FleetWatch` reads the workers' heartbeats (``stoa.fleet.run.Heartbeat``) once per step and
 answers with the step's ``fleet/*`` metrics and the events of what changed since the last look: a
-worker whose heartbeat went silent (stopped or asleep: no word for :data:`SILENT_S`), one heard
+worker whose heartbeat went silent (stopped or asleep: no word for ``silent_s``, by default
+:data:`SILENT_S`; the trainer's ``trainer.silent_after_s``), one heard
 again, one that reports trouble (its store or its own cache disk failing and retried) and one whose
 trouble cleared. It keeps only its own state and does no I/O.
 """
@@ -21,7 +22,8 @@ SILENT_S = 30.0
 class FleetWatch:
     """Per worker: whether it was silent, and its trouble, at the last look."""
 
-    def __init__(self) -> None:
+    def __init__(self, silent_s: float = SILENT_S) -> None:
+        self.silent_s = silent_s
         self._silent: dict[str, float] = {}  # worker -> time of its last heartbeat when it fell silent
         self._trouble: dict[str, str] = {}
 
@@ -34,7 +36,7 @@ class FleetWatch:
             if b.status == "stopped":
                 self._silent.pop(b.worker_id, None)
                 continue
-            quiet = now - b.time >= SILENT_S
+            quiet = now - b.time >= self.silent_s
             if quiet:
                 silent += 1
                 if b.worker_id not in self._silent:

@@ -59,6 +59,10 @@ class TrainerConfig:
     """torch CPU threads (0: leave torch's default)."""
     poll_seconds: float = 0.2
     """How often the trainer lists new rollouts while waiting."""
+    silent_after_s: float = 30.0
+    """A worker whose heartbeat is older than this is *silent* (event ``worker_silent``, metric
+    ``fleet/workers_silent``). A working worker beats at least every few seconds; a sleeping
+    laptop or a dead link goes quiet. Only shown: nothing is dropped or struck for silence."""
     mismatch_every: int = 0
     """Every this many steps, split the behaviour/trainer mismatch into its int8 and staleness parts
     (``stoa.fleet.trainer.mismatch``: one extra int8 prefill and one float scoring pass); 0 = never."""
@@ -72,6 +76,7 @@ class TrainerConfig:
         check(self.steps >= 0 and self.groups_per_step >= 1, "trainer.steps >= 0 and groups_per_step >= 1")
         check(self.mismatch_every >= 0, "trainer.mismatch_every must be >= 0")
         check(self.max_lag >= 0, "trainer.max_lag must be >= 0")
+        check(self.silent_after_s > 0, "trainer.silent_after_s must be > 0")
         check(self.average_over in ("step", "signal"), "trainer.average_over must be 'step' or 'signal'")
         check(self.checkpoint_every >= 1 and self.threads >= 0, "trainer.checkpoint_every >= 1, threads >= 0")
 

@@ -162,7 +162,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, store: ObjectStore, run_dir: Path, private_key: Any, resume: bool = False,
                  on_row: Callable[[dict], None] | None = None, ranks: Ranks | None = None):
         self.cfg, self.store, self.run_dir = cfg, store, Path(run_dir)
-        self.fleet = FleetWatch()
+        self.fleet = FleetWatch(cfg.trainer.silent_after_s)
         self._watched = 0.0
         self.ranks = ranks
         self.run_name = cfg.name
