@@ -100,7 +100,7 @@ def main() -> None:
     print(f"finished {got['finished']}; groups trained {got['groups_trained']}, lost {got['groups_lost']}, trained "
           f"twice {got['trained_twice']}; trainer resumed {got['resumed']}x")
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "wall_s": round(wall, 1),
+        args.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "wall_s": round(wall, 1),
                                          "bench_s": round(time.time() - t0, 1), "verify": got, "churns": run.churns,
                                          "identities": run.identities, **res, "samples": run.samples}, indent=1)
                              + "\n")

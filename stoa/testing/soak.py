@@ -139,7 +139,8 @@ class SoakRun(ChaosRun):
                              "bytes": sizes, "disk": self._disk()})
 
     def _disk(self) -> dict[str, float]:
-        """MB on local disk: the trainer's folder (its logs apart) and the workers' caches (the largest)."""
+        """MB on local disk: the trainer's folder (its logs apart: metrics, ledger, TensorBoard) and the
+        workers' caches (the largest)."""
         def walk(folder: Path) -> tuple[int, int]:
             data = logs = 0
             for dirpath, _, files in os.walk(folder):
@@ -148,7 +149,7 @@ class SoakRun(ChaosRun):
                         n = os.stat(os.path.join(dirpath, f)).st_size
                     except FileNotFoundError:
                         continue
-                    if f.endswith((".jsonl", ".log")):
+                    if f.endswith((".jsonl", ".log")) or f.startswith("events.out.tfevents"):
                         logs += n
                     else:
                         data += n
