@@ -10,7 +10,7 @@ and resumed, a worker's cache disk full (a filled tmpfs; root only), and store f
 rates in windows of seconds (5xx, timeouts past the clients' read timeout, resets mid-body, slow
 answers, stalled multipart parts). Each row's cost is its wall time over the fault-free run's,
 and the same for the RL phase alone (first RL step to the end: process start-up left out).
-Not injected: memory and open files under long churn.
+Memory, open files and store objects under long churn: ``benchmarks/soak.py``.
 
 With ``--learn`` the fleet is the demo's (``examples/papersearch_tiny.toml``: its model, warm
 start, 100 RL steps, 2 workers), fault-free and then under every kind at once, and the table adds

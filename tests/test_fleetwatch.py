@@ -1,5 +1,6 @@
 """The trainer's view of its fleet (stoa.fleet.trainer.fleetwatch): a worker asleep past the
-heartbeat window, one heard again, one whose store or cache disk fails, each once as an event."""
+heartbeat window, one heard again, one whose store or cache disk fails, each once as an event; a
+worker gone for good is forgotten, and its heartbeat deleted from the store."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ from dataclasses import replace
 
 import pytest
 
-from stoa.fleet.run import Heartbeat
+from stoa.fleet.run import Heartbeat, delete_heartbeat, read_heartbeats, write_heartbeat
 from stoa.fleet.sections import ConfigError
-from stoa.fleet.trainer.fleetwatch import FleetWatch
+from stoa.fleet.trainer.fleetwatch import FORGET_S, FleetWatch
 from stoa.fleet.trainer.section import TrainerConfig
+from stoa.transport.store import LocalStore
 
 
 def beat(wid: str, t: float, **kw) -> Heartbeat:
@@ -51,3 +53,24 @@ def test_the_silence_window_is_the_trainers_setting():
     assert FleetWatch().silent_s == 30.0
     with pytest.raises(ConfigError, match="silent_after_s"):
         TrainerConfig(silent_after_s=0)
+
+
+def test_a_worker_gone_for_good_is_forgotten_and_its_heartbeat_deleted(tmp_path):
+    # A fleet churning through identities (killed workers never say "stopped") must not leave one
+    # heartbeat per identity ever: the trainer would read them all every step, and past 4096 the
+    # newest workers would go unread.
+    store, w = LocalStore(tmp_path), FleetWatch()
+    for wid, t in (("left-long-ago", 0.0), ("asleep", 1000.0), ("live", 1000.0 + FORGET_S)):
+        write_heartbeat(store, "r", beat(wid, t))
+    now = 1000.0 + FORGET_S + 1.0
+    beats, _ = read_heartbeats(store, "r")
+    assert [e["worker"] for e in w.see(beats, now)[1]] == ["asleep", "left-long-ago"]  # silent
+    gone = w.forget(beats, now)
+    assert gone == ["asleep", "left-long-ago"] and w._silent == {}
+    assert all(delete_heartbeat(store, "r", wid) for wid in gone)
+    assert [b.worker_id for b in read_heartbeats(store, "r")[0]] == ["live"]
+    assert w.forget(read_heartbeats(store, "r")[0], now) == []
+    # the sleeper wakes: a worker seen anew, no "back" event for a worker the trainer forgot
+    write_heartbeat(store, "r", beat("asleep", now + 1.0))
+    assert w.see(read_heartbeats(store, "r")[0], now + 2.0)[1] == []
+    assert not delete_heartbeat(store, "r", "../config")  # a stranger's id never names a key

@@ -7,7 +7,8 @@ Layout under ``<run>/``::
     weights/...            the PULSE version chain (stoa.transport.chain)
     rollouts/...           episode batches (stoa.transport.exchange)
     quarantine/...         rejected batches, each with a reason
-    workers/<id>.json      heartbeats (unsigned: workers hold no key; validated on read)
+    workers/<id>.json      heartbeats (unsigned: workers hold no key; validated on read); the trainer
+                           deletes one 10 minutes old (stoa.fleet.trainer.fleetwatch.FORGET_S)
     eval/v<version>.json   held-out evaluation results (signed by the trainer)
 
 Workers trust only what the run's key signed: the config and the model files are checked against
@@ -27,9 +28,10 @@ from typing import Any
 from stoa.fleet.config import RunConfig
 from stoa.transport import layout
 from stoa.transport.signing import SignatureError, open_document, sign_document
-from stoa.transport.store import KeyNotFound, ObjectStore, ObjectTooLarge
+from stoa.transport.store import KeyNotFound, ObjectStore, ObjectTooLarge, StoreError
 
-__all__ = ["MODEL_FILES", "Heartbeat", "fetch_run", "publish_run", "read_heartbeats", "write_heartbeat"]
+__all__ = ["MODEL_FILES", "Heartbeat", "delete_heartbeat", "fetch_run", "publish_run", "read_heartbeats",
+           "write_heartbeat"]
 
 MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                "generation_config.json", "chat_template.jinja", "vocab.json", "merges.txt")
@@ -144,6 +146,17 @@ class Heartbeat:
 
 def write_heartbeat(store: ObjectStore, run: str, hb: Heartbeat) -> None:
     store.put(layout.heartbeat(run, hb.worker_id), hb.to_json())
+
+
+def delete_heartbeat(store: ObjectStore, run: str, worker_id: str) -> bool:
+    """Delete a worker's heartbeat; False when ``worker_id`` is not a valid id or the store failed."""
+    if not layout.WORKER_ID.fullmatch(worker_id):
+        return False
+    try:
+        store.delete(layout.heartbeat(run, worker_id))
+    except StoreError:
+        return False
+    return True
 
 
 def read_heartbeats(store: ObjectStore, run: str, max_workers: int = MAX_HEARTBEATS) -> tuple[list[Heartbeat], list[str]]:

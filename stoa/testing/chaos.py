@@ -328,9 +328,9 @@ def _fill(folder: Path) -> int:
 
 def verify(run: ChaosRun, public_key: Any) -> dict[str, Any]:
     """What held: ``finished``, ``groups_trained``, ``trained_twice``, ``groups_uploaded``,
-    ``groups_lost`` (uploaded and still in the store, yet neither trained, dropped with a reason, checked as
-    probation work, nor still waiting in the newest checkpoint's reader) and the first 20 of them (``lost``), ``resumed`` (trainer restarts
-    seen in its events), and per honest worker its ``strikes`` and ``banned`` (from the trust report)."""
+    ``groups_lost`` (uploaded and still in the store, yet neither trained, dropped with a reason, played on
+    probation (a new key's first work, checked and never trained on), nor still waiting in the newest
+    checkpoint's reader) and the first 20 of them (``lost``), ``resumed`` (trainer restarts seen in its events), and per honest worker its ``strikes`` and ``banned`` (from the trust report)."""
     from stoa.fleet.metrics import read_metrics
     from stoa.fleet.trust.records import read_trust_report
     from stoa.transport.exchange import is_finished
@@ -354,13 +354,13 @@ def verify(run: ChaosRun, public_key: Any) -> dict[str, Any]:
     from stoa.transport.identity import open_sealed
     from stoa.types import decode_episodes
 
-    probation = {e["probation"] for e in ledger if "probation" in e}  # checked and credited, never trained on
+    probation = {e["probation"] for e in ledger if "probation" in e}  # checked, credited, never trained on
     uploaded = set()  # the batches still in the store (the trainer prunes those its checkpoints settled)
     for key in store.list(f"{run.run_name}/rollouts/"):
         seal, payload = open_sealed(store.get(key))
         groups = {f"{seal.key_id}/{e.group_id}" for e in decode_episodes(payload)}
         uploaded |= groups
-        if key in probation:
+        if key in probation:  # a new key's first work, kept as its newest batch when the key left at once
             settled |= groups
     return {"finished": is_finished(store, run.run_name, public_key), "groups_trained": len(trained),
             "trained_twice": len(trained) - len(set(trained)), "groups_uploaded": len(uploaded),

@@ -5,7 +5,9 @@ answers with the step's ``fleet/*`` metrics and the events of what changed since
 worker whose heartbeat went silent (stopped or asleep: no word for ``silent_s``, by default
 :data:`SILENT_S`; the trainer's ``trainer.silent_after_s``), one heard
 again, one that reports trouble (its store or its own cache disk failing and retried) and one whose
-trouble cleared. It keeps only its own state and does no I/O.
+trouble cleared. A heartbeat older than :data:`FORGET_S` is forgotten (:meth:`FleetWatch.forget`):
+the trainer deletes it from the store, so a fleet that churns through identities leaves neither
+heartbeats nor state here behind it. It keeps only its own state and does no I/O.
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["SILENT_S", "FleetWatch", "store_metrics"]
+__all__ = ["FORGET_S", "SILENT_S", "FleetWatch", "store_metrics"]
 
 SILENT_S = 30.0
 """A worker not heard from for this long is silent (not alive)."""
+FORGET_S = 600.0
+"""A heartbeat this old is deleted: its worker left (or slept that long; its next heartbeat makes it
+a worker seen anew, without a ``worker_back`` event)."""
 
 
 class FleetWatch:
@@ -59,6 +64,15 @@ class FleetWatch:
                 del self._trouble[b.worker_id]
         return {"fleet/workers_alive": alive, "fleet/workers_silent": silent, "fleet/workers_in_trouble": trouble,
                 "fleet/store_retries": retries}, events
+
+    def forget(self, beats: Iterable[Any], now: float) -> list[str]:
+        """The worker ids whose heartbeat is :data:`FORGET_S` old or older (for the caller to
+        delete); their state here is dropped."""
+        gone = sorted({b.worker_id for b in beats if now - b.time >= FORGET_S})
+        for wid in gone:
+            self._silent.pop(wid, None)
+            self._trouble.pop(wid, None)
+        return gone
 
 
 def store_metrics(store: Any) -> dict[str, int]:

@@ -55,7 +55,7 @@ from stoa.fleet.config import RunConfig
 from stoa.fleet.intake import Intake, Taken
 from stoa.fleet.metrics import MetricsSink
 from stoa.fleet.parity import check_floor, check_trainer
-from stoa.fleet.run import publish_run, read_heartbeats
+from stoa.fleet.run import delete_heartbeat, publish_run, read_heartbeats
 from stoa.fleet.trainer.fleetwatch import FleetWatch, store_metrics
 from stoa.fleet.task import import_env_module
 from stoa.fleet.trainer.policies import HeldPolicies
@@ -388,6 +388,8 @@ class Trainer:
         fleet, changes = self.fleet.see(beats, self._watched)
         for change in changes:
             self._log("event", **change)
+        for wid in self.fleet.forget(beats, self._watched):  # left long ago: its heartbeat goes
+            delete_heartbeat(self.store, self.run_name, wid)
         return fleet
 
     def _learn(self, taken: Taken) -> tuple[dict[str, Any], dict]:
