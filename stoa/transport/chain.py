@@ -48,6 +48,13 @@ background thread (:class:`StateCheck`): the worker generates while the hash run
 nothing made with those weights until the check passed. A failed check re-plans the next sync from
 the store as for a state that is not what it claims.
 
+**Shares.** With ``shares=True`` (the default) each manifest also signs the state hash of every
+share of the state (one per decoder layer, the embeddings, the head: :mod:`stoa.transport.shares`)
+and, for an anchor, its safetensors header's size and sha256 (format ``stoa.weights.manifest/3``).
+A pipeline stage follows the chain with :class:`ShareSubscriber`: the same checks, but it
+range-reads only its share of an anchor and verifies exactly the tensors it holds. Whole-model
+subscribers ignore the shares and still read ``/2`` manifests.
+
 **Retention.** :meth:`WeightPublisher.gc` keeps the versions from the ``keep_anchors``-th newest
 anchor on the chain up to the pointer and deletes older versions and orphans (uncommitted
 leftovers below the pointer). Keys under ``weights/`` that are not this layout are skipped and

@@ -15,6 +15,9 @@ a depth other than 0) with :class:`~stoa.transport.signing.SignatureError`: a va
 body is still checked, since a signature is no excuse for a crash. Code holding a ``Manifest`` or
 ``Pointer`` needs no further checks.
 
+A manifest of format ``/3`` also carries :class:`Shares` (per-share state hashes and the anchor's
+header hash, for pipeline stages); ``/2`` manifests, without them, are still read.
+
 The pointer pins the sha256 of the head manifest's object and each manifest pins its parent's,
 so the chain from a verified pointer down is hash-linked (see :mod:`stoa.transport.chain`).
 """

@@ -103,6 +103,8 @@ class Stage:
         self.state = {k: np.array(v, copy=True, order="C") for k, v in share.items()}
         rebuild(self.decoder, self.layout, self.state, list(self.layout))
         self.cache: D.KVCache | None = None
+        self.version: int | None = None
+        """The chain version :meth:`sync` last brought the share to (None before the first)."""
 
     @property
     def names(self) -> list[str]:
@@ -149,6 +151,26 @@ class Stage:
         if changed:
             rebuild(self.decoder, self.layout, self.state, changed)
         return changed
+
+
+    def sync(self, subscriber: Any, version: int | None = None) -> Any:
+        """Bring this stage's share to the head (or ``version``) of the signed chain
+        ``subscriber`` follows (a :class:`stoa.transport.chain.ShareSubscriber` for this stage's
+        layers): verified deltas are written into the share, or a verified anchor share replaces
+        it, and only the changed layers are rebuilt. Returns the ``SyncResult``; raises what
+        ``sync`` raises (the share is then untouched)."""
+        if (subscriber.part, subscriber.layers) != (self.part, self.decoder.spec.num_hidden_layers):
+            raise EngineError(f"the subscriber follows layers {subscriber.part} of {subscriber.layers}; "
+                              f"this stage holds {self.part}")
+        have = None if self.version is None else (self.version, self.state)
+        r = subscriber.sync(have, apply_inplace=True, version=version)
+        if r.state is not self.state:
+            check_state(r.state, self.layout, None)
+            self.state = r.state
+        if r.changed_names:
+            rebuild(self.decoder, self.layout, self.state, r.changed_names)
+        self.version = r.version
+        return r
 
 
 def read_share(read: Callable[[int, int], bytes], size: int, part: tuple[int, int], layers: int, tied: bool
