@@ -18,6 +18,7 @@ from stoa.transport.store import (
     LocalStore,
     ObjectStore,
     ObjectTooLarge,
+    RangeNotSatisfiable,
     S3Config,
     S3Store,
     StoreError,
@@ -175,6 +176,27 @@ def test_get_max_bytes_on_a_large_object(store):
         store.get("m/big", max_bytes=len(data) - 1)
     assert e.value.size == len(data)
     assert store.get("m/big", max_bytes=len(data)) == data
+
+
+def test_get_range_returns_exactly_the_bytes_asked(store):
+    data = bytes(range(256)) * 40
+    store.put("run/r.bin", data)
+    assert store.get_range("run/r.bin", 0, 8) == data[:8]
+    assert store.get_range("run/r.bin", 1000, 5000) == data[1000:5000]
+    assert store.get_range("run/r.bin", len(data) - 1, len(data)) == data[-1:]
+    assert store.get_range("run/r.bin", 0, len(data)) == data
+    assert store.get_range("run/r.bin", 17, 17) == b""
+    for a, b in ((10, len(data) + 1), (len(data) + 5, len(data) + 9), (len(data) + 1, len(data) + 1)):
+        with pytest.raises(RangeNotSatisfiable) as e:
+            store.get_range("run/r.bin", a, b)
+        assert e.value.size == len(data) and e.value.end == b and "run/r.bin" in str(e.value)
+    with pytest.raises(KeyNotFound):
+        store.get_range("nope/x", 0, 1)
+    for a, b in ((5, 4), (-1, 4), (0, 1.5), (True, 3)):
+        with pytest.raises(ValueError):
+            store.get_range("run/r.bin", a, b)
+    with pytest.raises(ValueError):
+        store.get_range("../x", 0, 1)
 
 
 def test_size(store):
@@ -405,7 +427,7 @@ class _FaultyProxy(ThreadingHTTPServer):
     def __init__(self, upstream: str):
         super().__init__(("127.0.0.1", 0), _ProxyHandler)
         self.upstream = urlparse(upstream).netloc
-        self.faults: list[str] = []  # consumed one per request: "503", "truncate", "flip", "replace"
+        self.faults: list[str] = []  # consumed one per request: "503", "truncate", "flip", "replace", "norange"
         self.served: list[str] = []
         self.ranges: list[str | None] = []  # the Range header of each request
         self.body_bytes = 0  # response body bytes sent to the client
@@ -443,7 +465,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         data = resp.read()
         self.send_response(resp.status)
         for k, v in resp.getheaders():
-            if k.lower() not in ("transfer-encoding", "connection"):
+            if k.lower() not in ("transfer-encoding", "connection") and not (
+                    fault == "norange" and k.lower() == "content-range"):  # a cache on the way that drops it
                 self.send_header(k, v)
         if fault == "truncate":  # promise the whole body, send half, hang up
             self.send_header("Connection", "close")
@@ -532,6 +555,23 @@ def test_s3_parallel_ranged_download_resumes_broken_pieces(s3_bucket, faulty_pro
     starts = sorted(int(r.split("=")[1].split("-")[0]) for r in faulty_proxy.ranges)
     assert [x for x in starts if x % (64 << 10)] and len(set(starts)) == n_pieces + 2  # continuations mid-piece
     assert faulty_proxy.body_bytes == len(data)  # nothing was fetched twice
+
+
+@needs_s3
+def test_s3_ranged_read_fetches_only_its_range_resumes_and_refuses_a_whole_body(s3_bucket, faulty_proxy):
+    direct = make_s3_store(s3_bucket)
+    via = S3Store(s3_bucket, direct.prefix, endpoint_url=f"http://127.0.0.1:{faulty_proxy.server_address[1]}",
+                  config=S3Config(max_attempts=2))
+    data = os.urandom(1 << 20)
+    direct.put("obj", data)
+    assert via.get_range("obj", 1000, 201_000) == data[1000:201_000]
+    assert faulty_proxy.ranges == ["bytes=1000-200999"] and faulty_proxy.body_bytes == 200_000
+    faulty_proxy.faults = ["truncate"]
+    assert via.get_range("obj", 5, 100_005) == data[5:100_005]  # the broken body continues where it stopped
+    assert faulty_proxy.ranges[1] == "bytes=5-100004" and faulty_proxy.ranges[2].endswith("-100004")
+    faulty_proxy.faults = ["norange"]
+    with pytest.raises(StoreError, match="ignored a ranged GET"):
+        via.get_range("obj", 10, 20)
 
 
 @needs_s3

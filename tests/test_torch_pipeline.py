@@ -189,3 +189,36 @@ def test_a_stage_reads_only_its_share_of_an_anchor_and_applies_deltas_to_it(tiny
     other = make_engine(tiny, "torch", state=new, config=CONFIG, device="cpu")
     assert_same_episodes(pipe.rollout(make_env, requests(3, 2), SAMPLING), other.rollout(make_env, requests(3, 2),
                                                                                          SAMPLING))
+
+
+def test_stages_follow_the_signed_chain_for_their_layers_only(tiny, single, tmp_path):
+    from stoa.transport import pulse
+    from stoa.transport.chain import ShareSubscriber, WeightPublisher
+    from stoa.transport.signing import generate_private_key
+    from stoa.transport.store import LocalStore
+
+    store, key, state = LocalStore(tmp_path), generate_private_key(), single.state
+    pub = WeightPublisher(store, "run", key)
+    pub.publish(1, state)
+    new = {k: v.copy() for k, v in state.items()}
+    flat = new["model.layers.2.mlp.up_proj.weight"].reshape(-1)
+    flat[:300] = (flat[:300].astype(np.int16) + 1).clip(0, 255).astype(np.uint8)
+    pub.publish(2, new)
+    parts = P.split_layers(MODEL.num_layers, 4)
+    subs = [ShareSubscriber(store, "run", key.public_key(), p, MODEL.num_layers, tied=True) for p in parts]
+    pipe = P.make(tiny, parts, state={k: np.zeros_like(v) for k, v in state.items()}, config=CONFIG)
+    for st, sub in zip(pipe.stages, subs):
+        r = st.sync(sub, version=1)
+        assert r.applied == [(1, "anchor")] and r.bytes_read < 0.6 * store.size("run/weights/000000000001/anchor.safetensors")
+    assert pipe.state_hash() == single.state_hash()
+    held = [st.state for st in pipe.stages]
+    results = [st.sync(sub) for st, sub in zip(pipe.stages, subs)]
+    assert [r.applied for r in results] == [[(2, "delta")]] * 4 and [r.changed_names for r in results] == [
+        [], [], ["model.layers.2.mlp.up_proj.weight"], []]
+    assert all(st.state is h for st, h in zip(pipe.stages, held))  # written in place
+    assert pipe.state_hash() == pulse.state_hash(new)
+    other = make_engine(tiny, "torch", state=new, config=CONFIG, device="cpu")
+    assert_same_episodes(pipe.rollout(make_env, requests(3, 2), SAMPLING), other.rollout(make_env, requests(3, 2),
+                                                                                         SAMPLING))
+    with pytest.raises(EngineError, match="follows layers"):
+        pipe.stages[0].sync(subs[1])

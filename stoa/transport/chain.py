@@ -48,6 +48,13 @@ background thread (:class:`StateCheck`): the worker generates while the hash run
 nothing made with those weights until the check passed. A failed check re-plans the next sync from
 the store as for a state that is not what it claims.
 
+**Shares.** With ``shares=True`` (the default) each manifest also signs the state hash of every
+share of the state (one per decoder layer, the embeddings, the head: :mod:`stoa.transport.shares`)
+and, for an anchor, its safetensors header's size and sha256 (format ``stoa.weights.manifest/3``).
+A pipeline stage follows the chain with :class:`ShareSubscriber`: the same checks, but it
+range-reads only its share of an anchor and verifies exactly the tensors it holds. Whole-model
+subscribers ignore the shares and still read ``/2`` manifests.
+
 **Retention.** :meth:`WeightPublisher.gc` keeps the versions from the ``keep_anchors``-th newest
 anchor on the chain up to the pointer and deletes older versions and orphans (uncommitted
 leftovers below the pointer). Keys under ``weights/`` that are not this layout are skipped and
@@ -64,8 +71,8 @@ from typing import Any
 
 import numpy as np
 
-from stoa.transport import pulse
-from stoa.transport.manifest import Layout, Manifest, Payload, Pointer, check_version
+from stoa.transport import pulse, shares, tensorfile
+from stoa.transport.manifest import Layout, Manifest, Payload, Pointer, Shares, check_version
 from stoa.transport.signing import SignatureError, load_private_key, sign_document
 from stoa.transport.store import KeyNotFound, ObjectStore, StoreError, validate_key
 from stoa.transport.subscriber import (  # noqa: F401 - re-exported: the chain's one import path
@@ -74,6 +81,7 @@ from stoa.transport.subscriber import (  # noqa: F401 - re-exported: the chain's
     ChainError,
     IntegrityError,
     PointerError,
+    ShareSubscriber,
     StalePointer,
     StateCheck,
     SyncResult,
@@ -94,6 +102,7 @@ __all__ = [
     "Retention",
     "StalePointer",
     "StateCheck",
+    "ShareSubscriber",
     "SyncResult",
     "WeightPublisher",
     "WeightSubscriber",
@@ -166,6 +175,10 @@ class WeightPublisher:
         keep_seconds: :meth:`gc` also keeps every version published within this many seconds
             (and the anchor they descend from), so a follower on a slow link is not left holding a
             plan whose anchor was deleted mid-download (anchors every version make that likely).
+        shares: sign per-share hashes (:mod:`stoa.transport.shares`) in every manifest, so a
+            pipeline stage can follow the chain for its layers only (:class:`ShareSubscriber`).
+            Manifests then have format ``stoa.weights.manifest/3``, which releases before it
+            refuse; False writes the ``/2`` format they read.
 
     A publisher that starts on a run that already has versions resumes from the pointer: it
     syncs the head state from the store (verifying it) to diff the next version against,
@@ -176,7 +189,8 @@ class WeightPublisher:
     """
 
     def __init__(self, store: ObjectStore, run: str, private_key: Any, anchor_every: int = 50,
-                 anchor_if_delta_over: float = 0.5, keep_anchors: int | None = 2, keep_seconds: float = 600.0):
+                 anchor_if_delta_over: float = 0.5, keep_anchors: int | None = 2, keep_seconds: float = 600.0,
+                 shares: bool = True):
         if not isinstance(anchor_every, int) or anchor_every < 1:
             raise ValueError(f"anchor_every must be an int >= 1, got {anchor_every!r}")
         if not 0 < anchor_if_delta_over <= 1:
@@ -185,7 +199,7 @@ class WeightPublisher:
             raise ValueError("keep_anchors must be >= 1 or None")
         if not keep_seconds >= 0:
             raise ValueError(f"keep_seconds must be >= 0, got {keep_seconds}")
-        self.keep_seconds = float(keep_seconds)
+        self.keep_seconds, self.shares = float(keep_seconds), bool(shares)
         self.store, self._keys = store, Layout(run)
         self.run = self._keys.run
         self._key = load_private_key(private_key)
@@ -277,13 +291,13 @@ class WeightPublisher:
         anchor = pulse.encode_state(state) if want_anchor else None
         if anchor is not None:
             depth = 0
-        h = pulse.state_hash(state)
+        h, signed = self._hashes(state, anchor)
         man = Manifest(
             self.run, version, None if prev is None else prev.version, None if prev is None else prev.manifest_sha256,
             h, depth, version if anchor is not None else prev.manifest.anchor_version,  # type: ignore[union-attr]
             None if anchor is None else Payload(len(anchor), sha256_hex(anchor)),
             None if delta is None else Payload(len(delta), sha256_hex(delta)),
-            full_bytes, len(state), meta, time.time())
+            full_bytes, len(state), meta, time.time(), signed)
         manifest = sign_document("manifest", man.to_body(), self._key)
         pointer = sign_document("pointer", Pointer(self.run, version, sha256_hex(manifest), time.time()).to_body(), self._key)
         written = 0
@@ -308,6 +322,21 @@ class WeightPublisher:
         return PublishResult(version, "anchor" if anchor is not None else "delta", written, full_bytes,
                              None if delta is None else len(delta), None if anchor is None else len(anchor),
                              time.perf_counter() - t0, h, problems)
+
+    def _hashes(self, state: State, anchor: bytes | None) -> tuple[str, Shares | None]:
+        """The state hash and, when this publisher signs shares, each share's (one pass)."""
+        if not self.shares:
+            return pulse.state_hash(state), None
+        h, per = pulse.state_hashes(state, shares.share_of)
+        if len(per) > shares.MAX_SHARES:
+            log.warning("the state has %d shares (over %d); publishing without per-share hashes",
+                        len(per), shares.MAX_SHARES)
+            return h, None
+        hdr = None
+        if anchor is not None:
+            n = 8 + tensorfile.header_length(anchor[:8])
+            hdr = Payload(n, sha256_hex(anchor[:n]))
+        return h, Shares(shares.SHARE_RULE, per, hdr)
 
     def gc(self, keep_anchors: int = 2, keep_seconds: float = 0.0) -> Retention:
         """Delete versions no joiner can still need.

@@ -15,25 +15,32 @@ a depth other than 0) with :class:`~stoa.transport.signing.SignatureError`: a va
 body is still checked, since a signature is no excuse for a crash. Code holding a ``Manifest`` or
 ``Pointer`` needs no further checks.
 
+A manifest of format ``/3`` also carries :class:`Shares` (per-share state hashes and the anchor's
+header hash, for pipeline stages); ``/2`` manifests, without them, are still read.
+
 The pointer pins the sha256 of the head manifest's object and each manifest pins its parent's,
 so the chain from a verified pointer down is hash-linked (see :mod:`stoa.transport.chain`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from stoa.transport import layout
+from stoa.transport import layout, shares, tensorfile
 from stoa.transport.signing import SignatureError
 from stoa.transport.store import validate_key
 
 __all__ = ["MAX_MANIFEST_BYTES", "MAX_POINTER_BYTES", "MAX_VERSION", "Layout", "Manifest", "Payload", "Pointer",
-           "check_version"]
+           "Shares", "check_version"]
 
-MANIFEST_FORMAT = "stoa.weights.manifest/2"
+MANIFEST_FORMAT = "stoa.weights.manifest/3"
+"""What the publisher writes with per-share hashes (:class:`Shares`)."""
+MANIFEST_FORMAT_WHOLE = "stoa.weights.manifest/2"
+"""The format without shares: still read, and written by a publisher with ``shares=False``."""
 POINTER_FORMAT = "stoa.weights.pointer/1"
 MAX_VERSION = 10**12 - 1
 """Versions lie in ``[0, MAX_VERSION]`` (twelve decimal digits in keys)."""
@@ -100,6 +107,47 @@ class Payload:
 
 
 @dataclass(frozen=True)
+class Shares:
+    """Per-share hashes of a version (``"shares"`` in a ``stoa.weights.manifest/3`` body): what lets
+    a pipeline stage verify only its layers (rule: :mod:`stoa.transport.shares`)."""
+
+    rule: str
+    """The split rule, :data:`stoa.transport.shares.SHARE_RULE`."""
+    hashes: dict[str, str]
+    """share -> :func:`stoa.transport.pulse.state_hash` of that share's tensors, for every share
+    the state has (``embed``, ``head``, ``layer.<i>``). Do not mutate."""
+    anchor_header: Payload | None
+    """For a version with an anchor, its first bytes up to the end of the safetensors header
+    (8-byte length + JSON): size and sha256, so a range read of the header can be checked and the
+    tensors' byte spans trusted. None when the version has no anchor."""
+
+    @classmethod
+    def parse(cls, v: Any, *, tensors: int, anchor: Payload | None, where: str) -> Shares:
+        if not isinstance(v, dict) or set(v) != {"rule", "hashes", "anchor_header"}:
+            raise SignatureError(f"{where}: shares must be an object of exactly rule, hashes and anchor_header")
+        if v["rule"] != shares.SHARE_RULE:
+            raise SignatureError(f"{where}: unknown share rule {str(v['rule'])[:60]!r} (known: {shares.SHARE_RULE})")
+        h = v["hashes"]
+        if not isinstance(h, dict) or not 1 <= len(h) <= min(tensors, shares.MAX_SHARES):
+            raise SignatureError(f"{where}: shares.hashes must name 1 to min(tensors, {shares.MAX_SHARES}) shares")
+        for k, sha in h.items():
+            if not shares.check_share_key(k):
+                raise SignatureError(f"{where}: {str(k)[:40]!r} is not a share name (embed, head or layer.<i>)")
+            _sha_field(sha, f"share {k} hash", where)
+        hdr = Payload.parse(v["anchor_header"], "anchor_header", where)
+        if (hdr is None) != (anchor is None):
+            raise SignatureError(f"{where}: shares.anchor_header goes with an anchor, and only with one")
+        if hdr is not None and not 10 <= hdr.bytes <= min(anchor.bytes, 8 + tensorfile.MAX_HEADER):  # type: ignore[union-attr]
+            raise SignatureError(f"{where}: an anchor header of {hdr.bytes} bytes does not fit the anchor")
+        return cls(v["rule"], dict(h), hdr)
+
+    def to_body(self) -> dict[str, Any]:
+        hdr = self.anchor_header
+        return {"rule": self.rule, "hashes": dict(self.hashes),
+                "anchor_header": None if hdr is None else {"bytes": hdr.bytes, "sha256": hdr.sha256}}
+
+
+@dataclass(frozen=True)
 class Manifest:
     """The signed description of one version (the body of ``weights/<version>/manifest.json``).
 
@@ -133,6 +181,9 @@ class Manifest:
     """The publisher's small JSON metadata (e.g. the optimizer step). Do not mutate."""
     created: float
     """Unix time of the publish (the publisher's clock)."""
+    shares: Shares | None = None
+    """Per-share hashes (format ``/3``); None in a ``/2`` manifest, which only whole-model
+    subscribers can follow."""
 
     _FIELDS = frozenset({"format", "run", "version", "parent", "parent_manifest_sha256", "state_hash", "depth",
                          "anchor_version", "anchor", "delta", "full_state_bytes", "tensors", "metadata", "created"})
@@ -140,12 +191,13 @@ class Manifest:
     @classmethod
     def parse(cls, body: Any, *, run: str, version: int, where: str) -> Manifest:
         """Check a verified manifest body for ``run`` and ``version``; raises :class:`SignatureError`."""
-        if not isinstance(body, dict) or body.get("format") != MANIFEST_FORMAT:
-            raise SignatureError(f"{where}: not a {MANIFEST_FORMAT} manifest")
+        fmt = body.get("format") if isinstance(body, dict) else None
+        if fmt not in (MANIFEST_FORMAT, MANIFEST_FORMAT_WHOLE):
+            raise SignatureError(f"{where}: not a {MANIFEST_FORMAT} (or {MANIFEST_FORMAT_WHOLE}) manifest")
         if body.get("run") != run or body.get("version") != version:
             raise SignatureError(f"{where}: signed manifest is for run {str(body.get('run'))[:80]!r} version "
                                  f"{str(body.get('version'))[:20]}, expected {run!r} version {version}")
-        _exact_keys(body, cls._FIELDS, where)
+        _exact_keys(body, cls._FIELDS | {"shares"} if fmt == MANIFEST_FORMAT else cls._FIELDS, where)
         m = cls(run, version, _opt_version(body["parent"], "parent", where),
                 None if body["parent_manifest_sha256"] is None else
                 _sha_field(body["parent_manifest_sha256"], "parent_manifest_sha256", where),
@@ -154,6 +206,9 @@ class Manifest:
                 Payload.parse(body["anchor"], "anchor", where), Payload.parse(body["delta"], "delta", where),
                 _int(body["full_state_bytes"], "full_state_bytes", where), _int(body["tensors"], "tensors", where, 1),
                 body["metadata"], _time(body["created"], where))
+        if fmt == MANIFEST_FORMAT:
+            m = dataclasses.replace(m, shares=Shares.parse(body["shares"], tensors=m.tensors, anchor=m.anchor,
+                                                           where=where))
         if not isinstance(m.metadata, dict):
             raise SignatureError(f"{where}: metadata must be an object")
         if m.anchor is None and m.delta is None:
@@ -169,11 +224,14 @@ class Manifest:
     def to_body(self) -> dict[str, Any]:
         """The JSON body the publisher signs."""
         pay = lambda p: None if p is None else {"bytes": p.bytes, "sha256": p.sha256}  # noqa: E731
-        return {"format": MANIFEST_FORMAT, "run": self.run, "version": self.version, "parent": self.parent,
+        body = {"format": MANIFEST_FORMAT_WHOLE, "run": self.run, "version": self.version, "parent": self.parent,
                 "parent_manifest_sha256": self.parent_manifest_sha256, "state_hash": self.state_hash,
                 "depth": self.depth, "anchor_version": self.anchor_version, "anchor": pay(self.anchor),
                 "delta": pay(self.delta), "full_state_bytes": self.full_state_bytes, "tensors": self.tensors,
                 "metadata": self.metadata, "created": self.created}
+        if self.shares is not None:
+            body.update(format=MANIFEST_FORMAT, shares=self.shares.to_body())
+        return body
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,9 @@ semantics every S3-compatible service offers:
   partial write. ``put_if_absent`` creates an object only if no object has the key, and exactly
   one of several racing writers wins.
 * ``get`` returns a whole object or raises :class:`KeyNotFound`; with ``max_bytes`` it refuses
-  a larger object (:class:`ObjectTooLarge`) before its body is downloaded. ``list`` returns the
+  a larger object (:class:`ObjectTooLarge`) before its body is downloaded. ``get_range`` returns
+  exactly the bytes ``[start, end)`` of an object (one ranged GET, one file read), or raises
+  :class:`RangeNotSatisfiable` when the object ends before ``end``. ``list`` returns the
   keys under a prefix in sorted order, optionally only those after a key (``start_after``), so
   a poll costs what is new, not what exists; ``delete`` is idempotent.
 
@@ -23,8 +25,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from stoa.errors import ExpectedFailure
 
-__all__ = ["KeyNotFound", "MAX_KEY_BYTES", "ObjectStore", "ObjectTooLarge", "RESERVED_SEGMENT", "StoreError",
-           "as_bytes", "check_max_bytes", "validate_key", "validate_prefix", "validate_start_after"]
+__all__ = ["KeyNotFound", "MAX_KEY_BYTES", "ObjectStore", "ObjectTooLarge", "RESERVED_SEGMENT", "RangeNotSatisfiable",
+           "StoreError", "as_bytes", "check_max_bytes", "check_range", "validate_key", "validate_prefix",
+           "validate_start_after"]
 
 
 MAX_KEY_BYTES = 1024
@@ -57,6 +60,20 @@ class ObjectTooLarge(StoreError):
         self.key, self.size, self.max_bytes = key, size, max_bytes
 
 
+class RangeNotSatisfiable(StoreError):
+    """A ranged read asked for bytes past the object's end; nothing was returned.
+
+    Attributes:
+        key: the object's key.
+        size: the object's size in bytes, as the store reported it.
+        end: the end of the range asked for.
+    """
+
+    def __init__(self, message: str, key: str, size: int, end: int):
+        super().__init__(message)
+        self.key, self.size, self.end = key, size, end
+
+
 @runtime_checkable
 class ObjectStore(Protocol):
     """A flat key -> bytes store with atomic whole-object writes.
@@ -77,6 +94,16 @@ class ObjectStore(Protocol):
         :class:`ObjectTooLarge` without its body being read: the size comes from the same
         open file / response that would deliver the bytes, so an object that grows between a
         size check and the read cannot slip past the limit.
+        """
+        ...
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the object: exactly ``end - start`` of them, or an error.
+
+        ``0 <= start <= end`` (else ``ValueError``). Raises :class:`KeyNotFound` if there is no
+        object and :class:`RangeNotSatisfiable` if it is shorter than ``end`` (a truncated or
+        replaced object); a reply of any other length is a :class:`StoreError`. The bytes are the
+        store's: the caller verifies them against what it expects (a signed hash).
         """
         ...
 
@@ -156,6 +183,16 @@ def check_max_bytes(max_bytes: int | None) -> int | None:
     if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
         raise ValueError(f"max_bytes must be an int >= 0 or None, got {max_bytes!r}")
     return max_bytes
+
+
+def check_range(start: Any, end: Any) -> tuple[int, int]:
+    """``(start, end)`` if ``0 <= start <= end`` are ints, else ``ValueError``."""
+    for v in (start, end):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"a byte range is two ints, got {start!r}, {end!r}")
+    if not 0 <= start <= end:
+        raise ValueError(f"a byte range needs 0 <= start <= end, got [{start}, {end})")
+    return start, end
 
 
 def as_bytes(data: Any) -> bytes:

@@ -38,7 +38,7 @@ import hashlib
 import math
 import struct
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import zstandard
@@ -50,14 +50,17 @@ __all__ = [
     "PulseError",
     "apply_delta",
     "apply_delta_inplace",
+    "ShareMismatch",
     "apply_delta_share",
     "apply_deltas_inplace",
+    "apply_deltas_share_verified",
     "apply_deltas_verified",
     "decode_state",
     "encode_delta",
     "encode_state",
     "layout_of",
     "state_hash",
+    "state_hashes",
 ]
 
 DTYPES = tensorfile.DTYPES
@@ -73,6 +76,16 @@ _BYTES, _WIDE = 1, 2
 
 class PulseError(ValueError):
     """A PULSE blob is malformed, corrupted, or does not fit the state it is applied to."""
+
+
+class ShareMismatch(PulseError):
+    """:func:`apply_deltas_share_verified` refused: a blob does not decode, or a part of the share
+    does not reach its expected hash. ``step`` is 0 for the share passed in (the base), ``i`` for
+    the state after the ``i``-th blob; ``group`` names the part (None for a blob that does not decode)."""
+
+    def __init__(self, message: str, step: int, group: str | None):
+        super().__init__(message)
+        self.step, self.group = step, group
 
 
 # --- states --------------------------------------------------------------------------------------
@@ -110,15 +123,37 @@ def _describe(name: str, code: str, shape: tuple[int, ...]) -> bytes:
                        code.encode(), len(shape), *shape)
 
 
+def _feed(h, name: str, a: np.ndarray) -> None:
+    h.update(_describe(name, _code(name, a), a.shape))
+    h.update(struct.pack("<Q", a.nbytes))
+    h.update(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
+
+
+def _hasher():
+    return hashlib.sha256(b"stoa.pulse.state/1")
+
+
 def state_hash(state: Mapping[str, np.ndarray]) -> str:
     """Hex sha256 naming a state: over sorted names, each with its dtype, shape and raw bytes."""
-    h = hashlib.sha256(b"stoa.pulse.state/1")
+    h = _hasher()
     for n in sorted(state):
-        a = state[_check_name(n)]
-        h.update(_describe(n, _code(n, a), a.shape))
-        h.update(struct.pack("<Q", a.nbytes))
-        h.update(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
+        _feed(h, n, state[_check_name(n)])
     return h.hexdigest()
+
+
+def state_hashes(state: Mapping[str, np.ndarray], group: Callable[[str], str]) -> tuple[str, dict[str, str]]:
+    """The :func:`state_hash` of ``state`` and, in the same pass over its tensors, of each part
+    ``{n: state[n] for n in state if group(n) == g}``: ``(whole, {g: hash})``. Each tensor's
+    bytes are read once and hashed twice (the whole and its part)."""
+    whole, parts = _hasher(), {}
+    for n in sorted(state):
+        a, g = state[_check_name(n)], group(n)
+        h = parts.get(g)
+        if h is None:
+            h = parts[g] = _hasher()
+        _feed(whole, n, a)
+        _feed(h, n, a)
+    return whole.hexdigest(), {g: h.hexdigest() for g, h in parts.items()}
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
@@ -545,6 +580,20 @@ class _Shape(Mapping):
         return len(self.layout)
 
 
+def _check_share(share: Mapping[str, np.ndarray], layout: Mapping[str, tuple[np.dtype, tuple[int, ...]]]) -> None:
+    if set(share) - set(layout):
+        raise PulseError(f"share holds tensors the layout lacks: {sorted(set(share) - set(layout))[:5]}")
+    for n, a in share.items():
+        if (a.dtype, tuple(a.shape)) != (np.dtype(layout[n][0]), tuple(layout[n][1])):
+            raise PulseError(f"{n!r}: the share's array does not fit the layout")
+
+
+def _writeable(share: Mapping[str, np.ndarray], names: Iterable[str]) -> None:
+    for n in names:
+        if not (share[n].flags.c_contiguous and share[n].flags.writeable):
+            raise PulseError(f"{n!r}: in-place apply needs a C-contiguous, writeable array")
+
+
 def apply_delta_share(share: dict[str, np.ndarray], layout: Mapping[str, tuple[np.dtype, tuple[int, ...]]],
                       blob: bytes, expect_hash: str | None = None) -> list[str]:
     """Apply a whole-state delta to ``share``, a part of the state (a pipeline stage's tensors),
@@ -556,15 +605,9 @@ def apply_delta_share(share: dict[str, np.ndarray], layout: Mapping[str, tuple[n
     first write; entries for tensors outside the share are skipped. Given ``expect_hash`` (the
     :func:`state_hash` the share must reach), nothing is written unless the result has it.
     """
-    if set(share) - set(layout):
-        raise PulseError(f"share holds tensors the layout lacks: {sorted(set(share) - set(layout))[:5]}")
-    for n, a in share.items():
-        if (a.dtype, tuple(a.shape)) != (np.dtype(layout[n][0]), tuple(layout[n][1])):
-            raise PulseError(f"{n!r}: the share's array does not fit the layout")
+    _check_share(share, layout)
     mine = [(n, sel, d) for n, sel, d in _decode_delta(_Shape(share, layout), blob) if n in share]
-    for n, _, _ in mine:
-        if not (share[n].flags.c_contiguous and share[n].flags.writeable):
-            raise PulseError(f"{n!r}: in-place apply needs a C-contiguous, writeable array")
+    _writeable(share, (n for n, _, _ in mine))
     if expect_hash is not None:
         after = dict(share)
         for n, sel, d in mine:
@@ -576,6 +619,73 @@ def apply_delta_share(share: dict[str, np.ndarray], layout: Mapping[str, tuple[n
                              "nothing was written")
     _write(share, mine)
     return sorted(n for n, _, _ in mine)
+
+
+def apply_deltas_share_verified(share: dict[str, np.ndarray], layout: Mapping[str, tuple[np.dtype, tuple[int, ...]]],
+                                blobs: Sequence[bytes], expect: Sequence[Mapping[str, str]],
+                                group: Callable[[str], str], base_known: bool = False) -> list[str]:
+    """Apply whole-state deltas ``blobs`` in order to ``share`` (as :func:`apply_delta_share`),
+    only if every part of the share reaches its expected hash at every step; returns the names
+    of ``share`` that changed, sorted.
+
+    The share is split into parts by ``group`` (name -> part); ``expect[0]`` gives each part's
+    :func:`state_hash` in ``share`` as passed in, ``expect[i]`` after the ``i``-th blob. A part
+    is hashed at each step where a blob changed it; where none did, its expected hash must equal
+    the step before. With ``base_known`` the share passed in is known to match ``expect[0]``
+    (just verified); otherwise its parts that no blob changes are hashed as they are, and the
+    changed ones through their first hash after a change. Every blob is decoded before anything
+    is hashed, and nothing is written unless every check passes (:class:`ShareMismatch` says
+    which step and part failed). Extra memory: the decoded deltas plus one tensor's copy.
+    """
+    if len(expect) != len(blobs) + 1:
+        raise ValueError(f"expect needs {len(blobs) + 1} entries (the base and one per blob), got {len(expect)}")
+    _check_share(share, layout)
+    shape = _Shape(share, layout)
+    changes: dict[str, list[tuple[int, np.ndarray, np.ndarray]]] = {}
+    decoded = []
+    for i, blob in enumerate(blobs, 1):
+        try:
+            mine = [(n, sel, d) for n, sel, d in _decode_delta(shape, blob) if n in share]
+        except PulseError as e:
+            raise ShareMismatch(f"blob {i}: {e}", i, None) from None
+        decoded.append(mine)
+        for n, sel, d in mine:
+            changes.setdefault(n, []).append((i, sel, d))
+    _writeable(share, changes)
+    parts: dict[str, list[str]] = {}
+    for n in sorted(share):
+        parts.setdefault(group(n), []).append(n)
+    for g, names in sorted(parts.items()):
+        steps = sorted({i for n in names for i, _, _ in changes.get(n, ())})
+        hashed = steps if base_known or steps else [0]
+        hashers = {i: _hasher() for i in hashed}
+        for n in names:
+            cur, mine = share[n], changes.get(n, [])
+            if 0 in hashers:
+                _feed(hashers[0], n, cur)
+            if mine:
+                cur = np.array(cur, copy=True, order="C")
+            for i in steps:
+                for j, sel, d in mine:
+                    if j == i:
+                        _write({n: cur}, [(n, sel, d)])
+                _feed(hashers[i], n, cur)
+        got: str | None = None
+        for i in range(len(blobs) + 1):
+            want = expect[i].get(g)
+            if want is None:
+                raise ShareMismatch(f"no expected hash for part {g!r} at step {i}", i, g)
+            if i in hashers:
+                got = hashers[i].hexdigest()
+            elif got is None:  # the base, known to match
+                got = want
+            if got != want:
+                at = "as passed in" if i == 0 else f"after blob {i}"
+                raise ShareMismatch(f"part {g!r} {at} hashes to {got[:12]}..., not the expected {want[:12]}...; "
+                                    "nothing was written", i, g)
+    for mine in decoded:
+        _write(share, mine)
+    return sorted(changes)
 
 
 def layout_of(state: Mapping[str, np.ndarray]) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:

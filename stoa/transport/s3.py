@@ -20,9 +20,11 @@ from urllib.parse import unquote, urlparse, urlunparse
 from stoa.transport.objects import (
     KeyNotFound,
     ObjectTooLarge,
+    RangeNotSatisfiable,
     StoreError,
     as_bytes,
     check_max_bytes,
+    check_range,
     validate_prefix,
     validate_start_after,
     validate_key,
@@ -268,6 +270,42 @@ class S3Store:
                     raise StoreError(self._redact(f"{self}: get {key!r} failed: {e}")) from None
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        from botocore.exceptions import ClientError
+
+        full, (start, end) = self._full(key), check_range(start, end)
+        if start == end:  # no HTTP range names zero bytes
+            size = self.size(key)
+            if end > size:
+                raise RangeNotSatisfiable(f"{self}: {key!r} is {size} bytes; cannot read [{start}, {end})", key, size, end)
+            return b""
+        for attempt in range(2):
+            try:
+                resp = self._request("get_range", key, full, Range=f"bytes={start}-{end - 1}")
+            except ClientError:  # 416: the object ends before start
+                size = self.size(key)
+                raise RangeNotSatisfiable(f"{self}: {key!r} is {size} bytes; cannot read [{start}, {end})",
+                                          key, size, end) from None
+            total, length = _total_size(resp), int(resp.get("ContentLength", -1))
+            if not resp.get("ContentRange") or _range_start(resp) != start:
+                resp["Body"].close()
+                raise StoreError(f"{self}: get_range {key!r}: the server ignored a ranged GET (bytes={start}-{end - 1})")
+            if total < end:
+                resp["Body"].close()
+                raise RangeNotSatisfiable(f"{self}: {key!r} is {total} bytes; cannot read [{start}, {end})",
+                                          key, total, end)
+            if length != end - start:
+                resp["Body"].close()
+                raise StoreError(f"{self}: get_range {key!r}: {length} bytes announced for [{start}, {end})")
+            buf = bytearray(end - start)
+            try:
+                self._fill(full, key, buf, start, end, resp.get("ETag"), resp, base=start)
+                return bytes(buf)
+            except _Changed as e:
+                if attempt:
+                    raise StoreError(self._redact(f"{self}: get_range {key!r} failed: {e}")) from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def _request(self, op: str, key: str, full: str, **kw: Any) -> dict:
         from botocore.exceptions import ClientError
         from urllib3.exceptions import HTTPError as BrokenBody
@@ -325,8 +363,9 @@ class S3Store:
         return bytes(buf)
 
     def _fill(self, full: str, key: str, buf: bytearray, start: int, end: int, etag: str | None,
-              resp: dict | None) -> None:
-        """Read bytes [start, end) into ``buf``; continue after a broken body from where it stopped."""
+              resp: dict | None, base: int = 0) -> None:
+        """Read the object's bytes [start, end) into ``buf`` from ``start - base`` on; continue after
+        a broken body from where it stopped."""
         view, pos, stalled = memoryview(buf), start, 0
         for _ in range(_MAX_CONTINUATIONS):
             if pos >= end:
@@ -348,7 +387,7 @@ class S3Store:
                     chunk = body.read(min(_READ_CHUNK, end - pos))
                     if not chunk:
                         raise _ShortRead(f"read {pos - start} of {end - start} bytes")
-                    view[pos:pos + len(chunk)] = chunk
+                    view[pos - base:pos - base + len(chunk)] = chunk
                     pos += len(chunk)
             except Exception as e:
                 # botocore retries requests, but cannot see a body that breaks after the

@@ -32,6 +32,7 @@ __all__ = [
     "LocalStore",
     "ObjectStore",
     "ObjectTooLarge",
+    "RangeNotSatisfiable",
     "S3Config",
     "S3Store",
     "StoreError",
@@ -47,9 +48,11 @@ from stoa.transport.objects import (  # the contract every store keeps, named he
     KeyNotFound,
     ObjectStore,
     ObjectTooLarge,
+    RangeNotSatisfiable,
     StoreError,
     as_bytes,
     check_max_bytes,
+    check_range,
     validate_key,
     validate_prefix,
     validate_start_after,
@@ -248,6 +251,31 @@ class LocalStore:
                 raise StoreError(f"{self}: get {key!r} failed: {e}") from e
         if limit is not None and len(data) > limit:
             raise ObjectTooLarge(f"{self}: {key!r} grew past the {limit}-byte limit while read", key, len(data), limit)
+        return data
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        start, end = check_range(start, end)
+        fd = self._open_file("get_range", key)
+        try:
+            size = os.fstat(fd).st_size
+            if end > size:
+                raise RangeNotSatisfiable(f"{self}: {key!r} is {size} bytes; cannot read [{start}, {end})",
+                                          key, size, end)
+            parts, pos = [], start
+            while pos < end:  # pread may return less than asked (signals, large reads)
+                chunk = os.pread(fd, end - pos, pos)
+                if not chunk:
+                    break
+                parts.append(chunk)
+                pos += len(chunk)
+        except OSError as e:
+            raise StoreError(f"{self}: get_range {key!r} failed: {e}") from e
+        finally:
+            os.close(fd)
+        data = b"".join(parts)
+        if len(data) != end - start:  # truncated in place while read
+            raise RangeNotSatisfiable(f"{self}: {key!r} ended at {start + len(data)} while [{start}, {end}) was read",
+                                      key, start + len(data), end)
         return data
 
     def size(self, key: str) -> int:

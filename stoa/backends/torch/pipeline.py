@@ -51,20 +51,12 @@ def split_layers(layers: int, stages: int) -> list[tuple[int, int]]:
 def stage_names(names: Sequence[str], part: tuple[int, int], layers: int, tied: bool) -> list[str]:
     """The entries of a weight state (``names``: every name of the whole model's state) that a
     stage of layers ``part`` needs: its layers' tensors, plus the embeddings for the first stage,
-    plus the final norm and head (the embeddings when ``tied``) for the last. Sorted."""
-    a, b = part
-    first, last = a == 0, b == layers
-    out = []
-    for n in names:
-        if n.startswith("model.layers."):
-            keep = a <= int(n.split(".", 3)[2]) < b
-        elif n.startswith("model.embed_tokens."):
-            keep = first or (last and tied)
-        else:  # the final norm and an untied head
-            keep = last
-        if keep:
-            out.append(n)
-    return sorted(out)
+    plus the final norm and head (the embeddings when ``tied``) for the last. Sorted. These are
+    the tensors of the stage's shares (:func:`stoa.transport.shares.stage_shares`), which the
+    signed manifest hashes one by one."""
+    from stoa.transport import shares
+
+    return shares.stage_names(names, part, layers, tied)
 
 
 @dataclass(frozen=True)
@@ -111,6 +103,8 @@ class Stage:
         self.state = {k: np.array(v, copy=True, order="C") for k, v in share.items()}
         rebuild(self.decoder, self.layout, self.state, list(self.layout))
         self.cache: D.KVCache | None = None
+        self.version: int | None = None
+        """The chain version :meth:`sync` last brought the share to (None before the first)."""
 
     @property
     def names(self) -> list[str]:
@@ -159,35 +153,42 @@ class Stage:
         return changed
 
 
+    def sync(self, subscriber: Any, version: int | None = None) -> Any:
+        """Bring this stage's share to the head (or ``version``) of the signed chain
+        ``subscriber`` follows (a :class:`stoa.transport.chain.ShareSubscriber` for this stage's
+        layers): verified deltas are written into the share, or a verified anchor share replaces
+        it, and only the changed layers are rebuilt. Returns the ``SyncResult``; raises what
+        ``sync`` raises (the share is then untouched)."""
+        if (subscriber.part, subscriber.layers) != (self.part, self.decoder.spec.num_hidden_layers):
+            raise EngineError(f"the subscriber follows layers {subscriber.part} of {subscriber.layers}; "
+                              f"this stage holds {self.part}")
+        have = None if self.version is None else (self.version, self.state)
+        r = subscriber.sync(have, apply_inplace=True, version=version)
+        if r.state is not self.state:
+            check_state(r.state, self.layout, None)
+            self.state = r.state
+        if r.changed_names:
+            rebuild(self.decoder, self.layout, self.state, r.changed_names)
+        self.version = r.version
+        return r
+
+
 def read_share(read: Callable[[int, int], bytes], size: int, part: tuple[int, int], layers: int, tied: bool
                ) -> tuple[dict[str, np.ndarray], dict[str, tuple[np.dtype, tuple[int, ...]]], int]:
     """A stage's share of an anchor (a safetensors file of ``size`` bytes) read by byte ranges:
     ``read(start, end)`` returns bytes ``[start, end)`` (a ranged GET, a file seek). Reads the
     header, then each run of adjacent wanted tensors in one range. Returns the share (writeable
-    arrays), the whole state's layout (name -> (dtype, shape)) and the bytes read."""
-    from stoa.transport import tensorfile
+    arrays), the whole state's layout (name -> (dtype, shape)) and the bytes read. Nothing is
+    verified here: :class:`stoa.transport.subscriber.ShareSubscriber` follows the signed chain
+    and checks every byte against the manifest's per-share hashes."""
+    from stoa.transport import shares
 
-    first = read(0, 8)
-    head = first + read(8, 8 + tensorfile.header_length(first))
-    idx = tensorfile.index(head, size)
-    got = len(head)
-    spans = sorted((idx[n][2], idx[n][3], n) for n in stage_names(list(idx), part, layers, tied))
-    share: dict[str, np.ndarray] = {}
-    i = 0
-    while i < len(spans):
-        j = i
-        while j + 1 < len(spans) and spans[j + 1][0] == spans[j][1]:
-            j += 1
-        a, b = spans[i][0], spans[j][1]
-        buf = read(a, b)
-        if len(buf) != b - a:
-            raise EngineError(f"a range read of [{a}, {b}) returned {len(buf)} bytes")
-        got += len(buf)
-        for s0, s1, n in spans[i:j + 1]:
-            dt, shape = idx[n][0], idx[n][1]
-            share[n] = np.frombuffer(buf, dt, count=(s1 - s0) // dt.itemsize, offset=s0 - a).reshape(shape).copy()
-        i = j + 1
-    return share, {n: (v[0], v[1]) for n, v in idx.items()}, got
+    head, idx = shares.read_header(read, size)
+    try:
+        share, got = shares.read_spans(read, idx, stage_names(list(idx), part, layers, tied))
+    except ValueError as e:
+        raise EngineError(str(e)) from None
+    return share, {n: (v[0], v[1]) for n, v in idx.items()}, got + len(head)
 
 
 class _ChainCache:
