@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from stoa.fleet.trust.binding import MAX_AHEAD, MAX_BOUND_PER_KEY, Binder, beacon, read_bindings, write_ticket
+from stoa.fleet.trust.binding import (MAX_AHEAD, MAX_BOUND_PER_KEY, Binder, beacon, passed_over, read_bindings,
+                                     write_ticket)
 from stoa.transport import layout
 from stoa.transport.signing import SignatureError, generate_private_key, key_id, sign_document
 from stoa.transport.store import LocalStore
@@ -138,3 +139,32 @@ def test_a_bindings_document_that_breaks_its_schema_does_not_read(tmp_path):
     store.put(layout.bindings(RUN), sign_document("batch-bindings", {**good, "bindings": {}}, generate_private_key()))
     with pytest.raises(SignatureError):  # not the run's key
         read_bindings(store, RUN, run_key.public_key())
+
+
+def test_a_worker_whose_bound_numbers_expired_while_it_slept_moves_past_them(tmp_path):
+    # A worker tickets its next numbers ahead; asleep (or slow) past the trainer's window, their
+    # bindings are pruned as stale, and a ticket for them again is "bound already". Waiting for
+    # them would stall the worker for good: it must leave them as a gap and ticket anew.
+    store, run_key, w = LocalStore(tmp_path), generate_private_key(), generate_private_key()
+    binder = Binder(store, RUN, run_key)
+    for seq in (4, 5):
+        write_ticket(store, RUN, seq, w)
+    binder.poll(2, lambda kid: True)
+    binder.prune(3)  # the trainer moved on: versions below 3 can only make stale batches
+    binder.poll(6, lambda kid: True)
+    bound, top = read_bindings(store, RUN, run_key.public_key())
+    mine, high = bound.get(_kid(w), {}), top[_kid(w)]
+    assert mine == {} and high == 5
+    write_ticket(store, RUN, 4, w)  # asking again binds nothing
+    binder.poll(7, lambda kid: True)
+    assert binder.bound_to(_kid(w), 4) is None
+    assert passed_over(4, mine, high) == 6  # so the worker moves past both
+    write_ticket(store, RUN, 6, w)
+    binder.poll(7, lambda kid: True)
+    bound, top = read_bindings(store, RUN, run_key.public_key())
+    assert bound[_kid(w)][6].version == 7 and passed_over(6, bound[_kid(w)], top[_kid(w)]) is None
+    assert passed_over(7, bound[_kid(w)], top[_kid(w)]) is None  # above the top: wait for its binding
+    write_ticket(store, RUN, 8, w)  # 7 never ticketed, 8 bound: 7 is passed over, to 8
+    binder.poll(7, lambda kid: True)
+    bound, top = read_bindings(store, RUN, run_key.public_key())
+    assert passed_over(7, bound[_kid(w)], top[_kid(w)]) == 8

@@ -59,8 +59,8 @@ from stoa.transport.signing import (
 )
 from stoa.transport.store import KeyNotFound, ObjectStore, ObjectTooLarge, StoreError
 
-__all__ = ["MAX_AHEAD", "MAX_BOUND_PER_KEY", "TICKETS_AHEAD", "Binder", "Bound", "beacon", "read_bindings",
-           "write_ticket"]
+__all__ = ["MAX_AHEAD", "MAX_BOUND_PER_KEY", "TICKETS_AHEAD", "Binder", "Bound", "beacon", "passed_over",
+           "read_bindings", "write_ticket"]
 
 log = logging.getLogger("stoa.trainer")
 
@@ -146,6 +146,17 @@ def read_bindings(store: ObjectStore, run: str, public_key: Any) -> tuple[dict[s
     if not all(_HEX16.fullmatch(k) and _is_int(v) for k, v in top.items()):
         raise SignatureError(f"{where}: malformed highest numbers")
     return bound, dict(top)
+
+
+def passed_over(seq: int, bound: dict[int, Bound], top: int) -> int | None:
+    """For a worker whose next number ``seq`` has no binding in the document it just read (its
+    key's live ``bound`` numbers and ``top``, its highest number ever bound): the number to move to
+    when ``seq`` will never be bound (the trainer binds only numbers above ``top``, so ``seq`` was
+    bound once and its binding expired with its version, or it was passed over), else None (wait
+    for the binding). The numbers skipped are a gap, like any number whose version went stale."""
+    if seq in bound or seq > top:
+        return None
+    return min([n for n in bound if n > seq] + [top + 1])
 
 
 # -- the trainer's side -------------------------------------------------------------------------

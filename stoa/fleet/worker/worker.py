@@ -69,7 +69,7 @@ from stoa.fleet.parity import join_check
 from stoa.fleet.run import Heartbeat, fetch_run, write_heartbeat
 from stoa.fleet.task import EnvConfig, import_env_module
 from stoa.fleet.trust.assign import assignment
-from stoa.fleet.trust.binding import TICKETS_AHEAD, Bound, read_bindings, write_ticket
+from stoa.fleet.trust.binding import TICKETS_AHEAD, Bound, passed_over, read_bindings, write_ticket
 from stoa.fleet.worker.follower import LayoutChanged, LiveWeights
 from stoa.fleet.worker.invite import check_worker_id
 from stoa.fleet.worker.section import RolloutConfig
@@ -207,6 +207,7 @@ class Worker:
         self._salt_read = 0.0
         self._ticketed: dict[int, float] = {}  # number -> when its ticket was written
         self._bindings: dict[int, Bound] = {}  # this key's bindings, as last read
+        self._top = -1  # this key's highest number the trainer ever bound, as last read
         self._max_lag = 0
 
     @property
@@ -596,6 +597,12 @@ class Worker:
         salt, bound = self._read_salt(), None
         if salt is not None:
             bound = self._bound(seq)
+            later = passed_over(seq, self._bindings, self._top) if bound is None else None
+            if later is not None:
+                log.warning("number %d's binding expired while this worker was away (its version fell behind the "
+                            "trainer's window): leaving numbers %d-%d", seq, seq, later - 1)
+                self.writer.skip_to(later)
+                return None
             if bound is None:
                 self._beat("waiting")
                 self._sleep(rc.poll_seconds)
@@ -618,12 +625,12 @@ class Worker:
         and the next numbers (again after 30 s without a binding), then reads the bindings."""
         now = time.time()
         for s in range(seq, seq + TICKETS_AHEAD):
-            if s not in self._bindings and now - self._ticketed.get(s, 0.0) > 30.0:
+            if s not in self._bindings and s > self._top and now - self._ticketed.get(s, 0.0) > 30.0:
                 write_ticket(self.store, self.run_name, s, self.private_key)
                 self._ticketed[s] = now
         if seq not in self._bindings:
-            bound, _ = read_bindings(self.store, self.run_name, self.public_key)
-            self._bindings = dict(bound.get(self.key_id, {}))
+            bound, top = read_bindings(self.store, self.run_name, self.public_key)
+            self._bindings, self._top = dict(bound.get(self.key_id, {})), top.get(self.key_id, -1)
         self._ticketed = {s: t for s, t in self._ticketed.items() if s >= seq}
         return self._bindings.get(seq)
 
