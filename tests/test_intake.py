@@ -362,6 +362,8 @@ def test_stale_junk_at_withheld_numbers_counts_as_withheld(tmp_path):
     assert recs[writers["launder"].key_id].withheld == 12 and flags[writers["launder"].key_id][1]
     assert not any(flags[writers[h].key_id][1] or recs[writers[h].key_id].withheld for h in ("h0", "h1", "h2"))
     assert recs[writers["launder"].key_id].strikes == 0  # stale is still no fault of its own
+    # The report says which gaps came late (the launderer's stale junk) and which never came.
+    assert recs[writers["launder"].key_id].late_batches == 12 and recs[writers["gaps"].key_id].late_batches == 0
 
 
 def test_a_key_cannot_go_back_to_a_version_it_prefers_and_an_honest_stale_batch_is_taken(tmp_path):

@@ -166,7 +166,8 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
     for w in ("honest-0", "honest-1"):
         _, rec = by_name[w]
         assert rec["rejected_batches"] == 0 and not rec["banned"] and rec["accepted_batches"] >= 3, rec
-        assert rec["withheld"] == 0 and not rec["withholding_flagged"], rec
+        # An honest worker leaves no gap except a batch that came too late (an overloaded machine).
+        assert rec["withheld"] <= rec["late_batches"] and not rec["withholding_flagged"], rec
         assert trained_by_key.get(kid_of[w], 0) > 0
 
     # Every refusal took the one path: quarantined, a ledger line and an event row, with one category.

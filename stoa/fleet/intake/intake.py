@@ -363,6 +363,7 @@ class Intake:
             return False
         stale = sorted({scoped(batch.key_id, e.group_id) for e in batch.episodes})
         self.counters.dropped_stale_groups += len(stale)
+        self.gate.late(batch.key_id, batch.worker_id)
         self.ledger.write(dropped={"stale": stale})
         return True
 

@@ -187,6 +187,10 @@ class TrustGate:
         """Per key ``(withheld rate, flagged)`` (:meth:`Records.withholding`)."""
         return self.records.withholding(self.cfg.audit.worker_mads)
 
+    def late(self, kid: str, worker_id: str) -> None:
+        """A batch of ``kid`` came more than ``trainer.max_lag`` versions behind (:meth:`Records.late`)."""
+        self.records.late(kid, worker_id)
+
     def unsaw(self, kid: str) -> None:
         """A batch of ``kid`` counted by :meth:`saw` is dropped unread after all: its number is a gap again."""
         self.records.unsee(kid)

@@ -36,13 +36,15 @@ class Ledger:
         if not self.path.exists():
             return
         lines = self.path.read_text().splitlines(keepends=True)
-        keep = len(lines) if checkpoint is not None else 0
-        for i, line in enumerate(lines):
-            try:
-                if json.loads(line).get("checkpoint") == checkpoint:
-                    keep = i + 1
-            except json.JSONDecodeError:
-                break
+        keep = 0
+        if checkpoint is not None:
+            keep = len(lines)
+            for i, line in enumerate(lines):
+                try:
+                    if json.loads(line).get("checkpoint") == checkpoint:
+                        keep = i + 1
+                except json.JSONDecodeError:
+                    break
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(lines[:keep]))
         tmp.replace(self.path)

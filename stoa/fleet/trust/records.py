@@ -90,6 +90,10 @@ class WorkerRecord:
     """Its highest sequence number read."""
     taken_by_others: int = 0
     """Its worker id's numbers held by objects it did not seal (planted by others; not its gaps)."""
+    late_batches: int = 0
+    """Its batches that came more than ``trainer.max_lag`` versions behind, dropped unread: their
+    numbers count in :attr:`withheld` (delay is a way to withhold), and this says how many of the
+    gaps came late rather than never (a slow or overloaded machine)."""
     floors: list[list[int]] = field(default_factory=list)
     """``[seq, version]`` of its most recent batches: each says its later-numbered batches held at
     least that version (:class:`stoa.fleet.intake.Intake`'s version floor). Not reported."""
@@ -156,6 +160,11 @@ class Records(dict[str, WorkerRecord]):
             rec = self.touch(kid, worker_id)
             rec.batches_seen += 1
             rec.max_seq = max(rec.max_seq, seq)
+
+    def late(self, kid: str, worker_id: str) -> None:
+        """A batch of ``kid`` came too late (stale) and was dropped unread: its number stays a gap."""
+        if kid:
+            self.touch(kid, worker_id).late_batches += 1
 
     def unsee(self, kid: str) -> None:
         """A batch counted by :meth:`saw` was dropped unread after all: its number is a gap again."""
@@ -263,6 +272,7 @@ class WorkerReport:
     batches_seen: int = 0
     max_seq: int = -1
     taken_by_others: int = 0
+    late_batches: int = 0
     withheld: int = 0
     withheld_rate: float = 0.0
     withholding_flagged: bool = False
