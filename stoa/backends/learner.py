@@ -100,8 +100,11 @@ class LearnerConfig:
     """Length of the decay (steps, warm-up included); required (> warmup_steps) for linear / cosine."""
     min_lr_ratio: float = 0.0
     """Final learning rate of a decaying schedule, as a fraction of ``lr``."""
-    micro_batch_tokens: int = 8192
-    """Token budget of one micro-batch (one packed row); bounds activation memory."""
+    micro_batch_tokens: int = 2048
+    """Token budget of one micro-batch (one packed row); bounds activation memory. On a CPU in
+    float32 a micro-batch holds ~1.7 GB of activations per 1,000 tokens for a 135M-parameter
+    model (``benchmarks/learner_memory.py``), so the bound is what keeps a trainer whose episodes
+    grow long (a policy that learned to search) inside its machine's memory."""
     packing: bool = True
     """Pack several episodes per row; False pads each micro-batch to its longest episode (a baseline)."""
     logits_chunk_elements: int = 1 << 25

@@ -43,6 +43,24 @@ def make(hf_dir: Path, config: LearnerConfig, **options: Any) -> TorchLearner:
     return TorchLearner(hf_dir, config)
 
 
+def _libc_trim() -> Callable[[], None]:
+    """glibc's ``malloc_trim(0)``, or a no-op elsewhere. A CPU step frees gigabytes of
+    activations; glibc keeps much of that in its heap, so a trainer's resident memory would ratchet
+    up to its worst step plus whatever the next phase (scoring, evaluation) allocates on top."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: None if trim(0) else None
+
+
+_trim_host_heap = _libc_trim()
+
+
 def _device(config: LearnerConfig) -> torch.device:
     return torch.device(resolve_device(config.device, LearnerError))
 
@@ -266,6 +284,8 @@ class TorchLearner(Counters):
         self._version += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        else:
+            _trim_host_heap()
         seconds = time.perf_counter() - t0
         n_tok = sum(mb.num_tokens for mb in mbs)
         return {

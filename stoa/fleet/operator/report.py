@@ -125,6 +125,8 @@ def summarize(rows: list[dict[str, Any]], wall_s: float, workers: int) -> dict[s
         "delta_bytes_mean": float(np.mean(deltas)) if deltas else None,
         "full_bytes": float(np.mean(full)) if full else None,
         "dropped_stale_groups": train[-1].get("dropped/stale_groups") if train else 0,
+        "trainer_peak_rss_gib": max((r["memory/peak_rss_gib"] for r in train if "memory/peak_rss_gib" in r),
+                                    default=None),
     }
 
 
@@ -163,7 +165,8 @@ def _summary_md(cfg: RunConfig, s: dict[str, Any]) -> str:
         row("pass@1", s["pass@1_start"], s["pass@1_end"]),
         *(row(m, a, b) for m, (a, b) in s["headline"].items()),
         "",
-        f"- wall time {s['wall_seconds']:.0f} s, {s['versions']} versions, {s['workers']} int8 workers",
+        f"- wall time {s['wall_seconds']:.0f} s, {s['versions']} versions, {s['workers']} int8 workers"
+        + (f"; trainer peak memory {s['trainer_peak_rss_gib']:.1f} GiB" if s.get("trainer_peak_rss_gib") else ""),
         f"- staleness of trained episodes (versions behind: count): {s['staleness_histogram']}; "
         f"{s['episodes_stale_ge_1']} episodes at staleness >= 1; {s['dropped_stale_groups']} stale groups dropped",
         f"- DPPO gate masked fraction (mean over steps): {gate} of model tokens",

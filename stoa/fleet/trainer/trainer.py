@@ -72,12 +72,21 @@ from stoa.types import Episode
 if TYPE_CHECKING:
     from stoa.fleet.trainer.distributed import Ranks
 
-__all__ = ["StartRefused", "Trainer", "eval_metrics", "prepare_model", "successes"]
+__all__ = ["StartRefused", "Trainer", "eval_metrics", "peak_rss_gib", "prepare_model", "successes"]
 
 log = logging.getLogger("stoa.trainer")
 
 WATCH_IDLE_S = 5.0
 """While it waits for rollouts, the trainer looks at its fleet's heartbeats this often (and after every step)."""
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory so far, in GiB (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (2**30 if sys.platform == "darwin" else 2**20), 3)
 
 
 class StartRefused(ExpectedFailure, RuntimeError):
@@ -372,7 +381,8 @@ class Trainer:
                      "pulse/anchor": pub.kind == "anchor", "pulse/seconds": pub.seconds,
                      "pulse/quantize_s": self.quantize_s,
                      "time/step_s": now - t0, "time/elapsed_s": now - self._t0,
-                     "throughput/episodes_per_s": self.counters.episodes_trained / (now - self._t0)},
+                     "throughput/episodes_per_s": self.counters.episodes_trained / (now - self._t0),
+                     "memory/peak_rss_gib": peak_rss_gib()},
                   **fleet, **store_metrics(self.store), **self.intake.metrics())
         self.intake.report(self.version)
         if self.version % self.cfg.eval.every == 0 and self.rl_step < self.cfg.trainer.steps:
