@@ -32,7 +32,8 @@ def _trainer_only_run(tmp_path: Path) -> Path:
     for v in range(1, 11):
         sink.log("train", v, **{"reward/mean": 0.1 * v, "rollout/searched": 0.5, "gate/masked_frac": 0.001,
                                 "staleness/mean": 0.5, "staleness/lag0": 8, "staleness/lag1": 8,
-                                "pulse/bytes": 1234 + v, "pulse/full_bytes": 100000, "fleet/workers_alive": 3})
+                                "pulse/bytes": 1234 + v, "pulse/full_bytes": 100000, "fleet/workers_alive": 3,
+                                "memory/peak_rss_gib": 1.5 + 0.1 * min(v, 4)})
     sink.log("event", 10, event="banned", worker=EVIL, reason="spot-check failed\x07 " + "x" * 200)
     sink.log("eval", 10, **{"eval/pass@1": 0.6, "eval/searched": 0.9, "eval/questions": 50, "eval/seconds": 1.0})
     sink.close()
@@ -54,6 +55,7 @@ def test_report_of_a_trainer_only_run_with_trust(tmp_path):
     md = (run_dir / "summary.md").read_text()
     assert r.stdout == md
     assert "| pass@1 | 10.0% | 60.0% | +50.0 points |" in md and "3 int8 workers" in md
+    assert "trainer peak memory 1.9 GiB" in md
     assert "## Trust (mode open, as of version 10)" in md and "2 worker keys, 1 banned." in md
     assert "| worker-1 | 9 | 144 | - | - |" in md
     assert "\x1b" not in md and "<img" not in md and "&lt;img" in md and "\\|\\*x\\*" in md

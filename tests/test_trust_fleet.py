@@ -183,6 +183,7 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
     train = [row for row in read_metrics(run_dir / "metrics.jsonl") if row["kind"] == "train"]
     last = train[-1]
     assert last["trust/banned_workers"] == len(KINDS) - 2 and last["trust/rejected/refused"] >= 1
+    assert all(0 < row["memory/peak_rss_gib"] < 64 for row in train)
     step_s = sum(row["time/step_s"] for row in train)
     check_s = (last["trust/replay_s"] + last["trust/audit_s"] + last["trust/spot_check_s"] + last["trust/sampling_s"]
                + last["trust/episode_check_s"])
