@@ -1,7 +1,8 @@
 """A long fleet run with worker churn: memory, open files and store objects over time.
 
 Real ``stoa trainer`` / ``stoa worker`` processes on a tiny model and the synthetic search task
-(``stoa.testing.soak``) meet in a local store. After the first RL step the fleet runs ``--calm``
+(``stoa.testing.soak``) meet in a local store, or with ``--s3`` in a real S3 server (SeaweedFS on
+loopback, reached through the fault proxy of ``stoa.testing.storefaults`` with no fault injected). After the first RL step the fleet runs ``--calm``
 seconds undisturbed (the baseline), then for ``--seconds`` one worker leaves every ``--churn``
 seconds (SIGTERM or SIGKILL, drawn from ``--seed``) and another joins in its place (the same
 identity again or a new one); ``worker-0`` never leaves. At the end the trainer is stopped
@@ -13,12 +14,13 @@ the first and last fifth of its life, their ratio, and the least-squares slope o
 its life (per hour); the second gives, per kind of store object, its count at the end of the
 calm baseline, its maximum, at the end of the churn, and what bounds it.
 
-    python benchmarks/soak.py [--quick] [--json out.json] [--seconds 3600] [--calm 600] [--churn 60] [--keep DIR]
+    python benchmarks/soak.py [--quick] [--json out.json] [--seconds 3600] [--calm 600] [--churn 60] [--keep DIR] [--s3]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import signal
@@ -43,6 +45,7 @@ def main() -> None:
     ap.add_argument("--sample", type=float, default=5.0, help="seconds between samples")
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--keep", type=Path, help="copy the run (store, logs, trainer folder) here at the end")
+    ap.add_argument("--s3", action="store_true", help="meet in a real S3 server (SeaweedFS) instead of a local folder")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped: the fleet is stopped with it
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -53,13 +56,17 @@ def main() -> None:
 
     if args.quick:
         args.seconds, args.calm, args.churn, args.sample = 20.0, 5.0, 5.0, 1.0
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        s3 = None
+        if args.s3:
+            from stoa.testing.seaweed import SeaweedFS
+            s3 = stack.enter_context(SeaweedFS.start())
+        root = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         config = root / "run.toml"
         config.write_text(CONFIG.format(seed=args.seed, steps=10**6))
         key, pub = save_keypair(generate_private_key(), root / "keys", "run")
         run = SoakRun(config, root / "fleet", load_config(config).name, key, str(pub), args.workers,
-                      env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}, seed=args.seed,
+                      env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}, seed=args.seed, s3=s3,
                       seconds=args.seconds, calm_s=args.calm, churn_s=args.churn, sample_s=args.sample)
         t0 = time.time()
         wall = run.run(timeout=args.seconds + args.calm + 900)
@@ -70,7 +77,8 @@ def main() -> None:
             shutil.copytree(root, args.keep, ignore=shutil.ignore_patterns("held"))
     print(f"soak benchmark: seed {args.seed}, {args.workers} workers, {args.calm:g} s calm then {args.seconds:g} s "
           f"with a churn every {args.churn:g} s ({len(run.churns)} churns, {len(run.identities)} identities), "
-          f"sampled every {args.sample:g} s; wall {wall:.0f} s; local store")
+          f"sampled every {args.sample:g} s; wall {wall:.0f} s; "
+          f"{'S3 (SeaweedFS)' if args.s3 else 'local store'}")
     print("| process | life s | RSS MB end of calm / end of life | ratio | RSS slope MB/h calm / churn "
           "| fds end of calm / end of life | fds max | fds slope /h calm / churn | threads max |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
