@@ -2,11 +2,12 @@
 
 Real ``stoa trainer`` / ``stoa worker`` processes on a tiny model and the synthetic search task
 (``stoa.testing.soak``) meet in a local store, or with ``--s3`` in a real S3 server (SeaweedFS on
-loopback, reached through the fault proxy of ``stoa.testing.storefaults`` with no fault injected). After the first RL step the fleet runs ``--calm``
-seconds undisturbed (the baseline), then for ``--seconds`` one worker leaves every ``--churn``
-seconds (SIGTERM or SIGKILL, drawn from ``--seed``) and another joins in its place (the same
-identity again or a new one); ``worker-0`` never leaves. At the end the trainer is stopped
-(SIGTERM) and resumed to finish the run, and what was trained, lost or trained twice is counted.
+loopback, reached through the fault proxy of ``stoa.testing.storefaults`` with no fault injected).
+After the first RL step the fleet runs ``--calm`` seconds undisturbed (the baseline), then for
+``--seconds`` one worker leaves every ``--churn`` seconds (SIGTERM or SIGKILL, drawn from
+``--seed``) and another joins in its place (the same identity again or a new one); ``worker-0``
+never leaves. At the end the trainer is stopped (SIGTERM) and resumed to finish the run, and what
+was trained, lost or trained twice is counted.
 
 Every ``--sample`` seconds each process's resident memory, open descriptors and threads are read
 from ``/proc`` and the store is listed by kind. The first table gives, per process, its level in
@@ -44,7 +45,8 @@ def main() -> None:
     ap.add_argument("--churn", type=float, default=60.0, help="seconds between a worker leaving and the next")
     ap.add_argument("--sample", type=float, default=5.0, help="seconds between samples")
     ap.add_argument("--workers", type=int, default=3)
-    ap.add_argument("--keep", type=Path, help="copy the run (store, logs, trainer folder) here at the end")
+    ap.add_argument("--keep", type=Path, help="copy the run (store, logs, trainer folder) here at the end; with --s3 the "
+                    "store stays in the server, which is stopped with the benchmark")
     ap.add_argument("--s3", action="store_true", help="meet in a real S3 server (SeaweedFS) instead of a local folder")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped: the fleet is stopped with it
