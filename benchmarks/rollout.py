@@ -89,14 +89,15 @@ def n_params(path: Path) -> int:
         return sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys())
 
 
-def multi_turn(eng, make_env, prompts, g, turn_tokens, kv_reuse):
+def multi_turn(eng, make_env, prompts, g, turn_tokens, kv_reuse, warm=True):
     from dataclasses import replace
 
     from stoa.backends.engine import RolloutRequest, SamplingConfig
 
     eng.config = replace(eng.config, kv_reuse=kv_reuse)
     s = SamplingConfig(max_turn_tokens=turn_tokens, max_episode_tokens=1024, seed=0)
-    eng.rollout(make_env, [RolloutRequest(0, "warm", 2)], s)
+    if warm:
+        eng.rollout(make_env, [RolloutRequest(0, "warm", 2)], s)
     c0 = time.process_time()
     eps = eng.rollout(make_env, [RolloutRequest(i, f"g{i}", g) for i in range(prompts)], s)
     cpu = time.process_time() - c0
@@ -118,14 +119,15 @@ def _timed(fn) -> tuple[int, float, float]:
     return n, time.perf_counter() - t0, time.process_time() - c0
 
 
-def single_turn(eng, make_env, prompts, max_tokens, batch, repeats, stock=None):
+def single_turn(eng, make_env, prompts, max_tokens, batch, repeats, stock=None, extras=True):
     """Our engine (one turn, EOS or the cap ends it) vs mlx_lm.batch_generate, same prompts.
 
     ``stock``: the same weights in the same compute mode with ``mlx_lm``'s own layers (what a user
     of plain ``mlx_lm`` runs): the baseline. ``batch_generate`` also runs on our engine's model
     object (isolating the generation loop) and with ``return_logprobs=True``. Runs alternate and
     each side keeps its best of ``repeats``, so a burst of load from other processes does not
-    decide the ratio; CPU seconds are kept too."""
+    decide the ratio; CPU seconds are kept too. ``extras=False`` (``--quick``) keeps only the
+    stock baseline."""
     import gymnasium
     from mlx_lm import batch_generate
     from mlx_lm.sample_utils import make_sampler
@@ -154,8 +156,10 @@ def single_turn(eng, make_env, prompts, max_tokens, batch, repeats, stock=None):
     compare = stock is not None
     sides = {"ours": ours}
     if compare:
-        sides |= {"mlx_lm": lambda: theirs(stock), "mlx_lm_same_model": lambda: theirs(eng.mlx_model),
-                  "mlx_lm_logprobs": lambda: theirs(stock, return_logprobs=True)}
+        sides |= {"mlx_lm": lambda: theirs(stock)}
+        if extras:
+            sides |= {"mlx_lm_same_model": lambda: theirs(eng.mlx_model),
+                      "mlx_lm_logprobs": lambda: theirs(stock, return_logprobs=True)}
     for fn in sides.values():  # warm-up
         fn()
     best: dict[str, tuple[int, float, float]] = {}
@@ -170,8 +174,9 @@ def single_turn(eng, make_env, prompts, max_tokens, batch, repeats, stock=None):
     if compare:
         out["ratio_vs_mlx_lm_batch_generate"] = out["ours_tokens_per_s"] / out["mlx_lm_tokens_per_s"]
         out["ratio_vs_mlx_lm_batch_generate_cpu"] = out["ours_tokens_per_cpu_s"] / out["mlx_lm_tokens_per_cpu_s"]
-        out["ratio_vs_mlx_lm_with_logprobs"] = out["ours_tokens_per_s"] / out["mlx_lm_logprobs_tokens_per_s"]
-        out["ratio_vs_mlx_lm_same_model"] = out["ours_tokens_per_s"] / out["mlx_lm_same_model_tokens_per_s"]
+        if extras:
+            out["ratio_vs_mlx_lm_with_logprobs"] = out["ours_tokens_per_s"] / out["mlx_lm_logprobs_tokens_per_s"]
+            out["ratio_vs_mlx_lm_same_model"] = out["ours_tokens_per_s"] / out["mlx_lm_same_model_tokens_per_s"]
     return out
 
 
@@ -355,9 +360,10 @@ def main() -> None:
             eng = MLXEngine.from_pretrained(path, config=EngineConfig(max_batch=batch))
             res["fast_ops"] = eng.fast_ops
             eps, res["multi_turn_kv_reuse"] = multi_turn(eng, make_env, prompts, g, turn, True)
-            _, res["multi_turn_no_reuse"] = multi_turn(eng, make_env, prompts, g, turn, False)
+            _, res["multi_turn_no_reuse"] = multi_turn(eng, make_env, prompts, g, turn, False, warm=False)
             stock = MLXEngine.from_pretrained(path, mode=eng.mode, fast_ops=False).mlx_model
-            res["single_turn"] = single_turn(eng, make_env, st_prompts, st_tokens, batch, repeats, stock)
+            res["single_turn"] = single_turn(eng, make_env, st_prompts, st_tokens, batch, repeats, stock,
+                                             extras=not args.quick)
             del stock
             if om_prompts:
                 other = "quantized" if eng.mode == "dequantized" else "dequantized"
@@ -394,11 +400,12 @@ def print_table(r: dict) -> None:
             ("multi-turn wall s", a["wall_s"], b["wall_s"], "no KV reuse"),
             ("single-turn tok/s vs batch_generate", st["ours_tokens_per_s"], st["mlx_lm_tokens_per_s"], "mlx_lm"),
             ("  ... per CPU second", st["ours_tokens_per_cpu_s"], st["mlx_lm_tokens_per_cpu_s"], "mlx_lm"),
-            ("  ... vs batch_generate + logprobs", st["ours_tokens_per_s"], st["mlx_lm_logprobs_tokens_per_s"],
-             "mlx_lm"),
-            ("  ... vs batch_generate, our model", st["ours_tokens_per_s"], st["mlx_lm_same_model_tokens_per_s"],
-             "mlx_lm"),
         ]
+        if "mlx_lm_logprobs_tokens_per_s" in st:
+            rows += [("  ... vs batch_generate + logprobs", st["ours_tokens_per_s"], st["mlx_lm_logprobs_tokens_per_s"],
+                      "mlx_lm"),
+                     ("  ... vs batch_generate, our model", st["ours_tokens_per_s"],
+                      st["mlx_lm_same_model_tokens_per_s"], "mlx_lm")]
         if om:
             rows.append((f"single-turn tok/s {st['mode']} vs {om['mode']}", st["ours_tokens_per_s"],
                          om["ours_tokens_per_s"], om["mode"]))

@@ -49,7 +49,7 @@ def test_offpolicy_on_the_real_model_reports_lags_0_and_1(real_model, tmp_path):
 
 @pytest.mark.slow
 def test_rollout_on_the_real_model_compares_with_mlx_lm(real_model, tmp_path):
-    got = _bench("rollout.py", real_model, tmp_path / "rollout.json")
+    got = _bench("rollout.py", real_model, tmp_path / "rollout.json", "--engines", "mlx")  # torch's: test_torch_engine
     (m,) = got["models"].values()
     assert m["params"] > 100e6 and got["ratio_vs_mlx_lm_batch_generate"] > 0
     assert m["single_turn"]["ours_tokens"] > 0 and m["mismatch"]["tokens"] > 0
