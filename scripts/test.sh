@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the test suite. Starts a real S3 server (SeaweedFS) on loopback for the S3 store tests
-# and stops it afterwards. Extra arguments go to pytest.
+# and stops it afterwards. Extra arguments go to pytest (STOA_TEST_PROCS=1: one process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${STOA_VENV:-.venv}
@@ -23,5 +23,6 @@ if [ -x "$VENV/bin/weed" ] && [ -z "${STOA_TEST_S3_ENDPOINT:-}" ]; then
   echo "[test] S3 server (SeaweedFS) at $STOA_TEST_S3_ENDPOINT"
 fi
 t0=$(date +%s)
-"$VENV/bin/python" -m pytest --durations=15 "$@"
+# Test files run in STOA_TEST_PROCS processes (pytest-xdist; each file stays in one process, in order).
+"$VENV/bin/python" -m pytest --durations=15 -n "${STOA_TEST_PROCS:-2}" --dist loadfile "$@"
 echo "[test] suite took $(( $(date +%s) - t0 )) s"
