@@ -102,6 +102,23 @@ def test_publish_join_and_follow(store, key, states):
     assert r.applied == [] and r.state is joined.state
 
 
+def test_a_long_follow_keeps_a_bounded_number_of_manifests(tmp_path, key, states):
+    """A subscriber syncing version after version keeps at most its manifest_cache_entries
+    manifests (a run publishing for days must not grow its workers), and still syncs exactly."""
+    store = LocalStore(tmp_path)
+    pub = WeightPublisher(store, RUN, key, anchor_every=4)
+    sub = WeightSubscriber(store, RUN, key.public_key())
+    sub.manifest_cache_entries = 3
+    held = None
+    for v, s in sorted(states.items()):
+        pub.publish(v, s, {"step": v})
+        r = sub.sync(held)
+        assert r.version == v and same(r.state, s)
+        held = (r.version, r.state)
+        assert len(sub._cache) <= 3
+    assert sub.manifest(2).metadata == {"step": 2}  # an evicted manifest is read again
+
+
 def test_publisher_resumes_from_store_and_refuses_old_versions(tmp_path, key, states):
     store = LocalStore(tmp_path)
     publish_all(store, key, {v: states[v] for v in range(1, 6)}, anchor_every=50)

@@ -49,7 +49,13 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 State = dict[str, np.ndarray]
-_CACHE_BYTES = 64 << 20  # verified manifests a subscriber keeps, by content hash
+# Verified manifests a subscriber keeps (by content hash): the newest, at most this many and this
+# many stored bytes. A parsed manifest takes about 5x its stored bytes in memory; a sync walks at
+# most the versions since an anchor, so a miss only costs a re-read. (Bounded by 64 MB of stored
+# bytes alone, a small model's follower grew ~5.7 KB a version until the bound: a soak publishing
+# ~2 versions a second grew its trainer and workers by 15-25 MB an hour.)
+_CACHE_ENTRIES = 256
+_CACHE_BYTES = 16 << 20
 _SYNC_ATTEMPTS = 16  # each failed attempt bans one route or follows a moved pointer
 _FRESH_PROBES = 8  # manifests above a new subscriber's first pointer read to check it is current
 _DESCENT_STEPS = 4096
@@ -215,8 +221,11 @@ class WeightSubscriber:
 
     Keep one subscriber for the life of a worker: it remembers the newest pointer it verified
     (heads never go back), which manifest the state it last returned belongs to, and the
-    manifests it verified (by content hash, so a follow-up sync reads only what is new).
+    manifests it verified (by content hash, so a follow-up sync reads only what is new; the
+    newest ``manifest_cache_entries`` of them).
     """
+
+    manifest_cache_entries = _CACHE_ENTRIES
 
     def __init__(self, store: ObjectStore, run: str, public_key: Any):
         self.store, self._keys = store, Layout(run)
@@ -349,7 +358,8 @@ class WeightSubscriber:
             return
         self._cache[sha] = (m, size)
         self._cache_bytes += size
-        while self._cache_bytes > _CACHE_BYTES and len(self._cache) > 1:
+        while len(self._cache) > 1 and (self._cache_bytes > _CACHE_BYTES
+                                        or len(self._cache) > self.manifest_cache_entries):
             _, (_, n) = self._cache.popitem(last=False)
             self._cache_bytes -= n
 
