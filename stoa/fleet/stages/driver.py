@@ -259,6 +259,7 @@ class PipelineWorker(Worker):
         self.pipeline, self.stages, self.max_memory_mb = discovery.check_pipeline_id(pipeline), stages, max_memory_mb
         self.need_mb = 0.0
         self.dropped_cohorts = 0
+        self._stage_waits = 0
         self._model: tuple[Any, Path] | None = None
 
     def _fetch_run(self) -> Any:
@@ -323,6 +324,27 @@ class PipelineWorker(Worker):
                  self.worker_id, self.key_id, self.pipeline, self.stages, stage.part, self.need_mb, first.version)
         return engine
 
+    def _ready(self, rc: Any) -> bool:
+        """As a worker's, once every stage is connected (a missing one is waited for, backing off
+        up to 10 s; a reconnected one is brought to the version before the next cohort)."""
+        w = self.weights
+        assert isinstance(w, StageWeights)
+        if not w.ring.ready():
+            try:
+                if w.ring.connect():
+                    w.live.reset()
+                    w.damaged = True  # the next cohort's catch-up brings the new stage to its version
+                self._stage_waits = 0
+            except StageRefused as e:
+                self._stage_waits += 1
+                delay = min(10.0, 0.5 * 2 ** min(self._stage_waits - 1, 5))
+                if self._stage_waits in (1, 5) or self._stage_waits % 20 == 0:
+                    log.warning("waiting for the stages of pipeline %s (%s); retrying in %.1fs", self.pipeline, e, delay)
+                self._beat("waiting")
+                self._sleep(delay)
+                return False
+        return super()._ready(rc)
+
     def _generate(self, make_env: Any, cohort: Any) -> tuple[list[Any], float]:
         """The cohort's episodes; none when a stage failed on the way (the cohort is void)."""
         try:
@@ -339,8 +361,10 @@ class PipelineWorker(Worker):
 
     def _leave(self) -> str:
         kept = super()._leave()
-        log.info("driver: peak RSS %.1f MiB (stage 0's weights and KV need %.1f MiB); %d cohorts dropped for a "
-                 "failed stage", peak_rss_mb(), self.need_mb, self.dropped_cohorts)
+        rss = self.weights.stage_rss if isinstance(self.weights, StageWeights) else {}
+        log.info("driver: peak RSS %.1f MiB (stage 0's weights and KV need %.1f MiB); stages' peak RSS at their last "
+                 "sync: %s MiB; %d cohorts dropped for a failed stage", peak_rss_mb(), self.need_mb,
+                 ", ".join(f"{i}: {v:.1f}" for i, v in sorted(rss.items())) or "-", self.dropped_cohorts)
         if isinstance(self.weights, StageWeights):
             self.weights.ring.drop()
         return kept
