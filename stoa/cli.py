@@ -405,6 +405,9 @@ def worker(
     follow_only: Annotated[bool, typer.Option("--follow-only", help="Only follow the weight chain (apply and verify every version); generate nothing.")] = False,
     key: Annotated[Optional[Path], typer.Option(help="This worker's private key (stoa keygen --worker); default: the invite's, else <cache>/worker.key with --cache, else ~/.config/stoa/worker.key (made on first start).")] = None,
     adversary: Annotated[Optional[str], typer.Option(help="Run as a dishonest worker of this kind, to test a trainer's checks (stoa.testing.adversaries).")] = None,
+    stages: Annotated[Optional[int], typer.Option(help="Drive a pipeline of this many stages: hold stage 0 here, the others are `stoa stage` processes (docs/pipeline.md).")] = None,
+    pipeline: Annotated[str, typer.Option(help="The pipeline's id, with --stages (its stages announce under it).")] = "p0",
+    max_memory_mb: Annotated[Optional[float], typer.Option(help="With --stages: refuse to start when stage 0's weights + KV need more than this.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
     """Generate rollouts with the int8 MLX engine from the newest signed weights; upload them.
@@ -479,11 +482,55 @@ def worker(
     args = (the_store, run, public_key, wid, cache_dir)
     kwargs = {"max_batches": max_batches, "private_key": worker_key,
               "max_seconds": None if max_hours is None else max_hours * 3600}
+    if stages is not None:
+        from stoa.fleet.stages.driver import PipelineWorker
+
+        try:
+            w = PipelineWorker(*args, **kwargs, pipeline=pipeline, stages=stages, max_memory_mb=max_memory_mb)
+        except ValueError as e:
+            _worker_fail(EXIT_CONFIG, str(e))
+        raise typer.Exit(w.run())
     if adversary:
         from stoa.testing.adversaries import make_adversary
 
         raise typer.Exit(make_adversary(adversary, *args, **kwargs).run())
     raise typer.Exit(Worker(*args, **kwargs).run())
+
+
+@app.command("stage")
+def stage_cmd(
+    stage: Annotated[str, typer.Option(help="Which stage of how many: i/N, 1 <= i < N (stage 0 is `stoa worker --stages N`).")],
+    store: Annotated[str, typer.Option(help="Object store: a path, file://..., or s3://bucket/prefix.")],
+    run: Annotated[str, typer.Option(help="Run name (its prefix in the store).")],
+    public_key: Annotated[str, typer.Option(help="The run's public key: hex, or a .pub file.")],
+    cache: Annotated[Path, typer.Option(help="Local folder for the run's model files and this stage's key.")],
+    pipeline: Annotated[str, typer.Option(help="The pipeline's id (the driver's --pipeline).")] = "p0",
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free port; the announcement says which).")] = 0,
+    advertise: Annotated[Optional[str], typer.Option(help="Host the driver should connect to (default: --host).")] = None,
+    max_memory_mb: Annotated[Optional[float], typer.Option(help="Refuse to start when this stage's weights + KV need more than this.")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads the stage's math may use (default: all).")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
+) -> None:
+    """Serve layers of the model to a pipeline's driver (one stage of `stoa worker --stages N`).
+
+    Exit status: 0 run finished / stopped; 2 configuration error (a bad --stage, over --max-memory-mb)."""
+    import signal
+
+    from stoa.fleet.stages.server import StageServer
+    from stoa.transport.store import open_store
+
+    _setup_logging(verbose)
+    _worker_threads(threads)
+    try:
+        i, n = (int(x) for x in stage.split("/"))
+        server = StageServer(open_store(store), run, public_key, pipeline, i, n, cache, host, port, advertise,
+                             max_memory_mb)
+    except (ValueError, OSError, TypeError) as e:
+        _worker_fail(2, f"cannot start the stage: {e}")
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *a: server.stop.set())
+    raise typer.Exit(server.run())
 
 
 @app.command("invite")

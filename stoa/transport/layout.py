@@ -20,6 +20,7 @@
     <run>/finished.json                                 signed: the run is over
     <run>/trust.json                                    signed: the trainer's per-key report (stoa.fleet.trust.records)
     <run>/eval/v<version:012d>.json                     signed: one version's evaluation
+    <run>/stages/<pipeline>/<i>.json                    a pipeline stage's address (stoa.fleet.stages.discovery)
 
 Functions take the run's prefix (a valid key prefix) and return keys or listing prefixes; they
 check nothing about the other parts, which their callers validate. A worker id, the one part a
@@ -33,7 +34,7 @@ import re
 
 __all__ = [
     "MAX_SEQ", "WORKER_ID", "is_next_seq", "is_seq", "ban", "bans", "config", "eval_prefix", "evaluation", "finished", "heartbeat", "heartbeats", "misnamed", "model_file",
-    "pointer", "progress", "quarantine", "quarantined", "roster", "rollouts", "salt", "ticket", "tickets", "bindings", "quarantined_ticket", "trust_report",
+    "pointer", "progress", "quarantine", "quarantined", "roster", "rollouts", "salt", "stage", "stages", "ticket", "tickets", "bindings", "quarantined_ticket", "trust_report",
     "weights",
 ]
 
@@ -159,3 +160,12 @@ def eval_prefix(run: str) -> str:
 
 def evaluation(run: str, version: int) -> str:
     return f"{run}/eval/v{version:012d}.json"
+
+
+def stages(run: str, pipeline: str) -> str:
+    """The prefix of one pipeline's stage announcements (``pipeline``: a :data:`WORKER_ID`-shaped name)."""
+    return f"{run}/stages/{pipeline}/"
+
+
+def stage(run: str, pipeline: str, index: int) -> str:
+    return f"{run}/stages/{pipeline}/{index}.json"

@@ -1,0 +1,12 @@
+"""Pipeline stages inside the fleet: a model's layers served by several machines.
+
+* :mod:`~stoa.fleet.stages.frames`: the activation channel's frame format (numpy arrays under a
+  JSON header, every field checked, nothing unpickled);
+* :mod:`~stoa.fleet.stages.discovery`: stages announce their address under the run, drivers read it;
+* :mod:`~stoa.fleet.stages.server`: ``stoa stage``, one stage process (layers ``[a, b)``) that
+  follows the chain for its share and serves a driver;
+* :mod:`~stoa.fleet.stages.driver`: ``stoa worker --stages N``, the fleet worker holding stage 0
+  and playing cohorts through the remote stages.
+
+docs/pipeline.md says how they fit together and what is not built.
+"""

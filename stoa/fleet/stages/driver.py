@@ -1,0 +1,370 @@
+"""The driver of a pipeline: ``stoa worker --stages N --pipeline ID``.
+
+A :class:`PipelineWorker` is a fleet :class:`~stoa.fleet.worker.worker.Worker` (the same loop,
+key, numbers, bindings, uploads) whose engine is a
+:class:`~stoa.backends.torch.remote.RemotePipeline`: it holds stage 0 (the embeddings and the
+first layers) and plays each cohort through stages 1 .. N-1, other processes found through the
+store (:mod:`stoa.fleet.stages.discovery`). What changes against a whole-model worker:
+
+* **weights**: :class:`StageWeights` follows the chain for stage 0's share only
+  (:class:`~stoa.transport.chain.ShareSubscriber`), and before every cohort brings every remote
+  stage to the cohort's version: each answers its share hashes, which must equal the ones the
+  run's key signed in that version's manifest, else the stage is dropped and nothing is made;
+* **failure**: a stage that dies or breaks the channel mid-cohort voids the cohort (nothing of it
+  is uploaded; its number stays the worker's and is made again), the links are dropped, and the
+  next cohort waits (backing off) until every stage is announced, reachable and at the version;
+* **memory**: with ``max_memory_mb`` the worker refuses to start (exit 2) when stage 0's need is over it.
+
+The batch is signed with the driver's key and judged by the trainer as any worker's: it
+re-derives every token with the whole model, so a stage that computes wrong activations gets the
+driver's batch refused, never trained on.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from stoa.fleet.stages import discovery
+from stoa.fleet.stages.frames import Frame, FrameError, read_frame, write_frame
+from stoa.fleet.stages.server import model_shape, peak_rss_mb
+from stoa.fleet.worker.worker import EXIT_CONFIG, Worker, WorkerExit
+from stoa.transport import shares
+from stoa.transport.chain import SYNC_ERRORS, SyncResult
+from stoa.transport.store import ObjectStore
+
+__all__ = ["PipelineWorker", "StageLink", "StageRefused", "StageRing", "StageWeights"]
+
+log = logging.getLogger("stoa.worker")
+
+_CONNECT_TIMEOUT_S = 5.0
+_FRAME_TIMEOUT_S = 60.0
+
+
+class StageRefused(ConnectionError):
+    """A stage that cannot be used: gone, unannounced, stale, of other layers, or whose share
+    hashes are not the signed ones."""
+
+
+class StageLink:
+    """A TCP connection to one stage process, speaking frames (a :class:`~stoa.backends.torch.remote.Channel`)."""
+
+    def __init__(self, host: str, port: int, max_payload: int) -> None:
+        self.sock = socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT_S)
+        self.sock.settimeout(_FRAME_TIMEOUT_S)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.max_payload = max_payload
+        self.sent = 0
+
+    def send(self, frame: Frame) -> None:
+        self.sent += write_frame(self.sock, frame)
+
+    def request(self, frame: Frame) -> Frame:
+        self.send(frame)
+        out = read_frame(self.sock, self.max_payload)
+        if out.op == "error":
+            raise StageRefused(f"the stage refused {frame.op}: {str(out.meta.get('message', ''))[:400]}")
+        return out
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class StageRing:
+    """The remote stages 1 .. N-1 of one pipeline: found, connected and checked.
+
+    Args:
+        store, run, pipeline: where the stages announce themselves.
+        parts: every stage's layers (index 0: the driver's own).
+        layers, tied, hidden, vocab: the model's shape.
+        max_payload: most array bytes a stage's answer may carry.
+    """
+
+    def __init__(self, store: ObjectStore, run: str, pipeline: str, parts: list[tuple[int, int]], layers: int,
+                 tied: bool, hidden: int, vocab: int, max_payload: int) -> None:
+        from stoa.backends.torch.remote import RemoteStage
+
+        self.store, self.run, self.pipeline, self.parts = store, run, pipeline, parts
+        self.layers, self.tied, self.max_payload = layers, tied, max_payload
+        self.links: dict[int, StageLink] = {}
+        self.remote = [RemoteStage(p, layers, hidden, vocab, _Gone(i)) for i, p in enumerate(parts) if i > 0]
+        self.reconnects = 0
+
+    def ready(self) -> bool:
+        return len(self.links) == len(self.parts) - 1
+
+    def drop(self) -> None:
+        """Close every link (after a failure mid-cohort: which stage broke is not always known)."""
+        for i, link in self.links.items():
+            link.close()
+            self.remote[i - 1].channel = _Gone(i)
+        self.links.clear()
+
+    def connect(self) -> bool:
+        """Connect every stage not connected; True when one was (the pipeline's caches are then stale).
+
+        Raises:
+            StageRefused: a stage is not announced, stale, unreachable or of other layers.
+        """
+        new = False
+        for i in range(1, len(self.parts)):
+            if i in self.links:
+                continue
+            try:
+                a = discovery.read_announcement(self.store, self.run, self.pipeline, i)
+            except ValueError as e:
+                raise StageRefused(f"stage {i}'s announcement: {e}") from None
+            if a is None or a.stale():
+                raise StageRefused(f"stage {i} of pipeline {self.pipeline} is {'not announced' if a is None else 'stale'}")
+            if (a.stages, a.part) != (len(self.parts), self.parts[i]):
+                raise StageRefused(f"stage {i} announces layers {a.part} of {a.stages} stages; this pipeline wants "
+                                   f"{self.parts[i]} of {len(self.parts)}")
+            try:
+                link = StageLink(a.host, a.port, self.max_payload)
+                hello = link.request(Frame("hello"))
+            except OSError as e:
+                raise StageRefused(f"stage {i} at {a.host}:{a.port}: {type(e).__name__}: {e}") from None
+            if hello.op != "hello" or hello.meta.get("part") != list(self.parts[i]) or hello.meta.get("layers") != self.layers:
+                link.close()
+                raise StageRefused(f"stage {i} at {a.host}:{a.port} says {str(hello.meta)[:200]}")
+            self.links[i] = link
+            self.remote[i - 1].channel = link
+            self.reconnects += 1
+            new = True
+            log.info("connected stage %d (layers %s, key %s) at %s:%d", i, self.parts[i], a.key_id, a.host, a.port)
+        return new
+
+    def sync(self, version: int, signed: dict[str, str]) -> dict[int, float]:
+        """Bring every stage to ``version`` and check its share hashes against ``signed`` (the
+        version's manifest); the stages' peak RSS (MiB). A stage that fails is dropped.
+
+        Raises:
+            StageRefused: a stage could not get there, or answered other hashes.
+        """
+        rss = {}
+        for i, link in list(self.links.items()):
+            want = {k: signed.get(k) for k in shares.stage_shares(self.parts[i], self.layers, self.tied)}
+            try:
+                out = link.request(Frame("sync", {"version": int(version)}))
+            except OSError:
+                self._lose(i)
+                raise
+            got = out.meta.get("shares")
+            if out.op != "synced" or out.meta.get("version") != version or got != want:
+                self._lose(i)
+                raise StageRefused(f"stage {i} answered version {out.meta.get('version')} with share hashes that "
+                                   f"are not the ones signed for version {version}: dropped")
+            rss[i] = float(out.meta.get("peak_rss_mb", 0.0)) if isinstance(out.meta.get("peak_rss_mb"), (int, float)) else 0.0
+        return rss
+
+    def _lose(self, i: int) -> None:
+        self.links.pop(i).close()
+        self.remote[i - 1].channel = _Gone(i)
+
+
+class _Gone:
+    """The channel of a stage not connected: every use fails as a lost connection."""
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+    def send(self, frame: Frame) -> None:
+        raise StageRefused(f"stage {self.i} is not connected")
+
+    request = send  # type: ignore[assignment]
+
+
+class StageWeights:
+    """The driver's weights: stage 0's share of the chain, and the remote stages kept at its
+    version. Stands where a whole-model worker has :class:`~stoa.fleet.worker.follower.LiveWeights`
+    (the members :class:`~stoa.fleet.worker.worker.Worker` uses)."""
+
+    def __init__(self, store: ObjectStore, run: str, public_key: Any, part: tuple[int, int], layers: int, tied: bool,
+                 ring: StageRing) -> None:
+        from stoa.transport.chain import ShareSubscriber
+
+        self.sub = ShareSubscriber(store, run, public_key, part, layers, tied)
+        self.ring = ring
+        self.live: Any = None  # the RemotePipeline, once built
+        self.newest: int | None = None
+        self.bytes_read = 0
+        self.damaged = False
+        self.stage_rss: dict[int, float] = {}
+
+    def head(self) -> int | None:
+        self.newest = self.sub.head()
+        return self.newest
+
+    def join(self, version: int | None = None) -> SyncResult:
+        r = self.sub.sync(None, version=version)
+        self.bytes_read += r.bytes_read
+        return r
+
+    def bring_stages(self, version: int) -> None:
+        """Connect the missing stages and bring all to ``version``, checked against its manifest."""
+        if self.ring.connect() and self.live is not None:
+            self.live.reset()
+        m = self.sub.manifest(version)
+        assert m.shares is not None  # the share subscriber refuses manifests without them
+        self.stage_rss = self.ring.sync(version, dict(m.shares.hashes))
+
+    def catch_up(self, version: int | None = None) -> SyncResult:
+        """Stage 0 to ``version`` (None: the head), then every remote stage to the same version."""
+        assert self.live is not None
+        r = self.live.stages[0].sync(self.sub, version)
+        self.bytes_read += r.bytes_read
+        for p in r.problems:
+            log.warning("stage 0 sync: %s", p)
+        self.bring_stages(r.version)
+        self.live.version = r.version
+        self.damaged = False
+        return r
+
+    def follow(self, lag: int = 0) -> int | None:
+        head = self.head()
+        v = self.live.version if self.live is not None else None
+        if head is not None and v is not None and (head - lag != v or self.damaged or not self.ring.ready()):
+            self.catch_up(head - lag if lag else None)
+        return head
+
+    def verified(self, repair: bool = True) -> bool:
+        """Always True: every share (local and remote) was checked before the cohort began."""
+        return True
+
+    def keep(self) -> str:
+        return ""
+
+
+class PipelineWorker(Worker):
+    """A :class:`Worker` that holds stage 0 of ``stages`` and drives pipeline ``pipeline``.
+
+    Args (beyond :class:`Worker`'s):
+        pipeline: the pipeline's id (its stages announce under it).
+        stages: how many stages (>= 2): this process and ``stages - 1`` stage processes.
+        max_memory_mb: refuse to start when stage 0's need (share + float weights + a full KV
+            cache of ``rollout.max_batch`` rows of ``rollout.max_episode_tokens``) is over this.
+    """
+
+    def __init__(self, *args: Any, pipeline: str, stages: int, max_memory_mb: float | None = None, **kwargs: Any):
+        kwargs.setdefault("keep_weights", False)
+        super().__init__(*args, **kwargs)
+        if stages < 2:
+            raise ValueError("a pipeline has at least 2 stages")
+        self.pipeline, self.stages, self.max_memory_mb = discovery.check_pipeline_id(pipeline), stages, max_memory_mb
+        self.need_mb = 0.0
+        self.dropped_cohorts = 0
+        self._stage_waits = 0
+        self._model: tuple[Any, Path] | None = None
+
+    def _fetch_run(self) -> Any:
+        got = super()._fetch_run()
+        self._model = got
+        return got
+
+    def _first_weights(self, lag: int) -> SyncResult | None:
+        from stoa.backends.torch.pipeline import split_layers
+
+        assert self._model is not None
+        cfg, model_dir = self._model
+        layers, tied, hidden, vocab = model_shape(model_dir)
+        parts = split_layers(layers, self.stages)
+        rc = cfg.rollout
+        max_payload = rc.max_batch * (2 * rc.max_episode_tokens + 64) * max(hidden, vocab) * 4 + (1 << 16)
+        ring = StageRing(self.store, self.run_name, self.pipeline, parts, layers, tied, hidden, vocab, max_payload)
+        self.weights = StageWeights(self.store, self.run_name, self.public_key, parts[0], layers, tied, ring)  # type: ignore[assignment]
+        while not self._stop:
+            try:
+                head = self.weights.head()
+                if head is None:
+                    if self._finished():
+                        self._stop_for("the run finished before publishing weights")
+                        return None
+                    self._sleep(0.5)
+                    continue
+                return self.weights.join(max(0, head - lag) if lag else None)
+            except (*SYNC_ERRORS, OSError) as e:  # store trouble: retried as a worker does
+                self._backoff("joining the weight chain (stage 0's share)", e)
+        return None
+
+    def _start_engine(self, model_dir: Path, first: SyncResult, cfg: Any) -> Any:
+        from stoa.backends.torch.pipeline import Stage
+        from stoa.backends.torch.remote import RemotePipeline
+
+        w = self.weights
+        assert isinstance(w, StageWeights)
+        rc = cfg.rollout
+        stage = Stage(model_dir, w.sub.part, first.state, rc.engine_mode)
+        stage.version = first.version
+        self.need_mb = stage.memory().total(rc.max_batch, rc.max_episode_tokens) / 2**20
+        if self.max_memory_mb is not None and self.need_mb > self.max_memory_mb:
+            raise WorkerExit(EXIT_CONFIG, f"stage 0 of {self.stages} needs {self.need_mb:.1f} MiB (weights + KV for "
+                                          f"{rc.max_batch} rows of {rc.max_episode_tokens} positions), over "
+                                          f"--max-memory-mb {self.max_memory_mb:.1f}: use more stages")
+        while not self._stop:
+            try:
+                w.bring_stages(first.version)
+                break
+            except (OSError, FrameError) as e:
+                self._backoff(f"waiting for the stages of pipeline {self.pipeline}", e)
+        else:
+            raise WorkerExit(0, "stopped while waiting for the pipeline's stages")
+        engine = RemotePipeline(model_dir, stage, w.ring.remote, first.version,
+                                rc.engine_config(cfg.model.prompt_format), self.worker_id, stage.mode)
+        if self.wrap_engine is not None:
+            engine = self.wrap_engine(engine, self)
+        w.live = engine
+        self._recovered()
+        log.info("worker %s (key %s) drives pipeline %s: stage 0 of %d (layers %s, needs %.1f MiB) at version %d",
+                 self.worker_id, self.key_id, self.pipeline, self.stages, stage.part, self.need_mb, first.version)
+        return engine
+
+    def _ready(self, rc: Any) -> bool:
+        """As a worker's, once every stage is connected (a missing one is waited for, backing off
+        up to 10 s; a reconnected one is brought to the version before the next cohort)."""
+        w = self.weights
+        assert isinstance(w, StageWeights)
+        if not w.ring.ready():
+            try:
+                if w.ring.connect():
+                    w.live.reset()
+                    w.damaged = True  # the next cohort's catch-up brings the new stage to its version
+                self._stage_waits = 0
+            except StageRefused as e:
+                self._stage_waits += 1
+                delay = min(10.0, 0.5 * 2 ** min(self._stage_waits - 1, 5))
+                if self._stage_waits in (1, 5) or self._stage_waits % 20 == 0:
+                    log.warning("waiting for the stages of pipeline %s (%s); retrying in %.1fs", self.pipeline, e, delay)
+                self._beat("waiting")
+                self._sleep(delay)
+                return False
+        return super()._ready(rc)
+
+    def _generate(self, make_env: Any, cohort: Any) -> tuple[list[Any], float]:
+        """The cohort's episodes; none when a stage failed on the way (the cohort is void)."""
+        try:
+            return super()._generate(make_env, cohort)
+        except OSError as e:  # a lost stage, a broken frame, a timeout
+            self.dropped_cohorts += 1
+            assert isinstance(self.weights, StageWeights)
+            self.weights.ring.drop()
+            self.weights.damaged = True
+            log.warning("a stage failed during the cohort of number %d (%s: %s): nothing of it is uploaded; it is "
+                        "made again once every stage is back", cohort.seq, type(e).__name__, str(e)[:300])
+            self._sleep(1.0)
+            return [], 1e-9
+
+    def _leave(self) -> str:
+        kept = super()._leave()
+        rss = self.weights.stage_rss if isinstance(self.weights, StageWeights) else {}
+        log.info("driver: peak RSS %.1f MiB (stage 0's weights and KV need %.1f MiB); stages' peak RSS at their last "
+                 "sync: %s MiB; %d cohorts dropped for a failed stage", peak_rss_mb(), self.need_mb,
+                 ", ".join(f"{i}: {v:.1f}" for i, v in sorted(rss.items())) or "-", self.dropped_cohorts)
+        if isinstance(self.weights, StageWeights):
+            self.weights.ring.drop()
+        return kept

@@ -1,0 +1,223 @@
+"""One pipeline stage as a process: ``stoa stage --stage i/N``.
+
+:meth:`StageServer.run`::
+
+    fetch and verify the run (signed config + model files), as a worker does
+    hold layers split_layers(L, N)[i]: join the chain for that share only (ShareSubscriber: range
+        reads of the anchor, deltas, every byte checked against the signed per-share hashes)
+    build the stage; refuse to start (exit 2) when its need (share + float weights + a full KV
+        cache of rollout.max_batch rows of rollout.max_episode_tokens positions) is over --max-memory-mb
+    listen on a TCP port; announce host:port under <run>/stages/<pipeline>/<i>.json every 5 s
+    serve one driver at a time until the run finishes or a signal:
+        hello          -> the layers held, the stage's key id, its version
+        sync v         -> the share brought to version v, verified; answers its share hashes
+        forward, cache -> StageService (stoa.backends.torch.remote)
+
+A frame that breaks the format or the stage's bounds closes the driver's connection; the stage
+goes back to listening. Nothing read from the socket is unpickled or trusted for a size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import select
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from stoa.fleet.run import fetch_run
+from stoa.fleet.stages import discovery
+from stoa.fleet.stages.frames import Frame, FrameError, meta_int, read_frame, write_frame
+from stoa.transport import pulse, shares
+from stoa.transport.chain import SYNC_ERRORS
+from stoa.transport.exchange import is_finished
+from stoa.transport.identity import load_or_create_worker_key
+from stoa.transport.signing import SignatureError, key_id, load_public_key
+from stoa.transport.store import KeyNotFound, ObjectStore, StoreError
+
+__all__ = ["EXIT_CONFIG", "EXIT_OK", "StageServer", "model_shape", "peak_rss_mb"]
+
+log = logging.getLogger("stoa.stage")
+
+EXIT_OK, EXIT_CONFIG = 0, 2
+_IDLE_POLL_S = 0.5
+_FRAME_TIMEOUT_S = 60.0
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MiB (``getrusage``; Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def model_shape(model_dir: Path) -> tuple[int, bool, int, int]:
+    """``(layers, tied head, hidden size, vocab size)`` from a model folder's ``config.json``."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return (int(cfg["num_hidden_layers"]), bool(cfg.get("tie_word_embeddings", False)), int(cfg["hidden_size"]),
+            int(cfg["vocab_size"]))
+
+
+class StageServer:
+    """Stage ``index`` of a pipeline of ``stages`` (``1 <= index < stages``; stage 0 is the driver).
+
+    Args:
+        store, run, public_key: the run, as for a worker.
+        pipeline: the pipeline's id (its stages and its driver name the same one).
+        index, stages: which stage of how many.
+        cache_dir: the run's model files and this stage's key (``stage.key``).
+        host, port: where to listen (port 0: any free port); ``advertise``: the host written in the
+            announcement (default ``host``).
+        max_memory_mb: refuse to start when the stage's measured need is over this (None: no cap).
+        threads: torch's intra-op threads (None: torch's default).
+    """
+
+    def __init__(self, store: ObjectStore, run: str, public_key: Any, pipeline: str, index: int, stages: int,
+                 cache_dir: Path, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None,
+                 max_memory_mb: float | None = None, wait_seconds: float = 600.0) -> None:
+        if not 1 <= index < stages:
+            raise ValueError(f"stage {index} of {stages}: a stage process serves 1 .. {stages - 1} (0 is the driver)")
+        self.store, self.run_name, self.public_key = store, run, load_public_key(public_key)
+        self.pipeline, self.index, self.stages = discovery.check_pipeline_id(pipeline), index, stages
+        self.cache_dir, self.host, self.port, self.advertise = Path(cache_dir), host, port, advertise or host
+        self.max_memory_mb, self.wait_seconds = max_memory_mb, wait_seconds
+        self.key_id = key_id(load_or_create_worker_key(self.cache_dir / "stage.key").public_key())
+        self.stop = threading.Event()
+        self.need_mb = 0.0
+        self.stage: Any = None
+        self.sub: Any = None
+        self.frames = 0
+
+    def run(self) -> int:
+        """Join, then serve until the run finishes or :attr:`stop` is set; the exit status."""
+        got = self._fetch_run()
+        if got is None:
+            return EXIT_OK
+        cfg, model_dir = got
+        try:
+            return self._serve(cfg, model_dir)
+        finally:
+            log.info("stage %d/%d: peak RSS %.1f MiB (the stage's weights and KV need %.1f MiB)", self.index,
+                     self.stages, peak_rss_mb(), self.need_mb)
+
+    def _fetch_run(self) -> tuple[Any, Path] | None:
+        t0 = time.time()
+        while not self.stop.is_set():
+            try:
+                return fetch_run(self.store, self.run_name, self.public_key, self.cache_dir / "model")
+            except (KeyNotFound, StoreError, OSError) as e:
+                if time.time() - t0 > self.wait_seconds:
+                    raise RuntimeError(f"run {self.run_name!r} did not appear: {e}") from None
+                self.stop.wait(1.0)
+        return None
+
+    def _join(self, model_dir: Path, cfg: Any) -> None:
+        """The share of the newest version, verified, and the stage built on it."""
+        from stoa.backends.torch.pipeline import Stage, split_layers
+        from stoa.transport.chain import ShareSubscriber
+
+        layers, tied, _, _ = model_shape(model_dir)
+        part = split_layers(layers, self.stages)[self.index]
+        self.sub = ShareSubscriber(self.store, self.run_name, self.public_key, part, layers, tied)
+        while not self.stop.is_set():
+            try:
+                if self.sub.head() is not None:
+                    r = self.sub.sync(None)
+                    break
+            except SYNC_ERRORS as e:
+                log.warning("joining the chain for layers %s: %s; retrying", part, e)
+            self.stop.wait(1.0)
+        else:
+            return
+        self.stage = Stage(model_dir, part, r.state, cfg.rollout.engine_mode)
+        self.stage.version = r.version
+        rc = cfg.rollout
+        self.need_mb = self.stage.memory().total(rc.max_batch, rc.max_episode_tokens) / 2**20
+        log.info("stage %d/%d holds layers %s at version %d (%d bytes read); needs %.1f MiB", self.index, self.stages,
+                 part, r.version, r.bytes_read, self.need_mb)
+
+    def _serve(self, cfg: Any, model_dir: Path) -> int:
+        from stoa.backends.torch.remote import StageService
+
+        self._join(model_dir, cfg)
+        if self.stage is None:
+            return EXIT_OK
+        if self.max_memory_mb is not None and self.need_mb > self.max_memory_mb:
+            log.error("stage %d/%d needs %.1f MiB (weights + KV for %d rows of %d positions), over --max-memory-mb "
+                      "%.1f: not starting (use more stages)", self.index, self.stages, self.need_mb,
+                      cfg.rollout.max_batch, cfg.rollout.max_episode_tokens, self.max_memory_mb)
+            return EXIT_CONFIG
+        rc = cfg.rollout
+        positions = 2 * rc.max_episode_tokens + 64
+        service = StageService(self.stage, rc.max_batch, positions)
+        hidden, vocab = model_shape(model_dir)[2:]
+        self.max_payload = rc.max_batch * positions * max(hidden, 1) * 4 + rc.max_batch * 16 + (1 << 16)
+        with socket.create_server((self.host, self.port)) as srv:
+            self.port = srv.getsockname()[1]
+            srv.settimeout(_IDLE_POLL_S)
+            beat = threading.Thread(target=self._announce_loop, daemon=True)
+            beat.start()
+            log.info("stage %d/%d of pipeline %s listening on %s:%d", self.index, self.stages, self.pipeline,
+                     self.advertise, self.port)
+            while not self.stop.is_set():
+                try:
+                    conn, peer = srv.accept()
+                except TimeoutError:
+                    continue
+                with conn:
+                    self._driver(conn, peer, service)
+        return EXIT_OK
+
+    def _announce_loop(self) -> None:
+        while not self.stop.is_set():
+            try:
+                if is_finished(self.store, self.run_name, self.public_key):
+                    log.info("the run finished; stage %d/%d stopping", self.index, self.stages)
+                    self.stop.set()
+                    return
+                discovery.announce(self.store, self.run_name, self.pipeline, discovery.Announcement(
+                    self.index, self.stages, self.stage.part, self.advertise, self.port, self.key_id, time.time()))
+            except (StoreError, SignatureError, OSError) as e:
+                log.warning("announcing stage %d: %s", self.index, e)
+            self.stop.wait(discovery.ANNOUNCE_EVERY_S)
+
+    def _driver(self, conn: socket.socket, peer: Any, service: Any) -> None:
+        """Serve one driver's connection until it closes, breaks a rule, or the stage stops."""
+        log.info("driver connected from %s", peer)
+        conn.settimeout(_FRAME_TIMEOUT_S)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            while not self.stop.is_set():
+                if not select.select([conn], [], [], _IDLE_POLL_S)[0]:
+                    continue
+                f = read_frame(conn, self.max_payload)
+                self.frames += 1
+                out = self._answer(f, service)
+                if out is not None:
+                    write_frame(conn, out)
+        except FrameError as e:
+            log.warning("closing the driver's connection: %s", e)
+            try:
+                write_frame(conn, Frame("error", {"message": str(e)[:500]}))
+            except OSError:
+                pass
+        except OSError as e:
+            log.warning("the driver's connection failed: %s", e)
+
+    def _answer(self, f: Frame, service: Any) -> Frame | None:
+        if f.op == "hello":
+            return Frame("hello", {"index": self.index, "stages": self.stages, "part": list(self.stage.part),
+                                   "layers": self.sub.layers, "key_id": self.key_id, "version": self.stage.version})
+        if f.op == "sync":
+            v = meta_int(f.meta, "version", 0, 1 << 62)
+            try:
+                r = self.stage.sync(self.sub, v)
+            except SYNC_ERRORS as e:
+                log.warning("sync to version %d failed: %s", v, e)
+                return Frame("error", {"message": f"sync to version {v}: {type(e).__name__}: {str(e)[:400]}"})
+            _, hashes = pulse.state_hashes(self.stage.state, shares.share_of)
+            return Frame("synced", {"version": r.version, "shares": hashes, "peak_rss_mb": round(peak_rss_mb(), 1),
+                                    "need_mb": round(self.need_mb, 3)})
+        return service.handle(f)

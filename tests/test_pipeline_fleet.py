@@ -1,0 +1,110 @@
+"""A 2-stage pipeline in a real fleet: `stoa trainer`, `stoa worker --stages 2` (the driver,
+stage 0) and `stoa stage --stage 1/2`, separate processes meeting in a store, each under a
+memory cap that one whole-model worker would exceed. Every trust check stays on: the trainer
+re-derives the pipeline's episodes with the whole model as for any worker."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stoa.fleet.run import fetch_run
+from stoa.transport.chain import WeightSubscriber
+
+from helpers import tiny_fleet_config
+from test_fleet import Fleet, trained_groups
+
+pytest.importorskip("torch", reason="the pipeline stages run the torch engine")
+pytestmark = pytest.mark.slow
+
+
+def start(tmp: Path, steps: int) -> Fleet:
+    cfg = tmp / "pipe.toml"
+    cfg.write_text(tiny_fleet_config("pipe", model={"tiny": {"num_layers": 2, "hidden_size": 128}},
+                                     rollout={"engine": "torch"}, trainer={"steps": steps}))
+    return Fleet(tmp, cfg)
+
+
+def stage(f: Fleet, cap: float, name: str = "stage1", pipeline: str = "p0") -> object:
+    return f._spawn(["stage", "--stage", "1/2", "--store", str(f.store_dir), "--run", f.cfg.name, "--public-key",
+                     str(f.pub), "--cache", str(f.tmp / "cache" / name), "--max-memory-mb", f"{cap:.4f}",
+                     "--pipeline", pipeline], f"{name}.log")
+
+
+def driver(f: Fleet, cap: float) -> object:
+    return f.worker("driver", "--stages", "2", "--max-memory-mb", f"{cap:.4f}")
+
+
+def memory_cap(f: Fleet) -> tuple[float, float, float]:
+    """(largest stage's need, the cap, the whole model's need) in MiB, measured on the published
+    weights: the cap lies between, so one whole-model worker would be over it."""
+    from stoa.backends.torch.pipeline import Stage, split_layers
+
+    f.wait_for(lambda: WeightSubscriber(f.store, f.cfg.name, f.pub).head() is not None, what="the first weights")
+    cfg, model_dir = fetch_run(f.store, f.cfg.name, f.pub, f.tmp / "probe")
+    state = WeightSubscriber(f.store, f.cfg.name, f.pub).sync(None).state
+    rc = cfg.rollout
+
+    def need(part):
+        return Stage(model_dir, part, state, rc.engine_mode).memory().total(rc.max_batch, rc.max_episode_tokens) / 2**20
+
+    stages, whole = max(need(p) for p in split_layers(2, 2)), need((0, 2))
+    return stages, (stages + whole) / 2, whole
+
+
+def check_run(f: Fleet) -> list[str]:
+    """The run's integrity: nothing quarantined, nobody banned, no group trained twice, and every
+    batch the driver uploaded was trained on."""
+    st, run = f.store, f.cfg.name
+    assert st.list(f"{run}/quarantine/") == [], st.list(f"{run}/quarantine/")
+    assert st.list(f"{run}/bans/") == []
+    trained = trained_groups(f.ledger())
+    assert trained and len(trained) == len(set(trained)), trained
+    return trained
+
+
+def test_a_two_stage_pipeline_trains_under_a_memory_cap(tmp_path):
+    f = start(tmp_path, steps=4)
+    try:
+        trainer = f.trainer()
+        stages, cap, whole = memory_cap(f)
+        assert stages < cap < whole
+        st, drv = stage(f, cap), driver(f, cap)
+        small = stage(f, stages / 2, "small", "p-small")  # a cap under the stage's need: refused at start
+        assert f.wait(small, 120) == 2 and "over --max-memory-mb" in f.log("small.log"), f.log("small.log")[-2000:]
+        assert f.wait(trainer, 240) == 0, f.log("trainer.log")[-3000:]
+        assert f.wait(drv, 60) == 0, f.log("driver.log")[-3000:]
+        assert f.wait(st, 60) == 0, f.log("stage1.log")[-3000:]
+        trained = check_run(f)
+        assert len(f.rows("train")) == 4 and len(trained) >= 8
+        log = f.log("driver.log")
+        assert "drives pipeline p0: stage 0 of 2" in log and "0 cohorts dropped" in log, log[-2000:]
+        assert "peak RSS" in f.log("stage1.log")
+    finally:
+        f.close()
+
+
+def test_a_stage_killed_mid_run_costs_no_accepted_work_and_no_ban(tmp_path):
+    f = start(tmp_path, steps=6)
+    try:
+        trainer = f.trainer()
+        _, cap, _ = memory_cap(f)
+        st, drv = stage(f, cap), driver(f, cap)
+        hb = f"{f.cfg.name}/workers/driver.json"
+        f.wait_for(lambda: f.store.exists(hb) and b"generating" in f.store.get(hb), what="the driver to generate")
+        time.sleep(float(np.random.default_rng(0).uniform(0.0, 0.3)))
+        st.send_signal(signal.SIGKILL)
+        st.wait()
+        st = stage(f, cap)
+        assert f.wait(trainer, 300) == 0, f.log("trainer.log")[-3000:]
+        assert f.wait(drv, 60) == 0, f.log("driver.log")[-3000:]
+        check_run(f)
+        assert len(f.rows("train")) == 6
+        log = f.log("driver.log")
+        assert log.count("connected stage 1") >= 2, log[-3000:]  # the restarted stage was found again
+    finally:
+        f.close()

@@ -1,0 +1,134 @@
+"""The stage channel: frames checked field by field, and a pipeline whose later stages serve over
+real TCP connections (threads of this process) playing the single engine's episodes."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+
+import numpy as np
+import pytest
+
+from stoa.fleet.stages import discovery
+from stoa.fleet.stages.frames import MAGIC, Frame, FrameError, encode, read_frame, write_frame
+from stoa.transport.store import LocalStore
+
+
+def roundtrip(data: bytes, max_payload: int = 1 << 20) -> Frame:
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(data)
+        a.shutdown(socket.SHUT_WR)
+        return read_frame(b, max_payload)
+
+
+def raw(header: dict, payload: bytes = b"") -> bytes:
+    h = json.dumps(header).encode()
+    return MAGIC + struct.pack(">I", len(h)) + h + payload
+
+
+def test_frames_round_trip_and_refuse_what_breaks_the_format():
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    f = roundtrip(encode(Frame("forward", {"longest": 3}, (x, np.array([0, 1], dtype=np.int64)))))
+    assert f.op == "forward" and f.meta == {"longest": 3}
+    assert np.array_equal(f.arrays[0], x) and f.arrays[0].dtype == np.float32 and f.arrays[1].tolist() == [0, 1]
+    with pytest.raises(FrameError, match="over this end's limit"):  # sizes are checked before anything is read
+        roundtrip(raw({"op": "forward", "meta": {}, "arrays": [{"dtype": "float32", "shape": [1 << 20, 1 << 10]}]}))
+    with pytest.raises(FrameError, match="bad array spec"):
+        roundtrip(raw({"op": "forward", "meta": {}, "arrays": [{"dtype": "object", "shape": [1]}]}))
+    with pytest.raises(FrameError, match="bad array spec"):
+        roundtrip(raw({"op": "forward", "meta": {}, "arrays": [{"dtype": "float32", "shape": [-1]}]}))
+    with pytest.raises(FrameError, match="bad frame header"):
+        roundtrip(raw({"op": "forward", "meta": {}, "arrays": [], "extra": 1}))
+    with pytest.raises(FrameError, match="not JSON"):
+        roundtrip(MAGIC + struct.pack(">I", 3) + b"\x80ab")
+    with pytest.raises(FrameError, match="not a stage frame"):
+        roundtrip(b"\x80\x04pickle..")
+    with pytest.raises(FrameError, match="over 65536"):
+        roundtrip(MAGIC + struct.pack(">I", 1 << 30))
+    with pytest.raises(FrameError, match="ended"):  # a frame cut short
+        roundtrip(raw({"op": "forward", "meta": {}, "arrays": [{"dtype": "int64", "shape": [4]}]}, b"\0" * 8))
+    with pytest.raises(FrameError):
+        encode(Frame("forward", {}, (np.zeros(2, dtype=np.float64),)))
+
+
+def test_announcements_are_validated(tmp_path):
+    st = LocalStore(tmp_path)
+    a = discovery.Announcement(1, 2, (1, 2), "127.0.0.1", 4242, "k" * 16, 1.0)
+    discovery.announce(st, "run", "p0", a)
+    got = discovery.read_announcement(st, "run", "p0", 1)
+    assert got == a and got.stale()
+    assert discovery.read_announcement(st, "run", "p0", 2) is None
+    st.put("run/stages/p0/1.json", b'{"format": "stoa.stage.announce/1", "index": 1}')
+    with pytest.raises(ValueError, match="not a stage announcement"):
+        discovery.read_announcement(st, "run", "p0", 1)
+    st.put("run/stages/p0/1.json", b"x" * 5000)
+    with pytest.raises(ValueError, match="over 4096"):
+        discovery.read_announcement(st, "run", "p0", 1)
+    with pytest.raises(ValueError, match="pipeline id"):
+        discovery.read_announcement(st, "run", "../x", 1)
+
+
+# -- a remote pipeline over TCP --------------------------------------------------------------------
+
+torch = pytest.importorskip("torch", reason="the torch engine needs torch")
+
+from test_torch_pipeline import CONFIG, SAMPLING, assert_same_episodes, make_env, requests  # noqa: E402
+from test_torch_pipeline import single, tiny  # noqa: E402,F401 - fixtures
+
+
+def serve(service, srv: socket.socket, stop: threading.Event) -> None:
+    conn, _ = srv.accept()
+    with conn:
+        try:
+            while not stop.is_set():
+                f = read_frame(conn, 1 << 26)
+                out = service.handle(f)
+                if out is not None:
+                    write_frame(conn, out)
+        except FrameError as e:
+            try:
+                write_frame(conn, Frame("error", {"message": str(e)}))
+            except OSError:
+                pass
+
+
+class Link:
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+
+    def send(self, f: Frame) -> None:
+        write_frame(self.sock, f)
+
+    def request(self, f: Frame) -> Frame:
+        self.send(f)
+        return read_frame(self.sock, 1 << 26)
+
+
+@pytest.mark.parametrize("parts", [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]])
+def test_a_remote_pipeline_plays_the_single_engines_episodes(tiny, single, parts):  # noqa: F811
+    from stoa.backends.torch.pipeline import Stage
+    from stoa.backends.torch.remote import RemotePipeline, RemoteStage, StageService
+
+    stop, threads, remote = threading.Event(), [], []
+    spec_layers = parts[-1][1]
+    for part in parts[1:]:
+        st = Stage(tiny, part, single.state)
+        srv = socket.create_server(("127.0.0.1", 0))
+        t = threading.Thread(target=serve, args=(StageService(st, CONFIG.max_batch, 1024), srv, stop), daemon=True)
+        t.start()
+        threads.append(t)
+        remote.append(RemoteStage(part, spec_layers, st.decoder.spec.hidden_size, st.decoder.spec.vocab_size,
+                                  Link(srv.getsockname()[1])))
+    pipe = RemotePipeline(tiny, Stage(tiny, parts[0], single.state), remote, config=CONFIG)
+    want = single.rollout(make_env, requests(), SAMPLING)
+    got = pipe.rollout(make_env, requests(), SAMPLING)
+    assert_same_episodes(got, want)
+    assert any(len(e.segments) > 2 for e in got)
+    # A frame outside the stage's bounds is refused and closes the connection.
+    out = remote[0].channel.request(Frame("forward", {"longest": 5, "want": "hidden"},
+                                          (np.zeros((99, 1, 128), np.float32), np.zeros(99, np.int64))))
+    assert out.op == "error" and "rows" in out.meta["message"]
+    stop.set()
