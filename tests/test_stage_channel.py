@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from stoa.fleet.stages import discovery
-from stoa.fleet.stages.frames import MAGIC, Frame, FrameError, encode, read_frame, write_frame
+from stoa.transport.frames import MAGIC, Frame, FrameError, encode, read_frame, write_frame
 from stoa.transport.store import LocalStore
 
 

@@ -111,16 +111,31 @@ __all__ = [
     "RolloutRequest",
     "RolloutStats",
     "SamplingConfig",
+    "STAGE_BACKENDS",
     "TextCodec",
     "TurnRule",
     "make_engine",
     "resolve_backend",
+    "stage_backend",
 ]
 
 BACKENDS: dict[str, str] = {"mlx": "stoa.backends.mlx", "torch": "stoa.backends.torch.engine"}
 """Backend name -> module. The module exports ``make(hf_dir, *, state, version, mode, config,
 worker_id, **options) -> RolloutEngine`` (the arguments of :func:`make_engine`). A second backend
 registers here (or its module is added at run time) and the fleet uses it with no change."""
+
+STAGE_BACKENDS: dict[str, str] = {"torch": "stoa.backends.torch.remote"}
+"""Backend name -> module that runs a model's layers as pipeline stages in several processes
+(``stoa stage``, ``stoa worker --stages N``). The module exports ``split_layers``, ``Stage``
+(a layer range and its KV cache), ``StageService`` (a stage process's side of the channel),
+``RemoteStage`` and ``RemotePipeline`` (the driver's side). Only torch has them."""
+
+
+def stage_backend(name: str = "torch") -> Any:
+    """The module :data:`STAGE_BACKENDS` names for ``name`` (imported on first use)."""
+    if name not in STAGE_BACKENDS:
+        raise EngineError(f"no pipeline stages for engine backend {name!r}; known: {sorted(STAGE_BACKENDS)}")
+    return importlib.import_module(STAGE_BACKENDS[name])
 
 
 

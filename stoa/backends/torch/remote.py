@@ -1,6 +1,6 @@
 """Stages of a :class:`~stoa.backends.torch.pipeline.Pipeline` in other processes.
 
-Two sides of one channel, each speaking :class:`stoa.fleet.stages.frames.Frame` (numpy arrays under
+Two sides of one channel, each speaking :class:`stoa.transport.frames.Frame` (numpy arrays under
 a JSON header; this module converts to and from torch and never sees a socket):
 
 * :class:`StageService`: what a stage process does with each frame it receives (its KV cache's
@@ -15,6 +15,9 @@ a JSON header; this module converts to and from torch and never sees a socket):
 the same cohort loop, so its episodes are token for token the in-process pipeline's (and the
 single engine's). A channel that fails raises ``OSError`` out of :meth:`RemotePipeline.rollout`;
 the cohort is then void and its caller drops it.
+
+This module is the torch entry of :data:`stoa.backends.engine.STAGE_BACKENDS`: the fleet's stage
+processes and drivers reach it (and ``Stage``, ``split_layers``) by that name.
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ import torch
 
 from stoa.backends.engine import EngineConfig, EngineError, SamplingConfig
 from stoa.backends.torch.engine import draw, exact_matmuls
-from stoa.backends.torch.pipeline import Pipeline, Stage
-from stoa.fleet.stages.frames import Frame, FrameError, check_array, meta_int, meta_ints
+from stoa.backends.torch.pipeline import Pipeline, Stage, split_layers
+from stoa.transport.frames import Frame, FrameError, check_array, meta_int, meta_ints
 
-__all__ = ["Channel", "RemotePipeline", "RemoteStage", "StageService"]
+__all__ = ["Channel", "RemotePipeline", "RemoteStage", "Stage", "StageService", "split_layers"]
 
 WANTS = ("hidden", "logits", "none")
 

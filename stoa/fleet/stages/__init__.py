@@ -1,7 +1,8 @@
 """Pipeline stages inside the fleet: a model's layers served by several machines.
 
-* :mod:`~stoa.fleet.stages.frames`: the activation channel's frame format (numpy arrays under a
-  JSON header, every field checked, nothing unpickled);
+The activation channel's wire format is :mod:`stoa.transport.frames` (below both this room and
+the torch backend that speaks it).
+
 * :mod:`~stoa.fleet.stages.discovery`: stages announce their address under the run, drivers read it;
 * :mod:`~stoa.fleet.stages.server`: ``stoa stage``, one stage process (layers ``[a, b)``) that
   follows the chain for its share and serves a driver;

@@ -28,8 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stoa.backends.engine import stage_backend
 from stoa.fleet.stages import discovery
-from stoa.fleet.stages.frames import Frame, FrameError, read_frame, write_frame
+from stoa.transport.frames import Frame, FrameError, read_frame, write_frame
 from stoa.fleet.stages.server import model_shape, peak_rss_mb
 from stoa.fleet.worker.worker import EXIT_CONFIG, Worker, WorkerExit
 from stoa.transport import shares
@@ -88,12 +89,10 @@ class StageRing:
 
     def __init__(self, store: ObjectStore, run: str, pipeline: str, parts: list[tuple[int, int]], layers: int,
                  tied: bool, hidden: int, vocab: int, max_payload: int) -> None:
-        from stoa.backends.torch.remote import RemoteStage
-
         self.store, self.run, self.pipeline, self.parts = store, run, pipeline, parts
         self.layers, self.tied, self.max_payload = layers, tied, max_payload
         self.links: dict[int, StageLink] = {}
-        self.remote = [RemoteStage(p, layers, hidden, vocab, _Gone(i)) for i, p in enumerate(parts) if i > 0]
+        self.remote = [stage_backend().RemoteStage(p, layers, hidden, vocab, _Gone(i)) for i, p in enumerate(parts) if i > 0]
         self.reconnects = 0
 
     def ready(self) -> bool:
@@ -268,12 +267,10 @@ class PipelineWorker(Worker):
         return got
 
     def _first_weights(self, lag: int) -> SyncResult | None:
-        from stoa.backends.torch.pipeline import split_layers
-
         assert self._model is not None
         cfg, model_dir = self._model
         layers, tied, hidden, vocab = model_shape(model_dir)
-        parts = split_layers(layers, self.stages)
+        parts = stage_backend().split_layers(layers, self.stages)
         rc = cfg.rollout
         max_payload = rc.max_batch * (2 * rc.max_episode_tokens + 64) * max(hidden, vocab) * 4 + (1 << 16)
         ring = StageRing(self.store, self.run_name, self.pipeline, parts, layers, tied, hidden, vocab, max_payload)
@@ -293,13 +290,11 @@ class PipelineWorker(Worker):
         return None
 
     def _start_engine(self, model_dir: Path, first: SyncResult, cfg: Any) -> Any:
-        from stoa.backends.torch.pipeline import Stage
-        from stoa.backends.torch.remote import RemotePipeline
-
+        sb = stage_backend()
         w = self.weights
         assert isinstance(w, StageWeights)
         rc = cfg.rollout
-        stage = Stage(model_dir, w.sub.part, first.state, rc.engine_mode)
+        stage = sb.Stage(model_dir, w.sub.part, first.state, rc.engine_mode)
         stage.version = first.version
         self.need_mb = stage.memory().total(rc.max_batch, rc.max_episode_tokens) / 2**20
         if self.max_memory_mb is not None and self.need_mb > self.max_memory_mb:
@@ -311,10 +306,12 @@ class PipelineWorker(Worker):
                 w.bring_stages(first.version)
                 break
             except (OSError, FrameError) as e:
+                if self._finished():  # its stages stop with the run: nothing to wait for
+                    raise WorkerExit(0, "the run finished while waiting for the pipeline's stages") from None
                 self._backoff(f"waiting for the stages of pipeline {self.pipeline}", e)
         else:
             raise WorkerExit(0, "stopped while waiting for the pipeline's stages")
-        engine = RemotePipeline(model_dir, stage, w.ring.remote, first.version,
+        engine = sb.RemotePipeline(model_dir, stage, w.ring.remote, first.version,
                                 rc.engine_config(cfg.model.prompt_format), self.worker_id, stage.mode)
         if self.wrap_engine is not None:
             engine = self.wrap_engine(engine, self)
@@ -326,10 +323,14 @@ class PipelineWorker(Worker):
 
     def _ready(self, rc: Any) -> bool:
         """As a worker's, once every stage is connected (a missing one is waited for, backing off
-        up to 10 s; a reconnected one is brought to the version before the next cohort)."""
+        up to 10 s, until the run finishes; a reconnected one is brought to the version before
+        the next cohort)."""
         w = self.weights
         assert isinstance(w, StageWeights)
         if not w.ring.ready():
+            if self._finished():  # the stages stop when the run finishes: do not wait for them
+                self._stop_for("the run finished")
+                return False
             try:
                 if w.ring.connect():
                     w.live.reset()

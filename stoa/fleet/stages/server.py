@@ -29,9 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stoa.backends.engine import stage_backend
 from stoa.fleet.run import fetch_run
 from stoa.fleet.stages import discovery
-from stoa.fleet.stages.frames import Frame, FrameError, meta_int, read_frame, write_frame
+from stoa.transport.frames import Frame, FrameError, meta_int, read_frame, write_frame
 from stoa.transport import pulse, shares
 from stoa.transport.chain import SYNC_ERRORS
 from stoa.transport.exchange import is_finished
@@ -71,7 +72,6 @@ class StageServer:
         host, port: where to listen (port 0: any free port); ``advertise``: the host written in the
             announcement (default ``host``).
         max_memory_mb: refuse to start when the stage's measured need is over this (None: no cap).
-        threads: torch's intra-op threads (None: torch's default).
     """
 
     def __init__(self, store: ObjectStore, run: str, public_key: Any, pipeline: str, index: int, stages: int,
@@ -115,11 +115,11 @@ class StageServer:
 
     def _join(self, model_dir: Path, cfg: Any) -> None:
         """The share of the newest version, verified, and the stage built on it."""
-        from stoa.backends.torch.pipeline import Stage, split_layers
         from stoa.transport.chain import ShareSubscriber
 
+        sb = stage_backend()
         layers, tied, _, _ = model_shape(model_dir)
-        part = split_layers(layers, self.stages)[self.index]
+        part = sb.split_layers(layers, self.stages)[self.index]
         self.sub = ShareSubscriber(self.store, self.run_name, self.public_key, part, layers, tied)
         while not self.stop.is_set():
             try:
@@ -131,7 +131,7 @@ class StageServer:
             self.stop.wait(1.0)
         else:
             return
-        self.stage = Stage(model_dir, part, r.state, cfg.rollout.engine_mode)
+        self.stage = sb.Stage(model_dir, part, r.state, cfg.rollout.engine_mode)
         self.stage.version = r.version
         rc = cfg.rollout
         self.need_mb = self.stage.memory().total(rc.max_batch, rc.max_episode_tokens) / 2**20
@@ -139,8 +139,6 @@ class StageServer:
                  part, r.version, r.bytes_read, self.need_mb)
 
     def _serve(self, cfg: Any, model_dir: Path) -> int:
-        from stoa.backends.torch.remote import StageService
-
         self._join(model_dir, cfg)
         if self.stage is None:
             return EXIT_OK
@@ -151,7 +149,7 @@ class StageServer:
             return EXIT_CONFIG
         rc = cfg.rollout
         positions = 2 * rc.max_episode_tokens + 64
-        service = StageService(self.stage, rc.max_batch, positions)
+        service = stage_backend().StageService(self.stage, rc.max_batch, positions)
         hidden, vocab = model_shape(model_dir)[2:]
         self.max_payload = rc.max_batch * positions * max(hidden, 1) * 4 + rc.max_batch * 16 + (1 << 16)
         with socket.create_server((self.host, self.port)) as srv:
