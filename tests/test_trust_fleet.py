@@ -31,14 +31,15 @@ pytestmark = pytest.mark.slow
 
 CONFIG = tiny_fleet_config(
     "trust", warmstart={"mix": {"oracle": 0.5, "guess": 0.5}, "practice_answer_only": 0},
-    trainer={"steps": 40, "checkpoint_every": 4, "skip_zero_variance_groups": False},
+    trainer={"steps": 100, "checkpoint_every": 4, "skip_zero_variance_groups": False},
     learner={"lr": 1e-5}, pulse={"anchor_every": 50},
     trust={"mode": "enrolled", "max_worker_share": 0.5, "ban_after": 2})
 
 MIN_STEPS = 12
 """The run is stopped (SIGTERM: checkpoint, report) once it has trained this many steps and every
-adversary has met its fate; its 40 steps are only a cap. A copier uploads only once it finds a fresh
-batch to copy, so a fixed run length could end between its first strike and its ban."""
+adversary has met its fate; its 100 steps are only a cap (a loaded machine once reached 40 first).
+A copier uploads only once it finds a fresh batch to copy, so a fixed run length could end between
+its first strike and its ban."""
 
 BAN_WITHIN_VERSIONS = 8
 """Every adversary that is banned is banned within this many versions of its first rejected batch
@@ -107,12 +108,16 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
                       *(["--adversary", kind] if kind else [])])
         must_ban = {kid_of[w] for w, kind in workers.items() if kind not in (None, "selective", "unenrolled")}
         deadline = time.monotonic() + 480
+        waiting_for = "the trainer's first step"
         while procs["trainer"].poll() is None and time.monotonic() < deadline:
             steps, banned = _trained(run_dir)
-            if steps >= MIN_STEPS and banned >= len(must_ban) and store.list(f"{run}/quarantine/adv-unenrolled/") \
-                    and must_ban <= set(list_bans(store, run, run_pub)[0]):
+            unenrolled = bool(store.list(f"{run}/quarantine/adv-unenrolled/"))
+            unbanned = sorted(w for w, kind in workers.items() if kid_of[w] in must_ban - set(list_bans(store, run, run_pub)[0]))
+            if steps >= MIN_STEPS and banned >= len(must_ban) and unenrolled and not unbanned:
                 procs["trainer"].send_signal(signal.SIGTERM)
                 break
+            waiting_for = (f"{steps} steps of {MIN_STEPS}, {banned} banned in the metrics of {len(must_ban)}, "
+                           f"unenrolled quarantined: {unenrolled}, ban documents missing for {unbanned}")
             time.sleep(1.0)
         assert procs["trainer"].wait(timeout=120) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
         for w in ("honest-0", "honest-1"):
@@ -125,7 +130,9 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
                 p.wait()
 
     stopped = [row for row in read_metrics(run_dir / "metrics.jsonl") if row.get("event") == "stopped"]
-    assert stopped and stopped[-1]["rl_step"] >= MIN_STEPS, "the trainer was not stopped by the test"
+    assert stopped and stopped[-1]["rl_step"] >= MIN_STEPS, (
+        f"the trainer was not stopped by the test; it was waiting for: {waiting_for}\n"
+        + (tmp_path / "trainer.log").read_text()[-3000:])
     bans, _ = list_bans(store, run, run_pub)
     report = json.loads(json.loads(store.get(f"{run}/trust.json"))["body"])
     by_name = {rec["worker_id"]: (kid, rec) for kid, rec in report["workers"].items()}
