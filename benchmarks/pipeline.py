@@ -23,8 +23,11 @@ Two channels for the frames between stages:
   it, polling every 2 ms until it exists.
 
 Reported per (channel, stages, micro-batches, one-way latency): generated tokens/s, the ratio
-to the baseline, bytes per generated token per boundary, and whether the tokens equal the
-baseline's.
+to the baseline, bytes per generated token per boundary, whether the tokens equal the baseline's,
+and each stage's idle share: 1 - busy / wall, where busy is the seconds the stage spent in its
+forward passes and sampling during the timed generation and wall is that generation's time. A
+marker frame circles the ring before the timed generation (each stage starts counting there);
+each stage sends its busy seconds back to the driver over the control queue when it stops.
 
     python benchmarks/pipeline.py [--quick] [--json out.json] [--model PATH] [--stages 2,4]
         [--latency-ms 0,20,50] [--micro 1,4] [--batch 32] [--tokens 32] [--channels tcp,store]
@@ -180,12 +183,14 @@ def seeds_of(rows: np.ndarray, pos: int) -> np.ndarray:
 
 
 class Runner:
-    """One stage's compute on per-micro-batch caches (rows of micro-batch g: its own cache)."""
+    """One stage's compute on per-micro-batch caches (rows of micro-batch g: its own cache).
+
+    ``busy`` sums the seconds spent in :meth:`forward` and :meth:`sample`; the caller zeroes it."""
 
     def __init__(self, stage) -> None:
         import torch
 
-        self.torch, self.stage, self.caches = torch, stage, {}
+        self.torch, self.stage, self.caches, self.busy = torch, stage, {}, 0.0
         from stoa.backends.sampling import HostSampler
 
         self.sampler = HostSampler()
@@ -199,18 +204,28 @@ class Runner:
             self.caches[g] = KVCache(len(st.decoder.layers), x.shape[0], s.num_key_value_heads, s.head_dim,
                                      st.decoder.dtype, st.device)
         cache = self.caches[g]
+        t0 = time.perf_counter()
         cache.ensure(longest)
         with torch.no_grad():
-            return st.decoder.forward(torch.from_numpy(np.array(x)), torch.from_numpy(start), longest, cache)
+            h = st.decoder.forward(torch.from_numpy(np.array(x)), torch.from_numpy(start), longest, cache)
+        self.busy += time.perf_counter() - t0
+        return h
 
     def sample(self, hidden, rows: np.ndarray, pos: int) -> tuple[np.ndarray, np.ndarray]:
-        logits = self.stage.decoder.logits(hidden[:, -1])
-        return self.sampler(logits.float().numpy(), seeds_of(rows, pos), 1.0, 0, 1.0)
+        t0 = time.perf_counter()
+        with self.torch.no_grad():
+            logits = self.stage.decoder.logits(hidden[:, -1])
+        out = self.sampler(logits.float().numpy(), seeds_of(rows, pos), 1.0, 0, 1.0)
+        self.busy += time.perf_counter() - t0
+        return out
 
 
 def stage_main(model: str, anchor: str, part: tuple[int, int], last: bool, inbox: dict, ready, control,
                threads: int) -> None:
-    """A stage process: load its share, report, learn where to send, then serve frames until a stop."""
+    """A stage process: load its share, report, learn where to send, then serve frames until a stop.
+
+    A ``mark`` frame starts the count of busy seconds (and CPU seconds); at the ``stop`` the stage
+    puts ``{"part", "busy_s", "cpu_s"}`` on ``ready`` before passing the stop on."""
     import torch
 
     torch.set_num_threads(threads)
@@ -221,9 +236,15 @@ def stage_main(model: str, anchor: str, part: tuple[int, int], last: bool, inbox
                "memory": asdict(stage.memory())})
     dst = make_out(control.get(timeout=300))
     src = TcpIn(lis) if lis else StoreIn(**inbox["args"])
+    cpu0 = time.process_time()
     while True:
         meta, x = unpack(src.recv())
+        if meta.get("mark"):
+            runner.busy, cpu0 = 0.0, time.process_time()
+            dst.send(pack(meta))
+            continue
         if meta.get("stop"):
+            ready.put({"part": part, "busy_s": runner.busy, "cpu_s": time.process_time() - cpu0})
             dst.send(pack(meta))
             return
         h = runner.forward(meta["g"], x, np.asarray(meta["start"], np.int64), meta["longest"])
@@ -354,13 +375,19 @@ def run_pipeline(args, model: Path, anchor: Path, parts, micro: int, one_way_ms:
             src, dst = StoreIn(**box(n - 1, 0)["args"]), StoreOut(**box(0, 0)["args"])
         generate(driver, src, dst, prompts[:, :4], 2, micro, last_local=False)  # warm-up: connections, caches
         driver.caches.clear()
+        dst.send(pack({"mark": True}))  # every stage starts counting its busy seconds; back here, all are idle
+        if not unpack(src.recv())[0].get("mark"):
+            raise RuntimeError("the ring returned a frame other than the marker")
+        sent0, driver.busy, cpu0 = dst.sent, 0.0, time.process_time()
         t0 = time.perf_counter()
         toks = generate(driver, src, dst, prompts, args.tokens, micro, last_local=False)
         dt = time.perf_counter() - t0
-        sent = dst.sent
+        busy = [{"part": parts[0], "busy_s": driver.busy, "cpu_s": time.process_time() - cpu0}]
+        sent = dst.sent - sent0
         dst.send(pack({"stop": True}))
         src.recv()
-        return {"tokens": toks, "seconds": dt, "boundary_bytes": sent, "stages": infos}
+        busy += sorted([ready.get(timeout=60) for _ in procs], key=lambda i: tuple(i["part"]))
+        return {"tokens": toks, "seconds": dt, "boundary_bytes": sent, "stages": infos, "busy": busy}
     finally:
         for p in procs:
             p.join(30)
@@ -431,14 +458,16 @@ def main() -> None:
         base = Runner(whole)
         generate(base, None, None, prompts[:, :4], 2, 1, last_local=True)
         base.caches.clear()
+        base.busy = 0.0
         t0 = time.perf_counter()
         want = generate(base, None, None, prompts, args.tokens, 1, last_local=True)
         base_s = time.perf_counter() - t0
+        base_busy = base.busy
         base_tps = args.batch * args.tokens / base_s
         del whole, base
         results["model"] = {"path": model.name, "layers": spec.num_hidden_layers, "hidden": spec.hidden_size,
                             "vocab": spec.vocab_size, "anchor_bytes": anchor.stat().st_size}
-        results["baseline"] = {"tokens_per_s": base_tps, "seconds": base_s}
+        results["baseline"] = {"tokens_per_s": base_tps, "seconds": base_s, "busy_s": base_busy}
         print(f"model {model.name}: {spec.num_hidden_layers} layers, hidden {spec.hidden_size}; batch {args.batch}, "
               f"prompt {args.prompt}, {args.tokens} generated per row; links {args.mbit:g} Mbit/s each way")
         print(f"whole model, one process: {base_tps:.1f} tok/s")
@@ -452,7 +481,7 @@ def main() -> None:
             s3.make_bucket(args.bucket)
         try:
             print(f"{'channel':8} {'stages':>6} {'micro':>5} {'one-way ms':>10} {'tok/s':>8} {'ratio':>6} "
-                  f"{'B/tok/boundary':>14} {'same tokens':>11}")
+                  f"{'B/tok/boundary':>14} {'same tokens':>11}  idle share per stage")
             for channel in channels:
                 for n in [int(x) for x in args.stages.split(",")]:
                     parts = P.split_layers(spec.num_hidden_layers, n)
@@ -466,15 +495,20 @@ def main() -> None:
                             tps = args.batch * args.tokens / got["seconds"]
                             same = int((got["tokens"] == want).all(axis=1).sum())
                             per_tok = got["boundary_bytes"] / (args.batch * args.tokens)
+                            idle = [1 - b["busy_s"] / got["seconds"] for b in got["busy"]]
                             row = {"channel": channel, "stages": n, "micro": micro, "one_way_ms": lat,
                                    "tokens_per_s": tps, "ratio": tps / base_tps, "seconds": got["seconds"],
                                    "bytes_per_token_boundary": per_tok, "rows_same_as_baseline": same,
                                    "rows": args.batch,
                                    "stage_bytes_read": [i["bytes_read"] for i in got["stages"]],
-                                   "stage_memory": [i["memory"] for i in got["stages"]]}
+                                   "stage_memory": [i["memory"] for i in got["stages"]],
+                                   "stage_busy_s": [b["busy_s"] for b in got["busy"]],
+                                   "stage_cpu_s": [b["cpu_s"] for b in got["busy"]],
+                                   "idle_share": idle}
                             results["runs"].append(row)
                             print(f"{channel:8} {n:>6} {micro:>5} {lat:>10g} {tps:>8.1f} {tps / base_tps:>6.2f} "
-                                  f"{per_tok:>14.0f} {same:>5}/{args.batch}", flush=True)
+                                  f"{per_tok:>14.0f} {same:>5}/{args.batch:<5}  "
+                                  f"{' / '.join(f'{x:.2f}' for x in idle)}", flush=True)
                             if args.json:
                                 args.json.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
         finally:
