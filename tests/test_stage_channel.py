@@ -7,6 +7,7 @@ import json
 import socket
 import struct
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -94,6 +95,21 @@ def test_advertise_names_the_host_and_optionally_the_port_a_stage_announces(tmp_
     assert (plain.announcement().host, plain.announcement().port) == ("10.0.0.7", 40123)
     with pytest.raises(ValueError, match="advertise"):
         StageServer(st, "run", pub, "p0", 1, 2, tmp_path / "c", advertise="h:99999")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="VmHWM is Linux's")
+def test_a_process_reports_its_own_peak_memory_not_its_parents():
+    """On Linux ``ru_maxrss`` carries the parent's peak across fork and exec: a stage started by a
+    big process (a benchmark holding a model) would log the parent's peak as its own."""
+    import subprocess
+    import sys
+
+    ballast = np.ones(300 << 20, np.uint8)  # 300 MiB touched in this (the parent) process
+    code = ("import resource; from stoa.fleet.stages.server import peak_rss_mb; "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, peak_rss_mb())")
+    inherited, own = map(float, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                               check=True).stdout.split())
+    assert ballast.sum() > 0 and inherited > 300 and own < 200, (inherited, own)
 
 
 # -- a remote pipeline over TCP --------------------------------------------------------------------

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import resource
 import select
 import socket
 import threading
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from stoa.backends.engine import stage_backend
+from stoa.fleet.metrics import peak_rss_mib
 from stoa.fleet.run import fetch_run
 from stoa.fleet.stages import discovery
 from stoa.transport.frames import Frame, FrameError, meta_int, read_frame, write_frame
@@ -50,8 +50,8 @@ _FRAME_TIMEOUT_S = 60.0
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident memory so far, in MiB (``getrusage``; Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's own peak resident memory so far, in MiB (:func:`stoa.fleet.metrics.peak_rss_mib`)."""
+    return peak_rss_mib()
 
 
 def model_shape(model_dir: Path) -> tuple[int, bool, int, int]:
