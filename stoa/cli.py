@@ -507,7 +507,7 @@ def stage_cmd(
     pipeline: Annotated[str, typer.Option(help="The pipeline's id (the driver's --pipeline).")] = "p0",
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port; the announcement says which).")] = 0,
-    advertise: Annotated[Optional[str], typer.Option(help="Host the driver should connect to (default: --host).")] = None,
+    advertise: Annotated[Optional[str], typer.Option(help="Address the driver should connect to, HOST or HOST:PORT ([IPv6]:PORT), when it differs from where this stage listens (a forwarded port, a proxy); default: --host and the port listened on.")] = None,
     max_memory_mb: Annotated[Optional[float], typer.Option(help="Refuse to start when this stage's weights + KV need more than this.")] = None,
     threads: Annotated[Optional[int], typer.Option(help="CPU threads the stage's math may use (default: all).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,

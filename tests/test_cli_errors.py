@@ -126,3 +126,13 @@ def test_a_trust_section_out_of_bounds_is_a_config_error():
         TrustConfig(ban_after=-1)
     with pytest.raises(ConfigError, match="trust.audit.sampling_band"):
         AuditConfig(sampling_band=0.0)
+
+
+def test_a_stage_with_a_bad_advertised_address_refuses_to_start(tmp_path):
+    from stoa.transport.signing import generate_private_key, save_keypair
+
+    _, pub = save_keypair(generate_private_key(), tmp_path / "keys", "run")
+    r = stoa("stage", "--stage", "1/2", "--store", str(tmp_path / "store"), "--run", "r", "--public-key", str(pub),
+             "--cache", str(tmp_path / "c"), "--advertise", "10.0.0.7:99999")
+    one_line_error(r, 2, "cannot start the stage", "--advertise", "1 to 65535")
+    assert not (tmp_path / "c").exists()  # refused before anything was written

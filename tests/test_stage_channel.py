@@ -7,6 +7,7 @@ import json
 import socket
 import struct
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -71,6 +72,46 @@ def test_announcements_are_validated(tmp_path):
         discovery.read_announcement(st, "run", "../x", 1)
 
 
+def test_advertise_names_the_host_and_optionally_the_port_a_stage_announces(tmp_path):
+    from types import SimpleNamespace
+
+    from stoa.fleet.stages.server import StageServer
+    from stoa.transport.signing import generate_private_key
+
+    parse = discovery.parse_advertise
+    assert parse("10.0.0.7") == ("10.0.0.7", None) and parse("stage.example:7000") == ("stage.example", 7000)
+    assert parse("[::1]:9") == ("::1", 9) and parse("[fe80::1]") == ("fe80::1", None) and parse("::1") == ("::1", None)
+    for bad in ["", "h:", ":80", "h:0", "h:65536", "h:8o", "[::1", "[::1]x", "a b:1", "h/x:1", "x" * 256, "h:+1"]:
+        with pytest.raises(ValueError, match="advertise"):
+            parse(bad)
+    st, pub = LocalStore(tmp_path / "store"), generate_private_key().public_key()
+    server = StageServer(st, "run", pub, "p0", 1, 2, tmp_path / "c", port=0, advertise="127.0.0.1:6001")
+    server.stage, server.port = SimpleNamespace(part=(1, 2)), 40123  # as after it starts listening
+    discovery.announce(st, "run", "p0", server.announcement())
+    got = discovery.read_announcement(st, "run", "p0", 1)
+    assert (got.host, got.port, got.part) == ("127.0.0.1", 6001, (1, 2))  # the proxy's port, not the one listened on
+    plain = StageServer(st, "run", pub, "p0", 1, 2, tmp_path / "c", host="0.0.0.0", advertise="10.0.0.7")
+    plain.stage, plain.port = SimpleNamespace(part=(1, 2)), 40123
+    assert (plain.announcement().host, plain.announcement().port) == ("10.0.0.7", 40123)
+    with pytest.raises(ValueError, match="advertise"):
+        StageServer(st, "run", pub, "p0", 1, 2, tmp_path / "c", advertise="h:99999")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="VmHWM is Linux's")
+def test_a_process_reports_its_own_peak_memory_not_its_parents():
+    """On Linux ``ru_maxrss`` carries the parent's peak across fork and exec: a stage started by a
+    big process (a benchmark holding a model) would log the parent's peak as its own."""
+    import subprocess
+    import sys
+
+    ballast = np.ones(300 << 20, np.uint8)  # 300 MiB touched in this (the parent) process
+    code = ("import resource; from stoa.fleet.stages.server import peak_rss_mb; "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, peak_rss_mb())")
+    inherited, own = map(float, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                               check=True).stdout.split())
+    assert ballast.sum() > 0 and inherited > 300 and own < 200, (inherited, own)
+
+
 # -- a remote pipeline over TCP --------------------------------------------------------------------
 
 torch = pytest.importorskip("torch", reason="the torch engine needs torch")
@@ -132,3 +173,28 @@ def test_a_remote_pipeline_plays_the_single_engines_episodes(tiny, single, parts
                                           (np.zeros((99, 1, 128), np.float32), np.zeros(99, np.int64))))
     assert out.op == "error" and "rows" in out.meta["message"]
     stop.set()
+
+
+def test_a_stage_that_leaves_because_the_run_finished_drops_no_cohort(tmp_path):
+    """The stages stop when the run's finish marker appears; a driver mid-cohort then loses its
+    connection. That is the end of the run, not a failed stage: the driver stops, counting nothing."""
+    from types import SimpleNamespace
+
+    from stoa.fleet.stages.driver import PipelineWorker, StageRing, StageWeights
+    from stoa.transport.exchange import mark_finished
+    from stoa.transport.signing import generate_private_key
+
+    key, st = generate_private_key(), LocalStore(tmp_path / "store")
+    w = PipelineWorker(st, "run", key.public_key(), "drv", tmp_path / "cache", pipeline="p0", stages=2)
+    ring = StageRing(st, "run", "p0", [(0, 1), (1, 2)], 2, True, 8, 16, 1 << 20)
+    w.weights = StageWeights(st, "run", key.public_key(), (0, 1), 2, True, ring)
+
+    def broken(*_):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    w.engine = SimpleNamespace(rollout=broken)
+    cohort = SimpleNamespace(seq=3, requests=[], sampling=None)
+    assert w._generate(None, cohort)[0] == [] and w.dropped_cohorts == 1 and not w._stop  # a failed stage
+    mark_finished(st, "run", key, 4)
+    assert w._generate(None, cohort)[0] == [] and w.dropped_cohorts == 1 and w._stop
+    assert w._stop_reason == "the run finished" and w.weights.damaged

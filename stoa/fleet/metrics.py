@@ -17,7 +17,7 @@ from typing import Any
 
 log = logging.getLogger("stoa.metrics")
 
-__all__ = ["MetricsSink", "read_metrics", "write_plots"]
+__all__ = ["MetricsSink", "peak_rss_mib", "read_metrics", "write_plots"]
 
 
 class MetricsSink:
@@ -63,6 +63,24 @@ class MetricsSink:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def peak_rss_mib() -> float:
+    """This process's own peak resident memory so far, in MiB: ``VmHWM`` on Linux, else
+    ``ru_maxrss``. On Linux ``ru_maxrss`` keeps the parent's peak across fork and exec, so a
+    process started by a big one (a benchmark, a test runner) would report its parent's."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**20 if sys.platform == "darwin" else 1024)  # bytes on macOS, KiB elsewhere
 
 
 def _start_wandb(run_dir: Path) -> Any:

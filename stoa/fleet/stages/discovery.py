@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass
 from stoa.transport import layout
 from stoa.transport.store import KeyNotFound, ObjectStore, ObjectTooLarge
 
-__all__ = ["ANNOUNCE_EVERY_S", "STALE_AFTER_S", "Announcement", "announce", "read_announcement", "check_pipeline_id"]
+__all__ = ["ANNOUNCE_EVERY_S", "STALE_AFTER_S", "Announcement", "announce", "read_announcement", "check_pipeline_id",
+           "parse_advertise"]
 
 ANNOUNCE_EVERY_S = 5.0
 STALE_AFTER_S = 30.0
@@ -31,6 +32,31 @@ def check_pipeline_id(name: str) -> str:
     if not isinstance(name, str) or not layout.WORKER_ID.fullmatch(name):
         raise ValueError(f"a pipeline id is 1-64 characters of [A-Za-z0-9._-], not {str(name)[:80]!r}")
     return name
+
+
+def parse_advertise(text: str) -> tuple[str, int | None]:
+    """``(host, port or None)`` from ``HOST``, ``HOST:PORT``, ``[V6]`` or ``[V6]:PORT``: the address a
+    stage announces when the driver reaches it through a forwarded port or a proxy. A bare IPv6
+    address (more than one colon) is a host without a port. ValueError on anything else."""
+    if not isinstance(text, str) or not 0 < len(text) <= 300 or any(c.isspace() for c in text):
+        raise ValueError(f"--advertise is HOST or HOST:PORT, not {str(text)[:80]!r}")
+    port: str | None = None
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or (rest and not rest.startswith(":")):
+            raise ValueError(f"--advertise {text[:80]!r}: an IPv6 address is written [ADDR] or [ADDR]:PORT")
+        port = rest[1:] if rest else None
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    else:
+        host = text
+    if not 0 < len(host) <= 255 or "/" in host:
+        raise ValueError(f"--advertise {text[:80]!r}: the host must be 1-255 characters, without '/'")
+    if port is None:
+        return host, None
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"--advertise {text[:80]!r}: the port must be a number from 1 to 65535")
+    return host, int(port)
 
 
 @dataclass(frozen=True)

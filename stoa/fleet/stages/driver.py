@@ -35,7 +35,7 @@ from stoa.fleet.stages.server import model_shape, peak_rss_mb
 from stoa.fleet.worker.worker import EXIT_CONFIG, Worker, WorkerExit
 from stoa.transport import shares
 from stoa.transport.chain import SYNC_ERRORS, SyncResult
-from stoa.transport.store import ObjectStore
+from stoa.transport.store import ObjectStore, StoreError
 
 __all__ = ["PipelineWorker", "StageLink", "StageRefused", "StageRing", "StageWeights"]
 
@@ -347,14 +347,25 @@ class PipelineWorker(Worker):
         return super()._ready(rc)
 
     def _generate(self, make_env: Any, cohort: Any) -> tuple[list[Any], float]:
-        """The cohort's episodes; none when a stage failed on the way (the cohort is void)."""
+        """The cohort's episodes; none when a stage failed on the way (the cohort is void). A
+        stage that left because the run finished (its marker appeared mid-cohort) is no failure:
+        the driver stops too."""
         try:
             return super()._generate(make_env, cohort)
         except OSError as e:  # a lost stage, a broken frame, a timeout
-            self.dropped_cohorts += 1
             assert isinstance(self.weights, StageWeights)
             self.weights.ring.drop()
             self.weights.damaged = True
+            try:
+                finished = self._finished()
+            except StoreError:
+                finished = False
+            if finished:
+                log.info("the run finished during the cohort of number %d (its stages stop with it): nothing of it "
+                         "is uploaded", cohort.seq)
+                self._stop_for("the run finished")
+                return [], 1e-9
+            self.dropped_cohorts += 1
             log.warning("a stage failed during the cohort of number %d (%s: %s): nothing of it is uploaded; it is "
                         "made again once every stage is back", cohort.seq, type(e).__name__, str(e)[:300])
             self._sleep(1.0)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import resource
 import select
 import socket
 import threading
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from stoa.backends.engine import stage_backend
+from stoa.fleet.metrics import peak_rss_mib
 from stoa.fleet.run import fetch_run
 from stoa.fleet.stages import discovery
 from stoa.transport.frames import Frame, FrameError, meta_int, read_frame, write_frame
@@ -50,8 +50,8 @@ _FRAME_TIMEOUT_S = 60.0
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident memory so far, in MiB (``getrusage``; Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's own peak resident memory so far, in MiB (:func:`stoa.fleet.metrics.peak_rss_mib`)."""
+    return peak_rss_mib()
 
 
 def model_shape(model_dir: Path) -> tuple[int, bool, int, int]:
@@ -69,8 +69,11 @@ class StageServer:
         pipeline: the pipeline's id (its stages and its driver name the same one).
         index, stages: which stage of how many.
         cache_dir: the run's model files and this stage's key (``stage.key``).
-        host, port: where to listen (port 0: any free port); ``advertise``: the host written in the
-            announcement (default ``host``).
+        host, port: where to listen (port 0: any free port).
+        advertise: the address written in the announcement, ``HOST`` or ``HOST:PORT``
+            (:func:`~stoa.fleet.stages.discovery.parse_advertise`; default: ``host`` and the port
+            listened on); a port is for a driver that reaches the stage through a forwarded port
+            or a proxy.
         max_memory_mb: refuse to start when the stage's measured need is over this (None: no cap).
     """
 
@@ -81,7 +84,8 @@ class StageServer:
             raise ValueError(f"stage {index} of {stages}: a stage process serves 1 .. {stages - 1} (0 is the driver)")
         self.store, self.run_name, self.public_key = store, run, load_public_key(public_key)
         self.pipeline, self.index, self.stages = discovery.check_pipeline_id(pipeline), index, stages
-        self.cache_dir, self.host, self.port, self.advertise = Path(cache_dir), host, port, advertise or host
+        self.cache_dir, self.host, self.port = Path(cache_dir), host, port
+        self.advertise, self.advertise_port = discovery.parse_advertise(advertise) if advertise else (host, None)
         self.max_memory_mb, self.wait_seconds = max_memory_mb, wait_seconds
         self.key_id = key_id(load_or_create_worker_key(self.cache_dir / "stage.key").public_key())
         self.stop = threading.Event()
@@ -157,8 +161,8 @@ class StageServer:
             srv.settimeout(_IDLE_POLL_S)
             beat = threading.Thread(target=self._announce_loop, daemon=True)
             beat.start()
-            log.info("stage %d/%d of pipeline %s listening on %s:%d", self.index, self.stages, self.pipeline,
-                     self.advertise, self.port)
+            log.info("stage %d/%d of pipeline %s listening on %s:%d, announced as %s:%d", self.index, self.stages,
+                     self.pipeline, self.host, self.port, self.advertise, self.announced_port)
             while not self.stop.is_set():
                 try:
                     conn, peer = srv.accept()
@@ -168,6 +172,16 @@ class StageServer:
                     self._driver(conn, peer, service)
         return EXIT_OK
 
+    def announcement(self) -> discovery.Announcement:
+        """What this stage announces now: its layers, and ``advertise``'s host and port (the port
+        listened on when ``advertise`` names none)."""
+        return discovery.Announcement(self.index, self.stages, self.stage.part, self.advertise, self.announced_port,
+                                      self.key_id, time.time())
+
+    @property
+    def announced_port(self) -> int:
+        return self.advertise_port or self.port
+
     def _announce_loop(self) -> None:
         while not self.stop.is_set():
             try:
@@ -175,8 +189,7 @@ class StageServer:
                     log.info("the run finished; stage %d/%d stopping", self.index, self.stages)
                     self.stop.set()
                     return
-                discovery.announce(self.store, self.run_name, self.pipeline, discovery.Announcement(
-                    self.index, self.stages, self.stage.part, self.advertise, self.port, self.key_id, time.time()))
+                discovery.announce(self.store, self.run_name, self.pipeline, self.announcement())
             except (StoreError, SignatureError, OSError) as e:
                 log.warning("announcing stage %d: %s", self.index, e)
             self.stop.wait(discovery.ANNOUNCE_EVERY_S)

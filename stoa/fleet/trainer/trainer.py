@@ -53,7 +53,7 @@ from stoa.errors import ExpectedFailure
 from stoa.fleet import lifetime
 from stoa.fleet.config import RunConfig
 from stoa.fleet.intake import Intake, Taken
-from stoa.fleet.metrics import MetricsSink
+from stoa.fleet.metrics import MetricsSink, peak_rss_mib
 from stoa.fleet.parity import check_floor, check_trainer
 from stoa.fleet.run import delete_heartbeat, publish_run, read_heartbeats
 from stoa.fleet.trainer.fleetwatch import FleetWatch, store_metrics
@@ -81,12 +81,8 @@ WATCH_IDLE_S = 5.0
 
 
 def peak_rss_gib() -> float:
-    """This process's peak resident memory so far, in GiB (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
-    import resource
-    import sys
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return round(peak / (2**30 if sys.platform == "darwin" else 2**20), 3)
+    """This process's own peak resident memory so far, in GiB (:func:`stoa.fleet.metrics.peak_rss_mib`)."""
+    return round(peak_rss_mib() / 1024, 3)
 
 
 class StartRefused(ExpectedFailure, RuntimeError):

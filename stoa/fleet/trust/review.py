@@ -126,6 +126,7 @@ class Review:
         self.seconds = {"replay": 0.0, "audit": 0.0, "spot_check": 0.0, "sampling": 0.0, "episode_check": 0.0}
         self.counts = {"spot_checks": 0, "episodes_replayed": 0, "episodes_audited": 0, "sampled_tokens_checked": 0,
                        "sampled_tokens_ambiguous": 0, "sampling_violations": 0, "episodes_checked": 0}
+        self.claim_gap = 0.0  # the largest |claimed log mu - int8 re-score at the claimed version| seen
         if replayer is not None and replay and not replayer.replayable:
             log.warning("the task is not replayable (TextEnv.replayable = False): episodes are audited only")
         self.replayer = replayer if replay and replayer is not None and replayer.replayable else None
@@ -163,6 +164,7 @@ class Review:
                                            "are neither held nor rebuildable from the weight chain")
         self.counts["episodes_checked"] += len(eps)
         lps = compare_logprobs(eps, [(d.at, d.logprobs) for d in draws], self.cfg)
+        self.claim_gap = max(self.claim_gap, lps.worst)
         if lps.confirmed:
             return Verdict("audit", f"log-prob check: {lps.detail}", ban=True)
         why = self._sampling(b, eps, seed, [d.margins for d in draws])
@@ -225,6 +227,7 @@ class Review:
             return Verdict("unverifiable", f"{reason}; the spot-check cannot be made: version {b.version}'s int8 "
                                            "weights are neither held nor rebuildable from the weight chain")
         result = spot_check(lambda _: scored, eps, self.audit.config)
+        self.claim_gap = max(self.claim_gap, result.worst)
         drawn = None if result.confirmed or seed is None else self._sampling(b, eps, seed)
         self.seconds["spot_check"] += time.perf_counter() - t0
         self.counts["spot_checks"] += 1
@@ -281,9 +284,14 @@ class Review:
         return floor
 
     def metrics(self) -> dict[str, float]:
-        """``trust/...`` seconds and counts of the checks, and the audit's floor and fleet median."""
+        """``trust/...`` seconds and counts of the checks, the audit's floor and fleet median, and
+        ``trust/claim_gap_max``: the largest gap between a claimed log mu and the int8 re-score at
+        its claimed version over every token re-scored (what an honest engine's numerics leave;
+        ``audit.spot_check_tolerance`` is the bound)."""
         out = {**{f"trust/{k}_s": round(v, 4) for k, v in self.seconds.items()},
                **{f"trust/{k}": float(v) for k, v in self.counts.items()}}
+        if self.counts["episodes_checked"] or self.counts["spot_checks"]:
+            out["trust/claim_gap_max"] = self.claim_gap
         if self.audit.floor is not None:
             out["trust/audit_floor"] = self.audit.floor
         f = self.audit.fleet("0")
