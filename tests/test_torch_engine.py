@@ -23,6 +23,7 @@ CORPUS = SyntheticConfig(seed=0, num_entities=40, num_test_facts=10)
 MODEL = TinyConfig(vocab_size=1024, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                    intermediate_size=256, seed=0)
 SAMPLING = SamplingConfig(max_turn_tokens=12, max_episode_tokens=400, seed=7)
+qlinear_ok = __import__("stoa.backends.torch.qlinear", fromlist=["available"]).available()[0]
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -63,7 +64,8 @@ def worst(xs, ys, eps) -> float:
 
 def test_state_is_the_trainers_quantization_and_from_state_matches(tiny, eng):
     trainer_state = quant.quantize_state(float_weights(tiny))
-    assert eng.state_hash() == pulse.state_hash(trainer_state) and eng.mode == "dequantized"
+    assert eng.state_hash() == pulse.state_hash(trainer_state)
+    assert eng.mode == ("quantized" if qlinear_ok else "dequantized")
     other = make_engine(tiny, "torch", state=trainer_state, version=5, device="cpu")
     assert other.version == 5 and other.state_hash() == eng.state_hash()
     a, b = other.rollout(make_env, requests(2, 2), SAMPLING), eng.rollout(make_env, requests(2, 2), SAMPLING)
@@ -79,7 +81,7 @@ def test_state_is_the_trainers_quantization_and_from_state_matches(tiny, eng):
         make_engine(tiny, "torch", state={**trainer_state, codes: trainer_state[codes].astype(np.float32)},
                     device="cpu")
     with pytest.raises(EngineError, match="mode"):
-        make_engine(tiny, "torch", mode="quantized", device="cpu")
+        make_engine(tiny, "torch", mode="int4", device="cpu")
 
 
 def test_auto_picks_torch_off_apple_silicon_and_the_run_config_accepts_it(tiny):
@@ -95,8 +97,11 @@ def test_auto_picks_torch_off_apple_silicon_and_the_run_config_accepts_it(tiny):
         assert type(make_engine(tiny, "auto", device="cpu")).__name__ == "TorchEngine"
 
 
-def test_delta_applied_live_gives_the_trainers_state(tiny):
-    eng = make_engine(tiny, "torch", config=EngineConfig(max_batch=16), device="cpu")
+@pytest.mark.parametrize("mode", ["quantized", "dequantized"])
+def test_delta_applied_live_gives_the_trainers_state(tiny, mode):
+    if mode == "quantized" and not qlinear_ok:
+        pytest.skip("the int8 kernel is unavailable here")
+    eng = make_engine(tiny, "torch", config=EngineConfig(max_batch=16), device="cpu", mode=mode)
     old = {k: v.copy() for k, v in eng.state.items()}
     w = float_weights(tiny)
     rng = np.random.default_rng(1)
@@ -110,7 +115,7 @@ def test_delta_applied_live_gives_the_trainers_state(tiny):
     changed = eng.apply_delta(1, blob)
     assert eng.version == 1 and eng.state_hash() == pulse.state_hash(new_state)
     assert set(changed) == {k for k in old if not np.array_equal(old[k], new_state[k])}
-    fresh = make_engine(tiny, "torch", state=new_state, version=1, device="cpu")
+    fresh = make_engine(tiny, "torch", state=new_state, version=1, device="cpu", mode=mode)
     live, ref = eng.score(before), fresh.score(before)
     for a, b, c in zip(live, ref, score_before):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)  # only the touched slices were rebuilt, and rightly
@@ -123,6 +128,20 @@ def test_delta_applied_live_gives_the_trainers_state(tiny):
     assert eng.version == 3 and eng.state_hash() == pulse.state_hash(old)
     for a, b in zip(eng.score(before), score_before):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+
+
+def test_quantized_mode_draws_the_dequantized_modes_episodes_holding_no_float_weights(tiny, eng):
+    """auto on a CPU computes on the state's int8 codes (no float32 copy of a matrix) and draws what
+    the float32 weights of record draw; the trainer's checks hold unchanged."""
+    if not qlinear_ok:
+        pytest.skip("the int8 kernel is unavailable here")
+    assert eng.mode == "quantized"
+    assert all(t.is_meta for n, t in eng.decoder.views.items() if n.endswith("proj.weight") or "embed" in n)
+    f32 = make_engine(tiny, "torch", config=EngineConfig(max_batch=16), device="cpu", mode="dequantized")
+    a, b = eng.rollout(make_env, requests(4, 3), SAMPLING), f32.rollout(make_env, requests(4, 3), SAMPLING)
+    assert same_tokens(a, b) >= len(a) - 1
+    assert worst([e.behavior_logprobs() for e in a], f32.score(a), a) < 1e-5
+    assert all(d.margins.min() > -1e-4 for d in f32.check_draws(a, [SAMPLING.seed] * len(a)))
 
 
 def test_no_weight_swap_inside_a_cohort(tiny):

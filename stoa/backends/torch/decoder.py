@@ -13,15 +13,21 @@ length, with no padding inside a row. A forward pass feeds ``m`` new tokens to e
 rows, writing their keys at positions ``start .. start + m - 1`` of the rows' slots; a query
 at position ``p`` attends to positions ``<= p`` of its row (and ``> p - window`` on sliding
 layers). Positions a row has not written yet hold stale values and are never attended to.
+
+``quantized=True`` (CPUs): the int8 matrices hold no float32 copy; after :meth:`Decoder.bind`
+every projection, the head and the embedding lookup compute on the weight state's own codes
+(:class:`stoa.backends.torch.qlinear.QLinear`, the weights of record dequantized in cache).
 """
 
 from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import torch
+import numpy as np
 import torch.nn.functional as F
 
 from stoa.models.hfconfig import ModelSpec
@@ -84,9 +90,14 @@ class KVCache:
                     t[dst, :, :length] = t[src, :, :length]
 
 
+def _linear(x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w^T + b`` for a float matrix or a :class:`~stoa.backends.torch.qlinear.QLinear`."""
+    return F.linear(x, w, b) if isinstance(w, torch.Tensor) else w(x, b)
+
+
 @dataclass(frozen=True)
 class _Layer:
-    qkv: torch.Tensor
+    qkv: torch.Tensor  # or a QLinear (quantized decoders, once bound); so are o, gate_up and down
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
     o_bias: torch.Tensor | None
@@ -128,7 +139,8 @@ class Decoder:
     tensors, and a :class:`KVCache` for it has ``b - a`` layers."""
 
     def __init__(self, spec: ModelSpec, config, device: torch.device, dtype: torch.dtype = torch.float32,
-                 attention_bias: bool = False, mlp_bias: bool = False, part: tuple[int, int] | None = None) -> None:
+                 attention_bias: bool = False, mlp_bias: bool = False, part: tuple[int, int] | None = None,
+                 quantized: bool = False) -> None:
         if spec.model_type not in FAMILIES:
             raise ValueError(f"model_type {spec.model_type!r} is not one of {FAMILIES}")
         n_layers = spec.num_hidden_layers
@@ -143,13 +155,20 @@ class Decoder:
         self.dims = (nq * d, nkv * d, nkv * d)
         qkv_bias = spec.model_type == "qwen2" or attention_bias
         new = lambda *shape: torch.empty(shape, dtype=dtype, device=self.device)  # noqa: E731
+        if quantized and (self.device.type != "cpu" or dtype != torch.float32):
+            raise ValueError("a quantized decoder computes float32 on the CPU")
+        self.quantized = quantized
+        # int8 matrices of a quantized decoder: shape-only (meta) tensors, so views still name them
+        mat = (lambda *shape: torch.empty(shape, dtype=dtype, device="meta") if shape[-1] % 64 == 0  # noqa: E731
+               else new(*shape)) if quantized else new
+        self.qembed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.views: dict[str, torch.Tensor] = {}
         tied = spec.tie_word_embeddings
         self.embed = self.head = self.final_norm = None
         if self.first or (self.last and tied):
-            self.embed = self._param("model.embed_tokens.weight", new(spec.vocab_size, h))
+            self.embed = self._param("model.embed_tokens.weight", mat(spec.vocab_size, h))
         if self.last:
-            self.head = self.embed if tied else self._param("lm_head.weight", new(spec.vocab_size, h))
+            self.head = self.embed if tied else self._param("lm_head.weight", mat(spec.vocab_size, h))
             self.final_norm = self._param("model.norm.weight", new(h))
         norm_names = ["input_layernorm", "post_attention_layernorm"]
         if self.gemma:
@@ -159,7 +178,7 @@ class Decoder:
         rope_kinds = sorted({t for t in spec.layer_types}) if spec.model_type == "gemma3_text" else [None]
         for i in range(lo, hi):
             p = f"model.layers.{i}."
-            qkv = new(sum(self.dims), h)
+            qkv = mat(sum(self.dims), h)
             qb = new(sum(self.dims)) if qkv_bias else None
             a, b = 0, 0
             for name, n_out in zip(("q", "k", "v"), self.dims):
@@ -168,7 +187,7 @@ class Decoder:
                 if qb is not None:
                     self.views[f"{p}self_attn.{name}_proj.bias"] = qb[a:b]
                 a = b
-            gu = new(2 * inter, h)
+            gu = mat(2 * inter, h)
             self.views[f"{p}mlp.gate_proj.weight"], self.views[f"{p}mlp.up_proj.weight"] = gu[:inter], gu[inter:]
             gub = new(2 * inter) if mlp_bias else None
             if gub is not None:
@@ -179,9 +198,9 @@ class Decoder:
                 norms["k_norm"] = self._param(f"{p}self_attn.k_norm.weight", new(d))
             kind = spec.layer_types[i] if spec.layer_types else None
             self.layers.append(_Layer(
-                qkv, qb, self._param(f"{p}self_attn.o_proj.weight", new(h, nq * d)),
+                qkv, qb, self._param(f"{p}self_attn.o_proj.weight", mat(h, nq * d)),
                 self._param(f"{p}self_attn.o_proj.bias", new(h)) if attention_bias else None,
-                gu, gub, self._param(f"{p}mlp.down_proj.weight", new(h, inter)),
+                gu, gub, self._param(f"{p}mlp.down_proj.weight", mat(h, inter)),
                 self._param(f"{p}mlp.down_proj.bias", new(h)) if mlp_bias else None,
                 norms, spec.windows[i] if spec.layer_types else None,
                 rope_kinds.index(kind) if spec.model_type == "gemma3_text" else 0))
@@ -193,6 +212,52 @@ class Decoder:
         if self.gemma:  # transformers: sqrt(hidden) in the weights' dtype (Gemma 3: rounded to bfloat16)
             s = torch.tensor(h ** 0.5, dtype=torch.bfloat16 if spec.model_type == "gemma3_text" else dtype)
             self.embed_scale = s.to(dtype).to(self.device)
+
+    # -- int8 weights (quantized decoders) ----------------------------------------------------------
+    def bind(self, state: Mapping[str, np.ndarray], names: set[str] | None = None) -> None:
+        """Point a quantized decoder's int8 matrices at ``state``'s codes (kept and used in place),
+        with float32 scales and biases; ``names`` (state entries written since the last bind, None:
+        all) limits the work to the matrices they touch."""
+        from stoa.backends.torch.qlinear import QLinear
+
+        def part(name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            stem = name[: -len(".weight")]
+            return state[name], state[stem + ".scales"], state[stem + ".biases"]
+
+        def touched(*weights: str) -> bool:
+            return names is None or any(w[: -len("weight")] + leaf in names for w in weights
+                                        for leaf in ("weight", "scales", "biases"))
+
+        def q(current, *weights: str):
+            if not all(w in self.views and self.views[w].is_meta for w in weights):
+                return current
+            if isinstance(current, QLinear) and not touched(*weights):
+                return current
+            return QLinear([part(w) for w in weights])
+
+        lo = self.part[0]
+        for j, ly in enumerate(self.layers):
+            p = f"model.layers.{lo + j}."
+            a = p + "self_attn."
+            self.layers[j] = replace(
+                ly, qkv=q(ly.qkv, a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                o=q(ly.o, a + "o_proj.weight"), gate_up=q(ly.gate_up, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=q(ly.down, p + "mlp.down_proj.weight"))
+        emb = "model.embed_tokens.weight"
+        if self.head is not None:
+            self.head = q(self.head, emb if self.spec.tie_word_embeddings else "lm_head.weight")
+        if self.embed is not None and emb in self.views and self.views[emb].is_meta and touched(emb):
+            c, s, b = part(emb)
+            self.qembed = (torch.from_numpy(c), torch.from_numpy(np.ascontiguousarray(s, dtype=np.float32)),
+                           torch.from_numpy(np.ascontiguousarray(b, dtype=np.float32)))
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qembed is None:
+            return F.embedding(ids, self.embed)
+        c, s, b = self.qembed  # the rows of record: code * scale, then + bias, in float32
+        w = c[ids].to(torch.float32).unflatten(-1, (-1, 64))
+        w.mul_(s[ids][..., None]).add_(b[ids][..., None])
+        return w.flatten(-2)
 
     def _param(self, name: str, t: torch.Tensor) -> torch.Tensor:
         self.views[name] = t
@@ -241,7 +306,7 @@ class Decoder:
         masks = {w: mk[:, None, None] for w, mk in masks.items()}  # [n, 1, 1, m, L]
         rsel = torch.arange(n, device=self.device) if rows is None else rows
         if self.first:
-            x = F.embedding(ids, self.embed)
+            x = self._embed(ids)
             if self.embed_scale is not None:
                 x = x * self.embed_scale
         else:
@@ -257,7 +322,7 @@ class Decoder:
         n, m, _ = x.shape
         nq, nkv, d = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
         a = _rms(x, ly.norms["input_layernorm"], eps, g)
-        q, k, v = F.linear(a, ly.qkv, ly.qkv_bias).split(self.dims, dim=-1)
+        q, k, v = _linear(a, ly.qkv, ly.qkv_bias).split(self.dims, dim=-1)
         q, k, v = q.view(n, m, nq, d), k.view(n, m, nkv, d), v.view(n, m, nkv, d)
         if "q_norm" in ly.norms:
             q, k = _rms(q, ly.norms["q_norm"], eps, g), _rms(k, ly.norms["k_norm"], eps, g)
@@ -281,7 +346,7 @@ class Decoder:
             p = torch.softmax(s, dim=-1, dtype=torch.float32).to(x.dtype)
             torch.matmul(p.view(r1 - r0, nkv, rep * m, longest), vals[r0:r1], out=out[r0:r1])
         attn = out.view(n, nkv, rep, m, d).permute(0, 3, 1, 2, 4).reshape(n, m, nq * d)
-        o = F.linear(attn, ly.o, ly.o_bias)
+        o = _linear(attn, ly.o, ly.o_bias)
         if g:
             o = _rms(o, ly.norms["post_attention_layernorm"], eps, g)
             x = x + o
@@ -289,16 +354,16 @@ class Decoder:
         else:
             x = x + o
             a = _rms(x, ly.norms["post_attention_layernorm"], eps, g)
-        gate, up = F.linear(a, ly.gate_up, ly.gate_up_bias).chunk(2, dim=-1)
+        gate, up = _linear(a, ly.gate_up, ly.gate_up_bias).chunk(2, dim=-1)
         act = F.gelu(gate, approximate="tanh") if g else F.silu(gate)
-        f = F.linear(act * up, ly.down, ly.down_bias)
+        f = _linear(act * up, ly.down, ly.down_bias)
         if g:
             f = _rms(f, ly.norms["post_feedforward_layernorm"], eps, g)
         return x + f
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of final hidden states (Gemma 2's final soft-capping included)."""
-        z = F.linear(hidden, self.head).float()
+        z = _linear(hidden, self.head, None).float()
         cap = self.spec.final_logit_softcapping
         return torch.tanh(z / cap) * cap if cap else z
 

@@ -43,8 +43,8 @@ from stoa.types import Episode
 __all__ = ["ENGINE_DTYPES", "MODES", "TorchEngine", "check_state", "draw", "exact_matmuls", "make", "pretrained_state", "rebuild",
            "state_layout"]
 
-MODES = ("auto", "dequantized", "bfloat16")
-ENGINE_DTYPES = {"dequantized": torch.float32, "bfloat16": torch.bfloat16}
+MODES = ("auto", "quantized", "dequantized", "bfloat16")
+ENGINE_DTYPES = {"quantized": torch.float32, "dequantized": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -56,9 +56,20 @@ def resolve_device(setting: str) -> torch.device:
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:
+    """``auto``: ``quantized`` on a CPU where the int8 kernel builds, else ``dequantized``."""
+    from stoa.backends.torch import qlinear
+
     if mode not in MODES:
-        raise EngineError(f"mode={mode!r} must be one of {MODES} (the torch engine has no int8 kernels)")
-    return "dequantized" if mode == "auto" else mode
+        raise EngineError(f"mode={mode!r} must be one of {MODES}")
+    if mode == "quantized":
+        if device.type != "cpu":
+            raise EngineError("mode='quantized' runs on CPUs (on a GPU use 'dequantized' or 'bfloat16')")
+        ok, why = qlinear.available()
+        if not ok:
+            raise EngineError(f"mode='quantized' needs the int8 kernel: {why}")
+    if mode == "auto":
+        return "quantized" if device.type == "cpu" and qlinear.available()[0] else "dequantized"
+    return mode
 
 
 @contextlib.contextmanager
@@ -118,13 +129,18 @@ def check_state(state: Any, layout: dict[str, tuple[tuple[int, ...], bool]],
 def rebuild(decoder: D.Decoder, layout: dict[str, tuple[tuple[int, ...], bool]], state: dict[str, np.ndarray],
             names: Sequence[str]) -> None:
     """Recompute ``decoder``'s tensors that depend on state entries ``names`` (or parameter names):
-    the weights of record, ``code * scale + bias`` in float32, cast to the decoder's dtype."""
+    the weights of record, ``code * scale + bias`` in float32, cast to the decoder's dtype. A
+    quantized decoder computes on the state's codes themselves: its int8 matrices are re-bound."""
+    if decoder.quantized:
+        decoder.bind(state, None if len(names) >= len(layout) else set(names))
     targets = set()
     for n in names:
         stem, _, leaf = n.rpartition(".")
         targets.add(stem + ".weight" if leaf in ("scales", "biases") and stem + ".weight" in layout else n)
     dev = decoder.device
     for t in sorted(targets):
+        if decoder.views[t].is_meta:  # an int8 matrix of a quantized decoder (bound above)
+            continue
         a = state[t]
         if layout[t][1]:
             stem = t[: -len(".weight")]
@@ -163,7 +179,7 @@ class TorchEngine:
         cfg = AutoConfig.from_pretrained(self.hf_dir)
         self.decoder = D.Decoder(spec, cfg, self.device, ENGINE_DTYPES[self._mode],
                                  attention_bias=bool(getattr(cfg, "attention_bias", False)),
-                                 mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
+                                 mlp_bias=bool(getattr(cfg, "mlp_bias", False)), quantized=self._mode == "quantized")
         self.state_layout = state_layout(self.decoder)
         check_state(state, self.state_layout, None)
         self._state = {k: np.array(v, copy=True, order="C") for k, v in state.items()}

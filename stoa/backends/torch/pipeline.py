@@ -93,7 +93,8 @@ class Stage:
         try:
             self.decoder = D.Decoder(spec, cfg, self.device, ENGINE_DTYPES[self.mode],
                                      attention_bias=bool(getattr(cfg, "attention_bias", False)),
-                                     mlp_bias=bool(getattr(cfg, "mlp_bias", False)), part=part)
+                                     mlp_bias=bool(getattr(cfg, "mlp_bias", False)), part=part,
+                                     quantized=self.mode == "quantized")
         except ValueError as e:
             raise EngineError(str(e)) from None
         self.part, self.first, self.last = self.decoder.part, self.decoder.first, self.decoder.last
@@ -114,6 +115,8 @@ class Stage:
     def memory(self) -> StageMemory:
         seen, weights = set(), 0
         for t in self.decoder.views.values():
+            if t.is_meta:  # an int8 matrix computed on the share's own codes
+                continue
             st = t.untyped_storage()
             if st.data_ptr() not in seen:
                 seen.add(st.data_ptr())

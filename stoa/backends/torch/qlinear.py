@@ -1,0 +1,185 @@
+"""The torch engine's int8 matmul on CPUs: a small C kernel over the weight state's own codes.
+
+``QLinear`` computes ``x @ W^T`` where ``W = code * scale + bias`` per group of 64 inputs is the
+int8 state of record, without a float32 copy of ``W``: the kernel (``kernels/qmatmul.c``)
+dequantizes a few hundred rows at a time into a cache-resident buffer exactly as the weights of
+record are computed (``stoa.transport.quant.dequantize``: the product rounded, then the bias
+added) and multiplies in float32, so its results are a float32 matmul's on the same weights up to
+the order of the sums, while it reads one byte per weight from memory instead of four and the
+engine holds no float32 weights at all. The codes are the state's numpy arrays, shared: a PULSE
+delta written into the state in place is what the next call computes with.
+
+The kernel is compiled once per machine with the system C compiler (``$CC``, else ``cc``/``gcc``;
+``-O3 -march=native -fopenmp``) into ``$STOA_KERNEL_CACHE`` (default ``~/.cache/stoa/kernels``),
+keyed by the source's hash, the compiler and the CPU's flags, and loaded with ``ctypes``.
+:func:`available` says whether it could be, and why not; the engine's ``auto`` mode falls back
+to float32 weights when it cannot.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["QLinear", "available", "kernel_path"]
+
+_SOURCE = Path(__file__).with_name("kernels") / "qmatmul.c"
+_P = ctypes.c_void_p
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_why: str | None = None
+
+
+def _cpu_key() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return hashlib.sha256(line.encode()).hexdigest()[:12]
+    except OSError:
+        pass
+    return hashlib.sha256(platform.processor().encode()).hexdigest()[:12]
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return shutil.which(cc)
+    return None
+
+
+def kernel_path() -> Path | None:
+    """Where this machine's build of the kernel lives (None: no C compiler)."""
+    cc = _compiler()
+    if cc is None:
+        return None
+    src = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    tag = hashlib.sha256(f"{cc}|{platform.machine()}|{_cpu_key()}".encode()).hexdigest()[:12]
+    root = Path(os.environ.get("STOA_KERNEL_CACHE", Path.home() / ".cache" / "stoa" / "kernels"))
+    return root / f"qmatmul-{src}-{tag}.so"
+
+
+def _build(out: Path, cc: str) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    flags = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11"]
+    native = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else ["-mcpu=native"]
+    try:
+        r = subprocess.run([cc, *flags, *native, "-o", tmp, str(_SOURCE)], capture_output=True, text=True,
+                           timeout=300)
+        if r.returncode != 0:  # a compiler without -march/-mcpu=native: the portable build
+            r = subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise OSError(f"{cc} failed: {r.stderr.strip()[-400:]}")
+        os.replace(tmp, out)  # atomic: racing builders each install a whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _why
+    with _lock:
+        if _lib is not None or _why is not None:
+            return _lib
+        if os.environ.get("STOA_NO_KERNELS"):
+            _why = "STOA_NO_KERNELS is set"
+            return None
+        path = kernel_path()
+        if path is None:
+            _why = "no C compiler found ($CC, cc, gcc, clang)"
+            return None
+        try:
+            if not path.is_file():
+                _build(path, _compiler())
+            lib = ctypes.CDLL(str(path))
+        except (OSError, subprocess.SubprocessError) as e:
+            _why = f"could not build or load the int8 kernel: {e}"
+            return None
+        lib.stoa_qmatmul.restype = ctypes.c_int
+        lib.stoa_qmatmul.argtypes = [_P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, _P, _P, _P, _P, _P,
+                                     ctypes.c_int64, ctypes.c_int]
+        lib.stoa_qmatmul_width.restype = ctypes.c_int
+        _lib = lib
+        return lib
+
+
+def available() -> tuple[bool, str]:
+    """(whether the kernel is usable here, a reason when not / its vector width when it is)."""
+    lib = _load()
+    if lib is None:
+        return False, str(_why)
+    return True, f"{lib.stoa_qmatmul_width()} float32 lanes"
+
+
+def _f32(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+class QLinear:
+    """``x @ [W_0; W_1; ...]^T`` (the matrices' outputs side by side) for int8 matrices of the same
+    input width, given as ``(codes, scales, biases)`` numpy arrays of the weight state (codes uint8
+    ``[out, in]``, C-contiguous; scales and biases ``[out, in / 64]`` in any float dtype). The codes
+    are used in place; float32 copies of scales and biases are made only when they are not float32
+    already (:meth:`refresh` re-reads them after a write)."""
+
+    def __init__(self, parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+        lib = _load()
+        if lib is None:
+            raise RuntimeError(str(_why))
+        self._lib = lib
+        self.parts = [tuple(p) for p in parts]
+        widths = {int(c.shape[1]) for c, _, _ in self.parts}
+        if len(widths) != 1:
+            raise ValueError(f"matrices of one QLinear share their input width, got {sorted(widths)}")
+        self.in_features = widths.pop()
+        if self.in_features % 64:
+            raise ValueError(f"input width {self.in_features} is not a multiple of 64")
+        for c, s, b in self.parts:
+            if c.dtype != np.uint8 or not c.flags.c_contiguous or c.ndim != 2:
+                raise ValueError("codes must be C-contiguous uint8 [out, in]")
+            if s.shape != (c.shape[0], c.shape[1] // 64) or b.shape != s.shape:
+                raise ValueError(f"scales/biases {s.shape}/{b.shape} do not fit codes {c.shape}")
+        self.outs = [int(c.shape[0]) for c, _, _ in self.parts]
+        self.out_features = sum(self.outs)
+        m = len(self.parts)
+        self._m = m
+        self._outs = (ctypes.c_int64 * m)(*self.outs)
+        self._codes = (_P * m)(*[c.ctypes.data for c, _, _ in self.parts])
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read scales and biases (after the state's float arrays were written)."""
+        self._scales = [_f32(s) for _, s, _ in self.parts]
+        self._biases = [_f32(b) for _, _, b in self.parts]
+        m = self._m
+        self._s = (_P * m)(*[s.ctypes.data for s in self._scales])
+        self._b = (_P * m)(*[b.ctypes.data for b in self._biases])
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError("QLinear computes float32 on the CPU")
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        n = x2.shape[0]
+        y = torch.empty((n, self.out_features), dtype=torch.float32)
+        if n:
+            rc = self._lib.stoa_qmatmul(x2.data_ptr(), n, self.in_features, self._m, self._codes, self._s, self._b,
+                                        self._outs, y.data_ptr(), self.out_features, torch.get_num_threads())
+            if rc != 0:
+                raise MemoryError("the int8 kernel could not allocate its panel buffer")
+        if bias is not None:
+            y += bias
+        return y.reshape(*shape[:-1], self.out_features)
