@@ -9,7 +9,7 @@ is measured too: the **audit** (the learner's forward pass at model tokens over
 (one random episode and every episode that repeats another's tokens). This runs exactly those
 calls next to the learner's DPPO step (the baseline) on the same episodes, for each int8 scorer
 available: torch on the learner's device (``torch``: transformers' modules; ``torch engine``: the
-torch rollout engine's own decoder), and the MLX engine (``engine``) where MLX is installed. Replay (CPU
+torch rollout engine's own decoder, on a CPU with its int8 kernel and with float32 weights), and the MLX engine (``engine``) where MLX is installed. Replay (CPU
 work of the task, not of the model) and the rare spot-checks are not included; the demo's
 metrics give them (docs/trust.md).
 
@@ -126,7 +126,11 @@ def main() -> None:
 
         scorers = {"torch": TorchInt8Scorer(model, device)}
         scorers["torch"].load_state(0, state)
-        scorers["torch engine"] = make_engine(model, "torch", state=state, version=0, device=device)
+        eng = make_engine(model, "torch", state=state, version=0, device=device)
+        scorers[f"torch engine ({eng.mode})"] = eng
+        if eng.mode == "quantized":  # the float32-weights engine too, to compare with
+            scorers["torch engine (dequantized)"] = make_engine(model, "torch", state=state, version=0,
+                                                                device=device, mode="dequantized")
         try:
             scorers["engine"] = make_engine(model, "mlx", state=state, version=0, config=EngineConfig(max_batch=64))
         except ImportError:
@@ -157,7 +161,7 @@ def main() -> None:
     print(f"{'learner step':<20} {step_s:>8.3f}")
     results, sampled = {}, {}
     for name in [k for k in rows if k.startswith("sampling")]:
-        scorer = name.split("(")[1].rstrip(")")
+        scorer = name[len("sampling ("):-1]
         sampled[scorer] = (step_s + audit_s + rows[name]["seconds"]) / step_s
         results[scorer] = (step_s + rows[f"every ({scorer})"]["seconds"]) / step_s
     for k, r in rows.items():

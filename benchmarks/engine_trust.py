@@ -1,6 +1,6 @@
 """Honest and cheating workers on the torch rollout engine, judged by the trainer's scorers.
 
-Workers sample with the torch engine (float32 on this CPU) on the arithmetic example
+Workers sample with the torch engine (its CPU default: the int8 kernel, ``quantized`` mode) on the arithmetic example
 (``examples/custom_env.py``) at T = 1, batches of one group of 4 episodes, each batch its own
 group ids; every token of every episode is re-derived by the trainer's check (``check_draws``,
 drift allowance half the audit's sampling band): by the torch int8 scorer (transformers' modules)
@@ -107,7 +107,7 @@ def main() -> None:
         groups = [claim_honest(eng, g, 1.0) for g in batches(eng, args.cheat_batches, s, 5000)]
         rows[f"samples at {name}" if "T" in name and "top" not in name else f"samples with {name}"] = judge(
             judges["torch scorer"], groups, 5000, band)
-    print(f"\nTorch-engine workers on {args.model.name}, band {band}; cheaters judged by the torch scorer")
+    print(f"\nTorch-engine workers ({eng.mode} mode) on {args.model.name}, band {band}; cheaters judged by the torch scorer")
     print(f"{'worker, judge':<34} {'tokens':>7} {'worst margin':>13} {'ambiguous':>9} {'caught':>7} "
           f"{'episodes':>9} {'batches':>8} {'max |dlogp|':>11}")
     for k, r in rows.items():
@@ -115,7 +115,7 @@ def main() -> None:
               f"{r['episodes_caught']:>4}/{r['episodes']:<4} {r['batches_caught']:>3}/{r['batches']:<4} "
               f"{r['max_abs_dlogprob']:>11.1e}")
     if args.json:
-        args.json.write_text(json.dumps({"band": band, "rows": rows}, indent=2) + "\n")
+        args.json.write_text(json.dumps({"band": band, "mode": eng.mode, "rows": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

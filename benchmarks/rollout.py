@@ -21,7 +21,8 @@ corpus) and a ~100M-parameter random Qwen2 (same tokenizer; 12 layers, width 768
   sampled (EOS does not end a row, so the batch size holds), batch 1, 16 and 64, the same
   threads; generated tokens/s over the whole run (prefill included) and achieved GFLOP/s (2 per
   weight of every matrix multiplied per token, plus attention), against this machine's float32
-  matmul GFLOP/s measured in the same run. Engines: the torch engine (float32), the MLX engine
+  matmul GFLOP/s measured in the same run. Engines: the torch engine (its CPU default: the int8
+  kernel, ``quantized``; and with float32 weights, ``dequantized``), the MLX engine
   (dequantized), ``transformers``' ``generate`` (float32, eager loop), llama.cpp F32 and Q8_0
   (GGUF converted from the same folder; ``benchmarks/llamacpp.py``; skipped, saying why, when
   ``scripts/build_llama_cpp.sh`` has not been run).
@@ -29,7 +30,7 @@ corpus) and a ~100M-parameter random Qwen2 (same tokenizer; 12 layers, width 768
 ``--model PATH`` (a Hugging Face folder, e.g. SmolLM2-135M-Instruct) measures that model instead
 of the two built ones, with the same prompts and the same comparisons, plus the like-for-like table.
 
-    python benchmarks/rollout.py [--quick] [--json out.json] [--threads 2] [--model PATH] [--engines torch,mlx]
+    python benchmarks/rollout.py [--quick] [--json out.json] [--threads 2] [--model PATH] [--engines torch,torch-f32,mlx]
 """
 
 from __future__ import annotations
@@ -292,12 +293,15 @@ def like_for_like(path: Path, threads: int, quick: bool, engines: list[str]) -> 
                  "tokens_per_s": {}}
     tps = out["tokens_per_s"]
     built = {"torch": lambda: make_engine(path, "torch", config=EngineConfig(max_batch=max(batches)), device="cpu"),
+             "torch-f32": lambda: make_engine(path, "torch", mode="dequantized",
+                                              config=EngineConfig(max_batch=max(batches)), device="cpu"),
              "mlx": lambda: make_engine(path, "mlx", mode="dequantized", config=EngineConfig(max_batch=max(batches)))}
     texts = None
     for name in engines:
         eng = built[name]()
         texts = texts or exact_prompts(eng.codec, max(batches), prompt)
-        tps[f"{name} engine"] = {b: _engine_run(eng, texts, b, gen) for b in batches}
+        label = f"torch engine ({eng.mode})" if name.startswith("torch") else f"{name} engine"
+        tps[label] = {b: _engine_run(eng, texts, b, gen) for b in batches}
         del eng
         print(f"[rollout] like-for-like: {name} engine done", file=sys.stderr)
     if not quick:
@@ -329,7 +333,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="BLAS / torch threads")
     ap.add_argument("--skip-mismatch", action="store_true", help="do not load torch")
     ap.add_argument("--model", type=Path, help="a Hugging Face folder to measure instead of the built models")
-    ap.add_argument("--engines", default="torch,mlx", help="engines of the like-for-like table (--model)")
+    ap.add_argument("--engines", default="torch,torch-f32,mlx",
+                    help="engines of the like-for-like table (--model): torch (auto: the int8 kernel on CPUs), "
+                         "torch-f32 (float32 weights), mlx")
     ap.add_argument("--like-only", action="store_true", help="--model: only the like-for-like table")
     args = ap.parse_args()
     _reexec(args.threads)

@@ -10,7 +10,7 @@ engine holds no float32 weights at all. The codes are the state's numpy arrays, 
 delta written into the state in place is what the next call computes with.
 
 The kernel is compiled once per machine with the system C compiler (``$CC``, else ``cc``/``gcc``;
-``-O3 -march=native -fopenmp``) into ``$STOA_KERNEL_CACHE`` (default ``~/.cache/stoa/kernels``),
+``-O3 -march=native -fopenmp -ffp-contract=off``) into ``$STOA_KERNEL_CACHE`` (default ``~/.cache/stoa/kernels``),
 keyed by the source's hash, the compiler and the CPU's flags, and loaded with ``ctypes``.
 :func:`available` says whether it could be, and why not; the engine's ``auto`` mode falls back
 to float32 weights when it cannot.
@@ -74,13 +74,16 @@ def _build(out: Path, cc: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    flags = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11"]
+    flags = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11", "-ffp-contract=off"]
     native = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else ["-mcpu=native"]
     try:
         r = subprocess.run([cc, *flags, *native, "-o", tmp, str(_SOURCE)], capture_output=True, text=True,
                            timeout=300)
         if r.returncode != 0:  # a compiler without -march/-mcpu=native: the portable build
             r = subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:  # no OpenMP (Apple's clang): one thread
+            single = [f for f in flags if f != "-fopenmp"]
+            r = subprocess.run([cc, *single, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
             raise OSError(f"{cc} failed: {r.stderr.strip()[-400:]}")
         os.replace(tmp, out)  # atomic: racing builders each install a whole file

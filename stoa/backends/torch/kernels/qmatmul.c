@@ -12,11 +12,17 @@
  * follows the target (16 floats with AVX-512, 8 with AVX2 or NEON-sized targets), threads are
  * OpenMP's.
  */
+/* Build with -ffp-contract=off (GCC ignores the pragma): `code * scale + bias` must round twice,
+ * as the weights of record do; the products' sums use explicit fused multiply-adds (fmadd). */
+#pragma STDC FP_CONTRACT OFF
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
 #endif
 
 #define GROUP 64
@@ -34,6 +40,16 @@
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef uint8_t vb __attribute__((vector_size(VL)));
 typedef int32_t vi __attribute__((vector_size(VL * 4)));
+
+static inline vf fmadd(vf a, vf b, vf c) { /* a * b + c, rounded once where the CPU can */
+#if defined(__AVX512F__)
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
 
 static inline vf loadf(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void storef(float *p, vf v) { memcpy(p, &v, sizeof v); }
@@ -75,7 +91,6 @@ static void reduce_init(void) {
 }
 
 /* One output row of the panel: buf[k] = (float)code[k] * scale[g] + bias[g], two roundings. */
-__attribute__((optimize("fp-contract=off")))
 static void dequant_row(const uint8_t *code, const float *scale, const float *bias, int64_t K, float *buf) {
     for (int64_t g = 0; g < K / GROUP; g++) {
         const float s = scale[g], b = bias[g];
@@ -101,18 +116,54 @@ static inline void tile(const float *x, int64_t ldx, const float *w, int64_t K, 
             for (int r = 0; r < RT; r++) xv[r] = loadf(x + r * ldx + k);
             for (int o = 0; o < OT; o++) wv[o] = loadf(w + o * K + k);
             for (int r = 0; r < RT; r++)
-                for (int o = 0; o < OT; o++) acc[r][o] += xv[r] * wv[o];
+                for (int o = 0; o < OT; o++) acc[r][o] = fmadd(xv[r], wv[o], acc[r][o]);
         }
     } else {
         for (int64_t k = 0; k < K; k += VL) {
             for (int r = 0; r < nr; r++) {
                 vf xv = loadf(x + r * ldx + k);
-                for (int o = 0; o < no; o++) acc[r][o] += xv * loadf(w + o * K + k);
+                for (int o = 0; o < no; o++) acc[r][o] = fmadd(xv, loadf(w + o * K + k), acc[r][o]);
             }
         }
     }
     /* The tree sums each accumulator's lanes in one fixed order whatever the others hold, so a
      * row's result does not depend on its neighbours in the tile, the batch size or the threads. */
+    vf a[VL];
+    for (int r = 0; r < RT; r++)
+        for (int o = 0; o < OT; o++) a[r * OT + o] = acc[r][o];
+    reduce_tree(a);
+    for (int j = 0; j < VL; j++) {
+        const int i = lane_of[j], r = i / OT, o = i % OT;
+        if (r < nr && o < no) y[r * ldy + o] = a[0][j];
+    }
+}
+
+/* Few rows (n < RT): no panel buffer; each weight is dequantized in registers (the same two
+ * roundings) and used at once. Same accumulation order per (row, output) as tile(): the results
+ * are bit for bit those of the buffered path. */
+static inline vf dequant_vec(const uint8_t *code, float s, float b) {
+    vb c;
+    memcpy(&c, code, sizeof c);
+    vf w = __builtin_convertvector(__builtin_convertvector(c, vi), vf);
+    vf m = w * s;
+    return m + b;
+}
+
+static void few_rows(const float *x, int64_t K, int nr, const uint8_t *code, const float *scale,
+                     const float *bias, int no, float *y, int64_t ldy) {
+    vf acc[RT][OT];
+    for (int r = 0; r < RT; r++)
+        for (int o = 0; o < OT; o++) acc[r][o] = (vf){0};
+    const int64_t G = K / GROUP;
+    for (int64_t g = 0; g < G; g++) {
+        for (int64_t j = 0; j < GROUP; j += VL) {
+            const int64_t k = g * GROUP + j;
+            for (int o = 0; o < no; o++) {
+                vf w = dequant_vec(code + o * K + k, scale[o * G + g], bias[o * G + g]);
+                for (int r = 0; r < nr; r++) acc[r][o] = fmadd(loadf(x + r * K + k), w, acc[r][o]);
+            }
+        }
+    }
     vf a[VL];
     for (int r = 0; r < RT; r++)
         for (int o = 0; o < OT; o++) a[r * OT + o] = acc[r][o];
@@ -154,6 +205,23 @@ int stoa_qmatmul(const float *x, int64_t n, int64_t K, int m, const uint8_t *con
     }
     int failed = 0;
     if (threads < 1) threads = 1;
+    if (n < RT) {
+        const int64_t G = K / GROUP;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t p = 0; p < npanels; p++) {
+            const int i = (int)pm[2 * p];
+            const int64_t o0 = pm[2 * p + 1];
+            const int64_t no = outs[i] - o0 < P ? outs[i] - o0 : P;
+            for (int64_t o = 0; o < no; o += OT) {
+                const int nn = no - o < OT ? (int)(no - o) : OT;
+                few_rows(x, K, (int)n, codes[i] + (o0 + o) * K, scales[i] + (o0 + o) * G, biases[i] + (o0 + o) * G,
+                         nn, y + col[i] + o0 + o, ldy);
+            }
+        }
+        free(pm);
+        free(col);
+        return 0;
+    }
 #pragma omp parallel num_threads(threads)
     {
         float *buf = aligned_alloc(64, (size_t)(P * K * 4 + 63) / 64 * 64);
