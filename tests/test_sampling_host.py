@@ -37,3 +37,17 @@ def test_host_sampler_draws_what_the_full_rule_draws(vocab):
         np.testing.assert_allclose(lp, ref_lp, atol=1e-5)
         if not top_k and top_p == 1.0:
             assert (draw_margins(logits, np.full(9, t), tok, seeds)[0] > 0).all()
+
+
+def test_threaded_draws_equal_one_threads():
+    """Blocks of rows drawn on several threads give every row the token and log-prob it gets alone."""
+    rng = np.random.default_rng(5)
+    logits = (rng.standard_normal((37, 40_000)) * 2.5).astype(np.float32)
+    logits[np.arange(37), rng.integers(0, 40_000, 37)] += 9.0
+    seeds = rng.integers(0, 2**63, 37, dtype=np.uint64)
+    one = HostSampler(threads=1)(logits, seeds, 0.9)
+    for threads in (2, 3):
+        many = HostSampler(threads=threads)(logits, seeds, 0.9)
+        assert np.array_equal(one[0], many[0]) and np.array_equal(one[1], many[1])
+    alone = HostSampler()(logits[5:6], seeds[5:6], 0.9)
+    assert alone[0][0] == one[0][5] and alone[1][0] == one[1][5]

@@ -158,11 +158,19 @@ class HostSampler:
     it is skipped, and of the rest only those whose integer noise code reaches the threshold of
     their deficit (:func:`draw_margins`' table) get float noise. A trained model's distribution
     leaves a few hundred entries of the vocabulary; a flat one (a random model's) all of them, of
-    which about half get float noise."""
+    which about half get float noise.
 
-    def __init__(self) -> None:
+    ``threads`` > 1 splits large batches into that many blocks of rows drawn at once (numpy
+    releases the GIL in its array loops); every row's arithmetic is the same, so are its token and
+    log-prob."""
+
+    _PARALLEL_MIN = 1 << 20  # logits (rows x vocabulary) below which one thread does it all
+
+    def __init__(self, threads: int = 1) -> None:
         self._z = np.empty((0, 0), np.float32)
         self._e = np.empty((0, 0), np.float32)
+        self.threads = threads
+        self._pool = None
 
     def __call__(self, logits: np.ndarray, seeds: np.ndarray, temperature: float, top_k: int = 0,
                  top_p: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
@@ -170,7 +178,23 @@ class HostSampler:
         if self._z.shape[0] < b or self._z.shape[1] != v:
             self._z = np.empty((max(b, self._z.shape[0]), v), np.float32)
             self._e = np.empty_like(self._z)
-        z, e = self._z[:b], self._e[:b]
+        parts = min(self.threads, b) if b * v >= self._PARALLEL_MIN else 1
+        if parts <= 1:
+            return self._rows(logits, seeds, self._z[:b], self._e[:b], temperature, top_k, top_p)
+        if self._pool is None or self._pool._max_workers < parts:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(parts, thread_name_prefix="stoa-sampler")
+        cuts = np.linspace(0, b, parts + 1).astype(int)
+        done = list(self._pool.map(lambda i: self._rows(
+            logits[cuts[i]:cuts[i + 1]], seeds[cuts[i]:cuts[i + 1]], self._z[cuts[i]:cuts[i + 1]],
+            self._e[cuts[i]:cuts[i + 1]], temperature, top_k, top_p), range(parts)))
+        return np.concatenate([t for t, _ in done]), np.concatenate([lp for _, lp in done])
+
+    @staticmethod
+    def _rows(logits: np.ndarray, seeds: np.ndarray, z: np.ndarray, e: np.ndarray, temperature: float, top_k: int,
+              top_p: float) -> tuple[np.ndarray, np.ndarray]:
+        b, v = logits.shape
         np.multiply(logits, np.float32(1.0 / temperature), out=z, casting="same_kind")
         if top_k or top_p < 1.0:
             truncate(z, top_k, top_p)

@@ -156,6 +156,7 @@ def draw(logits: torch.Tensor, seeds: np.ndarray, s: SamplingConfig, where: str,
     """Tokens and behaviour log-probs of ``logits [B, V]`` by the sampling rule, in numpy
     (``where`` ``host``, or ``auto`` on a CPU) or on the logits' device."""
     if where == "host" or (where == "auto" and logits.device.type == "cpu"):
+        host.threads = torch.get_num_threads()  # rows drawn in as many blocks as torch has threads
         return host(logits.float().cpu().numpy(), seeds, s.temperature, s.top_k, s.top_p)
     return S.sample(logits, seeds, s.temperature, s.top_k, s.top_p)
 

@@ -35,6 +35,7 @@ import torch
 __all__ = ["QLinear", "available", "kernel_path"]
 
 _SOURCE = Path(__file__).with_name("kernels") / "qmatmul.c"
+_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11", "-ffp-contract=off")
 _P = ctypes.c_void_p
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -65,7 +66,7 @@ def kernel_path() -> Path | None:
     if cc is None:
         return None
     src = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
-    tag = hashlib.sha256(f"{cc}|{platform.machine()}|{_cpu_key()}".encode()).hexdigest()[:12]
+    tag = hashlib.sha256(f"{cc}|{platform.machine()}|{_cpu_key()}|{' '.join(_FLAGS)}".encode()).hexdigest()[:12]
     root = Path(os.environ.get("STOA_KERNEL_CACHE", Path.home() / ".cache" / "stoa" / "kernels"))
     return root / f"qmatmul-{src}-{tag}.so"
 
@@ -74,7 +75,7 @@ def _build(out: Path, cc: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    flags = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11", "-ffp-contract=off"]
+    flags = list(_FLAGS)
     native = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else ["-mcpu=native"]
     try:
         r = subprocess.run([cc, *flags, *native, "-o", tmp, str(_SOURCE)], capture_output=True, text=True,
