@@ -9,6 +9,10 @@ every episode's draws re-derived and its log mu re-scored in int8). The rollout 
   --stage i/N`` for i = 1 .. N-1, each stage behind its own emulated link
   (``stoa.testing.links``: one-way latency on every chunk, a rate cap each way), the stage
   announcing the link's port (``--advertise``) so the driver reaches it only through the link.
+  The pipeline runs at every ``--latency-ms`` over links of ``--mbit`` (fast enough that latency
+  is what varies), the longer pipelines at the first latency, and one run over ``--home-mbit``
+  links: the last stage returns the logits the driver draws from (``[rows, vocab]`` float32 a
+  decode step), so a home link's rate shows there. The bytes each link carried are reported.
 
 Per run: the worker's or driver's generated tokens/s (model tokens of its uploaded cohorts over
 the seconds their rollouts took, from its last log lines), batches accepted and rejected by the
@@ -24,7 +28,7 @@ eval); ``--quick`` runs a random 2-layer model on the synthetic task (``benchmar
 run), 2 steps, one 2-stage pipeline at 0 ms.
 
     python benchmarks/pipeline_fleet.py [--quick] [--json out.json] [--steps 4] [--stages 2,4]
-        [--latency-ms 0,20,50] [--mbit 100] [--threads 1]
+        [--latency-ms 0,20,50] [--mbit 1000] [--home-mbit 100] [--threads 1]
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from stoa.testing.chaos import ChaosRun  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "smollm2_addition.toml"
 _GENERATED = re.compile(r"generated (\d+) model tokens in ([\d.]+) s of rollouts")
+_UPLOADED = re.compile(r"(\d+) batches \((\d+) episodes\) uploaded this session")
 
 
 def free_port() -> int:
@@ -77,6 +82,7 @@ class FleetRun(ChaosRun):
         super().__init__(config, root, run_name, key, public_key, workers=1, env=env)
         self.sets, self.stages, self.one_way_ms, self.mbit, self.threads = sets, stages, one_way_ms, mbit, threads
         self.links: list = []
+        self.link_bytes: list[dict[str, int]] = []  # per stage link: bytes up (driver to stage) and down
         self.peak_rss: dict[str, float] = {}
         self._sampling = threading.Event()
 
@@ -121,9 +127,11 @@ class FleetRun(ChaosRun):
             sampler.join(5)
             for link in self.links:
                 link.close()
+                st = json.loads(link.stats.read_text())[0] if link.stats.exists() else {}
+                self.link_bytes.append({"up": st.get("bytes_up", 0), "down": st.get("bytes_down", 0)})
 
 
-def one_run(root: Path, config: Path, sets: dict, stages: int, one_way_ms: float, args) -> dict:
+def one_run(root: Path, config: Path, sets: dict, stages: int, one_way_ms: float, mbit: float, args) -> dict:
     from stoa.fleet.config import load_config
     from stoa.fleet.metrics import read_metrics
     from stoa.testing.chaos import verify
@@ -133,7 +141,7 @@ def one_run(root: Path, config: Path, sets: dict, stages: int, one_way_ms: float
     cfg = load_config(config, sets)
     key, pub = save_keypair(generate_private_key(), root / "keys", "run")
     run = FleetRun(config, root / "fleet", cfg.name, key, str(pub), sets=sets, stages=stages, one_way_ms=one_way_ms,
-                   mbit=args.mbit, threads=args.threads,
+                   mbit=mbit, threads=args.threads,
                    env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
     wall = run.run(timeout=args.timeout)
     bad = {n: p.returncode for n, p in run.procs.items() if p.returncode != 0}
@@ -149,10 +157,12 @@ def one_run(root: Path, config: Path, sets: dict, stages: int, one_way_ms: float
     if not m:
         raise AssertionError("the worker logged no generated tokens:\n" + run.log("worker")[-2000:])
     tokens, seconds = int(m[-1][0]), float(m[-1][1])
+    uploaded = sum(int(b) for b, _ in _UPLOADED.findall(run.log("worker")))
     return {"rollout": "worker" if stages == 1 else "pipeline", "stages": stages,
-            "one_way_ms": one_way_ms if stages > 1 else None, "link_mbit": args.mbit if stages > 1 else None,
+            "one_way_ms": one_way_ms if stages > 1 else None, "link_mbit": mbit if stages > 1 else None,
+            "link_bytes": run.link_bytes,
             "steps": len(train), "generated_tokens": tokens, "rollout_s": round(seconds, 2),
-            "tokens_per_s": tokens / seconds,
+            "tokens_per_s": tokens / seconds, "batches_uploaded": uploaded,
             "accepted_batches": int(last["trust/accepted_batches"]), "rejected_batches": int(last["trust/rejected_batches"]),
             "quarantined_batches": int(last["dropped/quarantined_batches"]),
             "probation_batches": int(last["trust/probation_batches"]),
@@ -183,17 +193,17 @@ def real_config(args) -> tuple[Path, dict]:
 
 def print_table(results: dict) -> None:
     base = results["runs"][0]
-    print(f"\n{results['model']}: {base['steps']} RL steps a run; every process on one machine "
-          f"({os.cpu_count()} CPUs); links {results['settings']['mbit']:g} Mbit/s each way")
-    print("| rollout | stages | one-way latency | tokens/s | vs worker | accepted / rejected | claim gap max "
+    print(f"\n{results['model']}: {base['steps']} RL steps a run; every process on one machine ({os.cpu_count()} CPUs)")
+    print("| rollout | stages | link each way | one-way latency | tokens/s | vs worker | accepted / rejected | claim gap max "
           "| audit floor | tolerance | groups trained / lost / twice | wall s | peak RSS MiB |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in results["runs"]:
         lat = "-" if r["one_way_ms"] is None else f"{r['one_way_ms']:g} ms"
         gap = "-" if r["claim_gap_max"] is None else f"{r['claim_gap_max']:.2e}"
         floor = "-" if r["audit_floor"] is None else f"{r['audit_floor']:.4f}"
         rss = ", ".join(f"{k} {v:.0f}" for k, v in r["peak_rss_mib"].items())
-        print(f"| {r['rollout']} | {r['stages']} | {lat} | {r['tokens_per_s']:.1f} | "
+        rate = "-" if r["link_mbit"] is None else f"{r['link_mbit']:g} Mbit/s"
+        print(f"| {r['rollout']} | {r['stages']} | {rate} | {lat} | {r['tokens_per_s']:.1f} | "
               f"{r['tokens_per_s'] / base['tokens_per_s']:.2f} | {r['accepted_batches']} / {r['rejected_batches']} | "
               f"{gap} | {floor} | {r['spot_check_tolerance']:g} | {r['groups_trained']} / {r['groups_lost']} / "
               f"{r['trained_twice']} | {r['wall_s']:.0f} | {rss} |", flush=True)
@@ -208,15 +218,18 @@ def main() -> None:
     ap.add_argument("--eval-questions", type=int, default=32, help="eval.num_questions (the real model)")
     ap.add_argument("--stages", default="2,4", help="pipeline lengths; the first is run at every latency")
     ap.add_argument("--latency-ms", default="0,20,50", help="one-way latency between the driver and each stage")
-    ap.add_argument("--mbit", type=float, default=100.0, help="each stage link's rate each way (Mbit/s)")
+    ap.add_argument("--mbit", type=float, default=1000.0, help="each stage link's rate each way (Mbit/s)")
+    ap.add_argument("--home-mbit", type=float, default=100.0,
+                    help="one more run: the first pipeline length at the first latency over links of this rate (0: none)")
     ap.add_argument("--threads", type=int, default=1, help="--threads of the worker, the driver and every stage")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds a run may take")
     args = ap.parse_args()
     if args.quick:
-        args.stages, args.latency_ms = "2", "0"
+        args.stages, args.latency_ms, args.home_mbit = "2", "0", 0.0
     stages = [int(x) for x in args.stages.split(",")]
     lats = [float(x) for x in args.latency_ms.split(",")]
-    plan = [(1, 0.0)] + [(stages[0], lat) for lat in lats] + [(n, lats[0]) for n in stages[1:]]
+    plan = ([(1, 0.0, 0.0)] + [(stages[0], lat, args.mbit) for lat in lats] + [(n, lats[0], args.mbit) for n in stages[1:]]
+            + ([(stages[0], lats[0], args.home_mbit)] if args.home_mbit else []))
     t0 = time.time()
     results: dict = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                      "cpus": os.cpu_count(), "runs": []}
@@ -225,9 +238,10 @@ def main() -> None:
         config, sets = quick_config(tmp) if args.quick else real_config(args)
         results["model"] = "random 2-layer model (hidden 128)" if args.quick else "SmolLM2-135M-Instruct"
         results["config"], results["sets"] = config.name, sets
-        for k, (n, lat) in enumerate(plan):
-            print(f"[{time.time() - t0:.0f}s] {'worker' if n == 1 else f'{n}-stage pipeline at {lat:g} ms'}", flush=True)
-            row = one_run(tmp / f"run{k}", config, sets, n, lat, args)
+        for k, (n, lat, mbit) in enumerate(plan):
+            print(f"[{time.time() - t0:.0f}s] " + ("worker" if n == 1 else f"{n}-stage pipeline, {lat:g} ms, {mbit:g} Mbit/s"),
+                  flush=True)
+            row = one_run(tmp / f"run{k}", config, sets, n, lat, mbit, args)
             row["ratio"] = row["tokens_per_s"] / (results["runs"][0]["tokens_per_s"] if results["runs"] else row["tokens_per_s"])
             row["load_average"] = os.getloadavg()[0]
             results["runs"].append(row)
