@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import socket
 import sys
 import tempfile
@@ -87,9 +88,9 @@ class FleetRun(ChaosRun):
         self._sampling = threading.Event()
 
     def _trainer(self, resume: bool = False) -> None:
+        sets = [a for k, v in self.sets.items() for a in ("--set", f"{k}={json.dumps(v)}")]
         self._spawn("trainer", ["trainer", str(self.config), "--store", self.store_url(), "--key", str(self.key),
-                                "--run-dir", str(self.run_dir), *[a for k, v in self.sets.items() for a in ("--set", f"{k}={json.dumps(v)}")]]
-                    + (["--resume"] if resume else []))
+                                "--run-dir", str(self.run_dir), *sets] + (["--resume"] if resume else []))
 
     def _worker(self, wid: str) -> None:
         from benchmarks.pipeline import Links
@@ -195,18 +196,19 @@ def print_table(results: dict) -> None:
     base = results["runs"][0]
     print(f"\n{results['model']}: {base['steps']} RL steps a run; every process on one machine ({os.cpu_count()} CPUs)")
     print("| rollout | stages | link each way | one-way latency | tokens/s | vs worker | accepted / rejected | claim gap max "
-          "| audit floor | tolerance | groups trained / lost / twice | wall s | peak RSS MiB |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          "| audit floor | tolerance | groups trained / lost / twice | link kB down a token | wall s | peak RSS MiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in results["runs"]:
         lat = "-" if r["one_way_ms"] is None else f"{r['one_way_ms']:g} ms"
         gap = "-" if r["claim_gap_max"] is None else f"{r['claim_gap_max']:.2e}"
         floor = "-" if r["audit_floor"] is None else f"{r['audit_floor']:.4f}"
         rss = ", ".join(f"{k} {v:.0f}" for k, v in r["peak_rss_mib"].items())
+        down = " / ".join(f"{b['down'] / r['generated_tokens'] / 1e3:.1f}" for b in r["link_bytes"]) or "-"
         rate = "-" if r["link_mbit"] is None else f"{r['link_mbit']:g} Mbit/s"
         print(f"| {r['rollout']} | {r['stages']} | {rate} | {lat} | {r['tokens_per_s']:.1f} | "
               f"{r['tokens_per_s'] / base['tokens_per_s']:.2f} | {r['accepted_batches']} / {r['rejected_batches']} | "
               f"{gap} | {floor} | {r['spot_check_tolerance']:g} | {r['groups_trained']} / {r['groups_lost']} / "
-              f"{r['trained_twice']} | {r['wall_s']:.0f} | {rss} |", flush=True)
+              f"{r['trained_twice']} | {down} | {r['wall_s']:.0f} | {rss} |", flush=True)
 
 
 def main() -> None:
@@ -223,6 +225,7 @@ def main() -> None:
                     help="one more run: the first pipeline length at the first latency over links of this rate (0: none)")
     ap.add_argument("--threads", type=int, default=1, help="--threads of the worker, the driver and every stage")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds a run may take")
+    ap.add_argument("--keep", type=Path, help="copy every run's logs and trainer folder (metrics, ledger) here")
     args = ap.parse_args()
     if args.quick:
         args.stages, args.latency_ms, args.home_mbit = "2", "0", 0.0
@@ -245,6 +248,9 @@ def main() -> None:
             row["ratio"] = row["tokens_per_s"] / (results["runs"][0]["tokens_per_s"] if results["runs"] else row["tokens_per_s"])
             row["load_average"] = os.getloadavg()[0]
             results["runs"].append(row)
+            if args.keep:
+                shutil.copytree(tmp / f"run{k}" / "fleet", args.keep / f"run{k}", ignore=shutil.ignore_patterns(
+                    "cache", "store", "checkpoints", "model", "held"))
             if args.json:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.write_text(json.dumps(results, indent=2) + "\n")
