@@ -1,6 +1,7 @@
 """`benchmarks/pipeline.py --quick` over TCP: stages in their own processes generate the whole
 model's tokens, every frame's bytes are accounted for, and each stage reports its busy seconds
-(the idle share per stage). Bounds here are structural, not timings."""
+(the idle share per stage). `benchmarks/pipeline_fleet.py --quick`: a pipeline in the real fleet
+against a whole-model worker, with nothing rejected. Bounds here are structural, not timings."""
 
 from __future__ import annotations
 
@@ -39,3 +40,27 @@ def test_the_pipeline_benchmark_reports_an_idle_share_per_stage(tmp_path):
         # but the last, plus a header a frame: the timed generation's frames only, not the warm-up's
         floor = (s["prompt"] + s["tokens"] - 1) * 4 * hidden / s["tokens"]
         assert floor < row["bytes_per_token_boundary"] < floor + row["micro"] * 512 / s["batch"]
+
+
+@pytest.mark.slow
+def test_the_fleet_pipeline_benchmark_reports_a_worker_and_a_pipeline_with_nothing_rejected(tmp_path):
+    """`benchmarks/pipeline_fleet.py --quick`: real trainer, worker, driver and stage processes; the
+    pipeline's episodes pass every trust check as the whole-model worker's do."""
+    out = tmp_path / "pipeline_fleet.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pipeline_fleet.py"), "--quick", "--json", str(out)],
+                       capture_output=True, text=True, timeout=540, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "| vs worker |" in r.stdout
+    runs = json.loads(out.read_text())["runs"]
+    assert [(x["rollout"], x["stages"], x["one_way_ms"]) for x in runs] == [("worker", 1, None), ("pipeline", 2, 0.0)]
+    assert runs[0]["ratio"] == 1.0 and runs[1]["ratio"] == runs[1]["tokens_per_s"] / runs[0]["tokens_per_s"]
+    for x in runs:
+        assert x["finished"] and x["steps"] == 2 and x["generated_tokens"] > 0 and x["tokens_per_s"] > 0
+        assert x["accepted_batches"] > 0 and x["rejected_batches"] == 0 and x["quarantined_batches"] == 0
+        assert x["groups_trained"] > 0 and x["groups_lost"] == 0 and x["trained_twice"] == 0
+        assert x["episodes_checked"] > 0  # every episode's draws and log mu were re-derived by the trainer
+        assert 0 <= x["claim_gap_max"] < x["spot_check_tolerance"]
+        want = {"trainer", "worker"} | {f"stage{i}" for i in range(1, x["stages"])}
+        assert set(x["peak_rss_mib"]) == want and all(v > 0 for v in x["peak_rss_mib"].values())

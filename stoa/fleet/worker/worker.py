@@ -191,6 +191,7 @@ class Worker:
         self._stop_reason = ""
         self.episodes = self.batches = 0
         self.episodes_per_s = self.tokens_per_s = 0.0
+        self.generated_tokens, self.generating_s = 0, 0.0  # model tokens of delivered cohorts, their rollout seconds
         self.host = socket.gethostname()
         self.writer: RememberingWriter | None = None
         self.engine: RolloutEngine | None = None
@@ -272,6 +273,9 @@ class Worker:
         if self.exit_code == EXIT_OK:
             log.info("%s: %d batches (%d episodes) uploaded this session as %s (key %s)%s", self._stop_reason or
                      "done", self.batches, self.episodes, self.worker_id, self.key_id, f"; {kept}" if kept else "")
+        if self.generating_s:
+            log.info("generated %d model tokens in %.2f s of rollouts: %.1f tokens/s", self.generated_tokens,
+                     self.generating_s, self.generated_tokens / self.generating_s)
 
     def _leave(self) -> str:
         """The final heartbeat and the weights kept for the next session (says what was kept)."""
@@ -659,8 +663,10 @@ class Worker:
         assert self.weights is not None and self.engine is not None
         if not episodes or not self._retrying("repairing the weights", self.weights.verified):
             return
-        self.episodes_per_s = len(episodes) / seconds
-        self.tokens_per_s = sum(e.num_model_tokens for e in episodes) / seconds
+        tokens = sum(e.num_model_tokens for e in episodes)
+        self.episodes_per_s, self.tokens_per_s = len(episodes) / seconds, tokens / seconds
+        self.generated_tokens += tokens
+        self.generating_s += seconds
         self._pending = _Batch(episodes, self.engine.version, cohort.seq)
         self._retrying("uploading a batch", self._upload_pending)
 
