@@ -528,8 +528,16 @@ def stage_cmd(
                              max_memory_mb)
     except (ValueError, OSError, TypeError) as e:
         _worker_fail(2, f"cannot start the stage: {e}")
+    from stoa.fleet import lifetime
+
+    lifetime.install()  # a stop request is bounded, as for a worker
+
+    def stop(*_: object) -> None:
+        lifetime.stop_requested()
+        server.stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda *a: server.stop.set())
+        signal.signal(sig, stop)
     raise typer.Exit(server.run())
 
 
