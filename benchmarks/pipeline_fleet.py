@@ -79,8 +79,10 @@ class FleetRun(ChaosRun):
     overrides for the trainer and every process's peak RSS sampled while it runs."""
 
     def __init__(self, config: Path, root: Path, run_name: str, key: Path, public_key: str, *, sets: dict,
-                 stages: int, one_way_ms: float, mbit: float, threads: int, env: dict[str, str]):
+                 stages: int, one_way_ms: float, mbit: float, threads: int, env: dict[str, str],
+                 cap_mib: float | None = None):
         super().__init__(config, root, run_name, key, public_key, workers=1, env=env)
+        self.cap = [] if cap_mib is None else ["--max-memory-mb", f"{cap_mib:.1f}"]
         self.sets, self.stages, self.one_way_ms, self.mbit, self.threads = sets, stages, one_way_ms, mbit, threads
         self.links: list = []
         self.link_bytes: list[dict[str, int]] = []  # per stage link: bytes up (driver to stage) and down
@@ -108,9 +110,9 @@ class FleetRun(ChaosRun):
             self.links.append(link)
             self._spawn(f"stage{i}", ["stage", *common, "--stage", f"{i}/{self.stages}", "--pipeline", "p0",
                                       "--cache", str(self._cache(f"stage{i}")), "--port", str(port),
-                                      "--advertise", f"127.0.0.1:{link.ports[0]}"])
+                                      "--advertise", f"127.0.0.1:{link.ports[0]}", *self.cap])
         self._spawn("worker", ["worker", *common, "--id", wid, "--cache", str(self._cache(wid)),
-                               "--stages", str(self.stages), "--pipeline", "p0"])
+                               "--stages", str(self.stages), "--pipeline", "p0", *self.cap])
 
     def _sample(self) -> None:
         while not self._sampling.wait(0.25):
@@ -132,6 +134,24 @@ class FleetRun(ChaosRun):
                 self.link_bytes.append({"up": st.get("bytes_up", 0), "down": st.get("bytes_down", 0)})
 
 
+def memory_needs(cfg, stages: int) -> tuple[float, float]:
+    """(the largest stage's need, the whole model's need) in MiB, as `--max-memory-mb` counts them
+    (``Stage.memory().total``: int8 share, float weights computed with, full KV cache), on the
+    model's own weights in the run's engine mode."""
+    from stoa.backends.torch.engine import pretrained_state
+    from stoa.backends.torch.pipeline import Stage, split_layers
+
+    path = Path(cfg.model.path).expanduser()
+    state = pretrained_state(path)
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    rc = cfg.rollout
+
+    def need(part):
+        return Stage(path, part, state, rc.engine_mode).memory().total(rc.max_batch, rc.max_episode_tokens) / 2**20
+
+    return max(need(p) for p in split_layers(layers, stages)), need((0, layers))
+
+
 def one_run(root: Path, config: Path, sets: dict, stages: int, one_way_ms: float, mbit: float, args) -> dict:
     from stoa.fleet.config import load_config
     from stoa.fleet.metrics import read_metrics
@@ -141,8 +161,13 @@ def one_run(root: Path, config: Path, sets: dict, stages: int, one_way_ms: float
     root.mkdir(parents=True)
     cfg = load_config(config, sets)
     key, pub = save_keypair(generate_private_key(), root / "keys", "run")
+    memory = None
+    if args.memory_cap and stages > 1:  # each process capped halfway between its need and the whole model's
+        stage_need, whole = memory_needs(cfg, stages)
+        memory = {"stage_need_mib": round(stage_need, 1), "whole_need_mib": round(whole, 1),
+                  "cap_mib": round((stage_need + whole) / 2, 1)}
     run = FleetRun(config, root / "fleet", cfg.name, key, str(pub), sets=sets, stages=stages, one_way_ms=one_way_ms,
-                   mbit=mbit, threads=args.threads,
+                   mbit=mbit, threads=args.threads, cap_mib=memory["cap_mib"] if memory else None,
                    env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
     wall = run.run(timeout=args.timeout)
     bad = {n: p.returncode for n, p in run.procs.items() if p.returncode != 0}
@@ -173,7 +198,7 @@ def one_run(root: Path, config: Path, sets: dict, stages: int, one_way_ms: float
             "spot_check_tolerance": cfg.trust.audit.spot_check_tolerance,
             "sampling_band": cfg.trust.audit.sampling_band,
             "wall_s": round(wall, 1), "rl_s": round(rows[-1]["time"] - train[0]["time"], 1),
-            "peak_rss_mib": {k: round(v, 1) for k, v in sorted(run.peak_rss.items())}, **got}
+            "peak_rss_mib": {k: round(v, 1) for k, v in sorted(run.peak_rss.items())}, "memory": memory, **got}
 
 
 def quick_config(root: Path) -> tuple[Path, dict]:
@@ -225,8 +250,13 @@ def main() -> None:
                     help="one more run: the first pipeline length at the first latency over links of this rate (0: none)")
     ap.add_argument("--threads", type=int, default=1, help="--threads of the worker, the driver and every stage")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds a run may take")
+    ap.add_argument("--memory-cap", action="store_true",
+                    help="the real model: run every stage and driver with --max-memory-mb halfway between its "
+                         "need and the whole model's (which one whole-model worker would exceed)")
     ap.add_argument("--keep", type=Path, help="copy every run's logs and trainer folder (metrics, ledger) here")
     args = ap.parse_args()
+    if args.quick and args.memory_cap:
+        ap.error("--memory-cap needs the real model (the quick run's model is built by its trainer)")
     if args.quick:
         args.stages, args.latency_ms, args.home_mbit = "2", "0", 0.0
     stages = [int(x) for x in args.stages.split(",")]
