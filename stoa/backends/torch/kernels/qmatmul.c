@@ -21,7 +21,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX512F__) || defined(__FMA__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -48,6 +48,20 @@ static inline vf fmadd(vf a, vf b, vf c) { /* a * b + c, rounded once where the 
     return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 #else
     return a * b + c;
+#endif
+}
+
+/* VL codes as floats (exact: 0 .. 255). GCC turns the generic conversion into byte-by-byte
+ * inserts, so x86 gets the one-instruction widening loads. */
+static inline vf codes_f(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    vb c;
+    memcpy(&c, p, sizeof c);
+    return __builtin_convertvector(__builtin_convertvector(c, vi), vf);
 #endif
 }
 
@@ -95,9 +109,7 @@ static void dequant_row(const uint8_t *code, const float *scale, const float *bi
     for (int64_t g = 0; g < K / GROUP; g++) {
         const float s = scale[g], b = bias[g];
         for (int64_t j = 0; j < GROUP; j += VL) {
-            vb c;
-            memcpy(&c, code + g * GROUP + j, sizeof c);
-            vf w = __builtin_convertvector(__builtin_convertvector(c, vi), vf);
+            vf w = codes_f(code + g * GROUP + j);
             vf m = w * s;
             storef(buf + g * GROUP + j, m + b);
         }
@@ -142,9 +154,7 @@ static inline void tile(const float *x, int64_t ldx, const float *w, int64_t K, 
  * roundings) and used at once. Same accumulation order per (row, output) as tile(): the results
  * are bit for bit those of the buffered path. */
 static inline vf dequant_vec(const uint8_t *code, float s, float b) {
-    vb c;
-    memcpy(&c, code, sizeof c);
-    vf w = __builtin_convertvector(__builtin_convertvector(c, vi), vf);
+    vf w = codes_f(code);
     vf m = w * s;
     return m + b;
 }
@@ -175,8 +185,11 @@ static void few_rows(const float *x, int64_t K, int nr, const uint8_t *code, con
 }
 
 /* The panel width: outputs whose dequantized rows fit ~256 KB (a core's L2 share), a multiple of OT. */
+#ifndef PANEL_BYTES
+#define PANEL_BYTES (256 * 1024)
+#endif
 static int64_t panel_width(int64_t K) {
-    int64_t p = (256 * 1024) / (K * 4);
+    int64_t p = (PANEL_BYTES) / (K * 4);
     p = p / OT * OT;
     if (p < OT) p = OT;
     if (p > 256) p = 256;
@@ -239,6 +252,15 @@ int stoa_qmatmul(const float *x, int64_t n, int64_t K, int m, const uint8_t *con
             for (int64_t o = 0; o < no; o++)
                 dequant_row(codes[i] + (o0 + o) * K, scales[i] + (o0 + o) * G, biases[i] + (o0 + o) * G, K,
                             buf + o * K);
+#ifdef OUTPUTS_OUTER
+            for (int64_t o = 0; o < no; o += OT) {
+                const int nn = no - o < OT ? (int)(no - o) : OT;
+                for (int64_t r = 0; r < n; r += RT) {
+                    const int nr = n - r < RT ? (int)(n - r) : RT;
+                    tile(x + r * K, K, buf + o * K, K, nr, nn, y + r * ldy + col[i] + o0 + o, ldy);
+                }
+            }
+#else
             for (int64_t r = 0; r < n; r += RT) {
                 const int nr = n - r < RT ? (int)(n - r) : RT;
                 for (int64_t o = 0; o < no; o += OT) {
@@ -246,6 +268,7 @@ int stoa_qmatmul(const float *x, int64_t n, int64_t K, int m, const uint8_t *con
                     tile(x + r * K, K, buf + o * K, K, nr, nn, y + r * ldy + col[i] + o0 + o, ldy);
                 }
             }
+#endif
         }
         free(buf);
     }
