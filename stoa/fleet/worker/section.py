@@ -46,7 +46,8 @@ class RolloutConfig:
     """Rollout engine backend (``stoa.backends.engine.BACKENDS``), or ``auto``: MLX on Apple silicon,
     torch elsewhere (``stoa.backends.engine.resolve_backend``)."""
     engine_mode: Literal["auto", "quantized", "dequantized", "bfloat16"] = "auto"
-    """Engine compute mode (MLX: ``quantized`` / ``dequantized``; torch: ``dequantized`` (float32) or
+    """Engine compute mode (MLX: ``quantized`` / ``dequantized``; torch: ``quantized`` (its int8 CPU
+    kernel, ``auto``'s choice on CPUs), ``dequantized`` (float32 weights; ``auto`` on GPUs) or
     ``bfloat16`` on GPUs, which drifts from the trainer's float32 re-score: docs/trust.md)."""
     poll_seconds: float = 0.5
     """How often an idle worker checks the version pointer."""
