@@ -471,15 +471,15 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         if fault == "truncate":  # promise the whole body, send half, hang up
             self.send_header("Connection", "close")
             self.end_headers()
+            with srv.lock:  # counted before the client can have it (a test may look at once)
+                srv.body_bytes += len(data) // 2
             self.wfile.write(data[: len(data) // 2])
             self.close_connection = True
-            with srv.lock:
-                srv.body_bytes += len(data) // 2
             return
         self.end_headers()
-        self.wfile.write(data)
-        with srv.lock:
+        with srv.lock:  # counted before the client can have it (a test may look at once)
             srv.body_bytes += len(data)
+        self.wfile.write(data)
 
     do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _forward
 
