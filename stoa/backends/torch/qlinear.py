@@ -75,17 +75,15 @@ def _build(out: Path, cc: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    flags = list(_FLAGS)
-    native = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else ["-mcpu=native"]
+    native = "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"
+    attempts = ([*_FLAGS, native], list(_FLAGS),  # then a compiler without -march/-mcpu=native
+                [f for f in _FLAGS if f != "-fopenmp"])  # then one without OpenMP (Apple's clang): one thread
     try:
-        r = subprocess.run([cc, *flags, *native, "-o", tmp, str(_SOURCE)], capture_output=True, text=True,
-                           timeout=300)
-        if r.returncode != 0:  # a compiler without -march/-mcpu=native: the portable build
+        for flags in attempts:
             r = subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=300)
-        if r.returncode != 0:  # no OpenMP (Apple's clang): one thread
-            single = [f for f in flags if f != "-fopenmp"]
-            r = subprocess.run([cc, *single, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=300)
-        if r.returncode != 0:
+            if r.returncode == 0:
+                break
+        else:
             raise OSError(f"{cc} failed: {r.stderr.strip()[-400:]}")
         os.replace(tmp, out)  # atomic: racing builders each install a whole file
     finally:

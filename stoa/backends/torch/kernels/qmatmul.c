@@ -185,11 +185,8 @@ static void few_rows(const float *x, int64_t K, int nr, const uint8_t *code, con
 }
 
 /* The panel width: outputs whose dequantized rows fit ~256 KB (a core's L2 share), a multiple of OT. */
-#ifndef PANEL_BYTES
-#define PANEL_BYTES (256 * 1024)
-#endif
 static int64_t panel_width(int64_t K) {
-    int64_t p = (PANEL_BYTES) / (K * 4);
+    int64_t p = (256 * 1024) / (K * 4);
     p = p / OT * OT;
     if (p < OT) p = OT;
     if (p > 256) p = 256;
@@ -205,9 +202,8 @@ int stoa_qmatmul(const float *x, int64_t n, int64_t K, int m, const uint8_t *con
     if (K % GROUP != 0 || n <= 0 || m <= 0) return -1;
     reduce_init();
     const int64_t P = panel_width(K);
-    int64_t total = 0, npanels = 0;
-    for (int i = 0; i < m; i++) { total += outs[i]; npanels += (outs[i] + P - 1) / P; }
-    (void)total;
+    int64_t npanels = 0;
+    for (int i = 0; i < m; i++) npanels += (outs[i] + P - 1) / P;
     int64_t *pm = malloc(sizeof(int64_t) * 2 * npanels); /* panel -> (matrix, first output) */
     int64_t *col = malloc(sizeof(int64_t) * m);          /* matrix -> first column of y */
     if (!pm || !col) { free(pm); free(col); return -1; }
@@ -252,15 +248,6 @@ int stoa_qmatmul(const float *x, int64_t n, int64_t K, int m, const uint8_t *con
             for (int64_t o = 0; o < no; o++)
                 dequant_row(codes[i] + (o0 + o) * K, scales[i] + (o0 + o) * G, biases[i] + (o0 + o) * G, K,
                             buf + o * K);
-#ifdef OUTPUTS_OUTER
-            for (int64_t o = 0; o < no; o += OT) {
-                const int nn = no - o < OT ? (int)(no - o) : OT;
-                for (int64_t r = 0; r < n; r += RT) {
-                    const int nr = n - r < RT ? (int)(n - r) : RT;
-                    tile(x + r * K, K, buf + o * K, K, nr, nn, y + r * ldy + col[i] + o0 + o, ldy);
-                }
-            }
-#else
             for (int64_t r = 0; r < n; r += RT) {
                 const int nr = n - r < RT ? (int)(n - r) : RT;
                 for (int64_t o = 0; o < no; o += OT) {
@@ -268,7 +255,6 @@ int stoa_qmatmul(const float *x, int64_t n, int64_t K, int m, const uint8_t *con
                     tile(x + r * K, K, buf + o * K, K, nr, nn, y + r * ldy + col[i] + o0 + o, ldy);
                 }
             }
-#endif
         }
         free(buf);
     }
