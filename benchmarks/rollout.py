@@ -63,8 +63,10 @@ LIKE = {"quick": ((16,), 32, 32), "full": ((1, 16, 64), 32, 128)}
 
 def _reexec(threads: int) -> None:
     """Restart with OpenBLAS's thread count fixed (it is read when stoa.backends.mlx loads OpenBLAS)."""
+    from stoa.backends import openmp
+
+    openmp.dedicated()  # as a worker's torch engine waits (llama.cpp's OpenMP reads the same variables)
     env = dict(os.environ)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as stoa.backends.torch sets it; llama.cpp's OpenMP reads it too
     env.update(OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if any(os.environ.get(k) != env.get(k) for k in ("OPENBLAS_NUM_THREADS",)):

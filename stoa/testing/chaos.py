@@ -140,10 +140,12 @@ class ChaosRun:
         return self.root / "run"
 
     def _spawn(self, name: str, args: list[str]) -> None:
+        from stoa.backends import openmp
         from stoa.fleet import lifetime
 
         env = dict(os.environ, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1", **self.env,
                    **lifetime.child_env(self._bind[0]))
+        openmp.shared_env(env)  # every process of the fleet shares this machine's cores
         if self.s3 is not None:
             env.update(AWS_ACCESS_KEY_ID=self.s3.credentials[0], AWS_SECRET_ACCESS_KEY=self.s3.credentials[1],
                        AWS_DEFAULT_REGION="us-east-1")

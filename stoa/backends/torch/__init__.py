@@ -5,14 +5,14 @@ the rollout engine (``make_engine(..., "torch")``, :mod:`.engine`: CPUs and CUDA
 imports transformers, loaded on first use of the names below.
 """
 
-import os
 from typing import Any
 
-# Idle OpenMP threads sleep instead of spinning: on a machine whose cores other jobs share (a
-# volunteer's, or this project's 2-core ones), a spinning thread pool waits a time slice at
-# every barrier (measured: the torch engine at batch 16 fell from 87 to 7 tokens/s). Read when
-# torch loads OpenMP, so only where nothing imported torch before.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from stoa.backends import openmp
+
+# Idle OpenMP threads spin briefly, then sleep (stoa.backends.openmp: read when torch loads OpenMP,
+# so only where nothing imported torch before); a launcher whose processes share the machine's
+# cores makes them sleep at once instead (openmp.shared_env).
+openmp.dedicated()
 
 __all__ = ["TorchLearner", "make"]
 

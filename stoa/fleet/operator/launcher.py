@@ -59,6 +59,7 @@ class Stopped(KeyboardInterrupt):
 
 
 def _spawn(args: list[str], log_path: Path, threads: int | None, bind_fd: int) -> subprocess.Popen:
+    from stoa.backends import openmp
     from stoa.fleet import lifetime
 
     env = dict(os.environ, PYTHONUNBUFFERED="1", **lifetime.child_env(bind_fd))
@@ -66,6 +67,7 @@ def _spawn(args: list[str], log_path: Path, threads: int | None, bind_fd: int) -
     # trainer's learner then sets its own torch thread count from its config.
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env[var] = str(threads)
+    openmp.shared_env(env)  # the trainer and workers share this machine's cores: idle threads sleep
     return subprocess.Popen([sys.executable, "-m", "stoa", *args], stdout=open(log_path, "ab"),
                             stderr=subprocess.STDOUT, env=env, start_new_session=True, pass_fds=(bind_fd,))
 
