@@ -117,26 +117,17 @@ static void dequant_row(const uint8_t *code, const float *scale, const float *bi
 }
 
 /* y[r, o] for rows r0 .. r0+nr-1 (nr <= RT) and panel outputs o0 .. o0+no-1 (no <= OT). */
-static inline void tile(const float *x, int64_t ldx, const float *w, int64_t K, int nr, int no,
-                        float *y, int64_t ldy) {
+static inline __attribute__((always_inline)) void
+tile_body(const float *x, int64_t ldx, const float *w, int64_t K, const int nr, const int no, float *y, int64_t ldy) {
     vf acc[RT][OT];
     for (int r = 0; r < RT; r++)
         for (int o = 0; o < OT; o++) acc[r][o] = (vf){0};
-    if (nr == RT && no == OT) {
-        for (int64_t k = 0; k < K; k += VL) {
-            vf xv[RT], wv[OT];
-            for (int r = 0; r < RT; r++) xv[r] = loadf(x + r * ldx + k);
-            for (int o = 0; o < OT; o++) wv[o] = loadf(w + o * K + k);
-            for (int r = 0; r < RT; r++)
-                for (int o = 0; o < OT; o++) acc[r][o] = fmadd(xv[r], wv[o], acc[r][o]);
-        }
-    } else {
-        for (int64_t k = 0; k < K; k += VL) {
-            for (int r = 0; r < nr; r++) {
-                vf xv = loadf(x + r * ldx + k);
-                for (int o = 0; o < no; o++) acc[r][o] = fmadd(xv, loadf(w + o * K + k), acc[r][o]);
-            }
-        }
+    for (int64_t k = 0; k < K; k += VL) {
+        vf xv[RT], wv[OT];
+        for (int r = 0; r < nr; r++) xv[r] = loadf(x + r * ldx + k);
+        for (int o = 0; o < no; o++) wv[o] = loadf(w + o * K + k);
+        for (int r = 0; r < nr; r++)
+            for (int o = 0; o < no; o++) acc[r][o] = fmadd(xv[r], wv[o], acc[r][o]);
     }
     /* The tree sums each accumulator's lanes in one fixed order whatever the others hold, so a
      * row's result does not depend on its neighbours in the tile, the batch size or the threads. */
@@ -150,6 +141,23 @@ static inline void tile(const float *x, int64_t ldx, const float *w, int64_t K, 
     }
 }
 
+/* The body with constant row and output counts, so the accumulators stay in registers (with
+ * run-time counts GCC keeps them on the stack, and every multiply-add waits on a store). */
+static void tile(const float *x, int64_t ldx, const float *w, int64_t K, int nr, int no, float *y, int64_t ldy) {
+    if (no == OT) {
+        switch (nr) {
+        case RT: tile_body(x, ldx, w, K, RT, OT, y, ldy); return;
+        case 1: tile_body(x, ldx, w, K, 1, OT, y, ldy); return;
+#if RT > 2
+        case 2: tile_body(x, ldx, w, K, 2, OT, y, ldy); return;
+        case 3: tile_body(x, ldx, w, K, 3, OT, y, ldy); return;
+#endif
+        default: break;
+        }
+    }
+    tile_body(x, ldx, w, K, nr, no, y, ldy);
+}
+
 /* Few rows (n < RT): no panel buffer; each weight is dequantized in registers (the same two
  * roundings) and used at once. Same accumulation order per (row, output) as tile(): the results
  * are bit for bit those of the buffered path. */
@@ -159,8 +167,9 @@ static inline vf dequant_vec(const uint8_t *code, float s, float b) {
     return m + b;
 }
 
-static void few_rows(const float *x, int64_t K, int nr, const uint8_t *code, const float *scale,
-                     const float *bias, int no, float *y, int64_t ldy) {
+static inline __attribute__((always_inline)) void
+few_rows_body(const float *x, int64_t K, const int nr, const uint8_t *code, const float *scale, const float *bias,
+              const int no, float *y, int64_t ldy) {
     vf acc[RT][OT];
     for (int r = 0; r < RT; r++)
         for (int o = 0; o < OT; o++) acc[r][o] = (vf){0};
@@ -182,6 +191,22 @@ static void few_rows(const float *x, int64_t K, int nr, const uint8_t *code, con
         const int i = lane_of[j], r = i / OT, o = i % OT;
         if (r < nr && o < no) y[r * ldy + o] = a[0][j];
     }
+}
+
+/* As tile(): constant counts keep the accumulators in registers. */
+static void few_rows(const float *x, int64_t K, int nr, const uint8_t *code, const float *scale,
+                     const float *bias, int no, float *y, int64_t ldy) {
+    if (no == OT) {
+        switch (nr) {
+        case 1: few_rows_body(x, K, 1, code, scale, bias, OT, y, ldy); return;
+#if RT > 2
+        case 2: few_rows_body(x, K, 2, code, scale, bias, OT, y, ldy); return;
+        case 3: few_rows_body(x, K, 3, code, scale, bias, OT, y, ldy); return;
+#endif
+        default: break;
+        }
+    }
+    few_rows_body(x, K, nr, code, scale, bias, no, y, ldy);
 }
 
 /* The panel width: outputs whose dequantized rows fit ~256 KB (a core's L2 share), a multiple of OT. */
