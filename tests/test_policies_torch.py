@@ -57,21 +57,28 @@ def test_held_policies_score_on_torch_as_the_engine_does(tiny_model, sampled, tm
     engine.load_state(0, v0)
 
 
-def test_auto_scores_on_torch_for_a_small_model_and_on_the_engine_for_a_large_one_on_a_cpu_learner(
+def test_auto_scores_on_the_int8_kernel_else_on_torch_for_a_small_model_and_the_engine_for_a_large_one_on_a_cpu(
         tiny_model, tmp_path):
     import json
     import shutil
 
     from stoa.fleet.trainer import policies as mod
 
-    assert HeldPolicies(tiny_model, RolloutConfig(), 1, tmp_path / "a", scorer="auto", device="cpu").scorer == "torch"
+    from stoa.backends.torch import qlinear
+
+    kernel = qlinear.available()[0]
+    assert HeldPolicies(tiny_model, RolloutConfig(engine="torch"), 1, tmp_path / "a", scorer="auto",
+                        device="cpu").scorer == ("engine" if kernel else "torch")  # the int8 kernel checks fastest
+    for rc in (RolloutConfig(engine="torch", engine_mode="dequantized"), RolloutConfig(engine="mlx")):
+        assert HeldPolicies(tiny_model, rc, 1, tmp_path / "a", scorer="auto", device="cpu").scorer == "torch"
     big = tmp_path / "big"
     shutil.copytree(tiny_model, big)
     cfg = json.loads((big / "config.json").read_text())
     (big / "config.json").write_text(json.dumps({**cfg, "hidden_size": 4096, "intermediate_size": 12288,
                                                  "num_hidden_layers": 32}))
     assert 4 * mod._num_params(big) > mod.SMALL_CPU_SCORER_BYTES
-    assert HeldPolicies(big, RolloutConfig(), 1, tmp_path / "c", scorer="auto", device="cpu").scorer == "engine"
+    assert HeldPolicies(big, RolloutConfig(engine="mlx"), 1, tmp_path / "c", scorer="auto",
+                        device="cpu").scorer == "engine"
     with pytest.raises(ValueError, match="auto, engine or torch"):
         HeldPolicies(tiny_model, RolloutConfig(), 1, tmp_path / "b", scorer="gpu")
 

@@ -10,8 +10,9 @@ A version it does not hold (after a restart the trainer holds only the version i
 rebuilt from the weight chain in the store, verified like a worker's sync, when it is asked for.
 
 Scoring (:meth:`HeldPolicies.score`, :meth:`HeldPolicies.check_draws`: the check of every episode,
-spot-checks, sampling checks, the mismatch split) runs on the rollout engine or, with ``trainer.int8_scorer = "torch"``
-(the default on a CUDA learner, and on a CPU learner for a model whose float32 copy fits in
+spot-checks, sampling checks, the mismatch split) runs on the rollout engine (the default on a CPU
+learner whose engine is torch's with the int8 kernel) or, with ``trainer.int8_scorer = "torch"``
+(the default on a CUDA learner, and on another CPU learner for a model whose float32 copy fits in
 :data:`SMALL_CPU_SCORER_BYTES`), on the int8 scorer of that name (:mod:`stoa.backends.scorer`; torch's
 dequantizes the state into a torch model) on the learner's device: the same dequantized weights, and agreement with the engine measured in
 docs/scale.md. Evaluation generates, so it always runs on the engine.
@@ -87,16 +88,33 @@ class HeldPolicies:
         """What scores: ``"engine"`` or a key of :data:`~stoa.backends.scorer.SCORERS` (``"auto"`` resolved)."""
 
     def _auto(self, device: str) -> str:
-        """Torch on a CUDA learner; on a CPU learner, torch while its float32 copy of the model
-        stays under :data:`SMALL_CPU_SCORER_BYTES` (torch scores 1.5-2.3x faster than MLX's CPU
-        build here, and the trainer keeps the engine for evaluation), else the engine."""
+        """Torch on a CUDA learner. On a CPU learner: the engine when it is torch's with the int8
+        kernel (it computes on the int8 codes, keeps no float copy, and checked the real model's
+        episodes 2.3x faster than the torch scorer, docs/scale.md); otherwise torch while its
+        float32 copy stays under :data:`SMALL_CPU_SCORER_BYTES` (torch scored 1.5-2.3x faster than
+        MLX's CPU build here, and the trainer keeps the engine for evaluation), else the engine."""
         if device != "cpu":
             device = scorer_device("torch", device)  # the learner has imported torch
             if device.startswith("cuda"):
                 return "torch"
-        if device == "cpu" and 4 * _num_params(self.model_dir) <= SMALL_CPU_SCORER_BYTES:
-            return "torch"
+        if device == "cpu":
+            if self._engine_is_int8_kernel():
+                return "engine"
+            if 4 * _num_params(self.model_dir) <= SMALL_CPU_SCORER_BYTES:
+                return "torch"
         return "engine"  # a large model on a CPU learner; any other device (Apple's mps: MLX runs on Metal)
+
+    def _engine_is_int8_kernel(self) -> bool:
+        """Whether the run's engine here resolves to torch's ``quantized`` mode (on the CPU)."""
+        from stoa.backends.engine import resolve_backend
+
+        if resolve_backend(self.rollout.engine) != "torch" or self.rollout.engine_mode not in ("auto", "quantized"):
+            return False
+        import torch
+
+        from stoa.backends.torch import qlinear
+
+        return not torch.cuda.is_available() and qlinear.available()[0]
 
     def keep(self, version: int, state: dict[str, np.ndarray], state_hash: str | None = None) -> None:
         """Hold ``version``'s state (call it once the version is published; ``state_hash`` is the
