@@ -91,3 +91,15 @@ def test_an_unknown_int8_scorer_fails_at_load_with_its_key(tmp_path):
     path.write_text(tiny_fleet_config("s", trainer={"int8_scorer": "torch"}))
     assert load_config(path).trainer.int8_scorer == "torch"
     assert load_config(tmp_path / "run.toml", {"trainer.int8_scorer": "engine"}).trainer.int8_scorer == "engine"
+
+
+def test_engine_mode_tells_what_an_engine_would_run_without_building_one():
+    from stoa.backends.engine import EngineError, engine_mode
+    from stoa.backends.torch import qlinear
+
+    assert engine_mode("torch", "dequantized", device="cpu") == "dequantized"
+    assert engine_mode("torch", "auto", device="cpu") == ("quantized" if qlinear.available()[0] else "dequantized")
+    with pytest.raises(EngineError, match="unknown engine backend"):
+        engine_mode("nope")
+    with pytest.raises(EngineError, match="must be one of"):
+        engine_mode("torch", "fp8", device="cpu")

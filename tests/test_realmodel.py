@@ -213,7 +213,10 @@ def test_stoa_train_on_the_real_model_accepts_every_honest_batch(real_model, tmp
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = read_metrics(tmp_path / "runs" / "real" / "metrics.jsonl")
     (par,) = [x for x in rows if x.get("event") == "parity"]
-    assert par["parity/int8_vs_float"] < parity.INT8_BOUND and par["parity/engine_vs_scorer"] < 1e-3
+    assert par["parity/int8_vs_float"] < parity.INT8_BOUND
+    # A trainer whose engine is the int8 kernel checks on it (no second scorer to compare); one that
+    # checks on torch's scorer must find it agrees with the engine.
+    assert par.get("parity/engine_vs_scorer", 0.0) < 1e-3
     floor = next(x["trust/audit_floor"] for x in rows if "trust/audit_floor" in x)
     train = [x for x in rows if x["kind"] == "train"]
     print(f"real-model fleet: parity {par}, audit floor {floor:.4f}")

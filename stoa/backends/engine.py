@@ -102,6 +102,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BACKENDS",
+    "engine_mode",
     "EngineBusyError",
     "EngineConfig",
     "EngineError",
@@ -524,6 +525,19 @@ def make_engine(
     module = importlib.import_module(BACKENDS[backend])
     return module.make(Path(hf_dir), state=state, version=version, mode=mode, config=config, worker_id=worker_id,
                        **options)
+
+
+def engine_mode(backend: str, mode: str = "auto", **options: Any) -> str:
+    """The compute mode an engine of ``backend`` built here with ``mode`` (and ``options``, e.g.
+    ``device``) would run in, ``"auto"`` resolved, without building one (imports the backend).
+
+    Raises:
+        EngineError: unknown backend, or a mode the backend cannot run here.
+    """
+    backend = resolve_backend(backend)
+    if backend not in BACKENDS:
+        raise EngineError(f"unknown engine backend {backend!r}; known: {sorted(BACKENDS)}")
+    return importlib.import_module(BACKENDS[backend]).mode(mode, **options)
 
 
 class EngineWrapper:

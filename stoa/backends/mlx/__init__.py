@@ -15,7 +15,12 @@ blas.load_openblas()  # before mlx loads: bind its BLAS calls to OpenBLAS, not t
 
 from stoa.backends.mlx.engine import MODES, MLXEngine, resolve_mode  # noqa: E402
 
-__all__ = ["MLXEngine", "MODES", "make", "resolve_mode"]
+__all__ = ["MLXEngine", "MODES", "make", "mode", "resolve_mode"]
+
+
+def mode(mode: str = "auto") -> str:
+    """The backend entry of :func:`stoa.backends.engine.engine_mode`: what ``mode`` resolves to here."""
+    return resolve_mode(mode)
 
 
 def make(hf_dir: str | Path, *, state: Any = None, version: int = 0, mode: str = "auto",

@@ -397,6 +397,11 @@ def pretrained_state(hf_dir: Path) -> dict[str, np.ndarray]:
     return quantize_state(tensors())
 
 
+def mode(mode: str = "auto", device: str = "auto") -> str:
+    """The backend entry of :func:`stoa.backends.engine.engine_mode`: what ``mode`` resolves to on ``device``."""
+    return resolve_mode(mode, resolve_device(device))
+
+
 def make(hf_dir: str | Path, *, state: dict[str, np.ndarray] | None = None, version: int = 0, mode: str = "auto",
          config: EngineConfig = EngineConfig(), worker_id: str = "", device: str = "auto") -> TorchEngine:
     """The backend entry of :func:`stoa.backends.engine.make_engine`: from ``state`` when given,

@@ -105,16 +105,15 @@ class HeldPolicies:
         return "engine"  # a large model on a CPU learner; any other device (Apple's mps: MLX runs on Metal)
 
     def _engine_is_int8_kernel(self) -> bool:
-        """Whether the run's engine here resolves to torch's ``quantized`` mode (on the CPU)."""
-        from stoa.backends.engine import resolve_backend
+        """Whether the run's engine here is torch's in ``quantized`` mode (the int8 kernel, CPUs)."""
+        from stoa.backends.engine import EngineError, engine_mode, resolve_backend
 
         if resolve_backend(self.rollout.engine) != "torch" or self.rollout.engine_mode not in ("auto", "quantized"):
             return False
-        import torch
-
-        from stoa.backends.torch import qlinear
-
-        return not torch.cuda.is_available() and qlinear.available()[0]
+        try:
+            return engine_mode("torch", self.rollout.engine_mode) == "quantized"
+        except EngineError:  # "quantized" where it cannot run: the engine itself will say so
+            return False
 
     def keep(self, version: int, state: dict[str, np.ndarray], state_hash: str | None = None) -> None:
         """Hold ``version``'s state (call it once the version is published; ``state_hash`` is the
