@@ -122,7 +122,8 @@ __all__ = [
 
 BACKENDS: dict[str, str] = {"mlx": "stoa.backends.mlx", "torch": "stoa.backends.torch.engine"}
 """Backend name -> module. The module exports ``make(hf_dir, *, state, version, mode, config,
-worker_id, **options) -> RolloutEngine`` (the arguments of :func:`make_engine`). A second backend
+worker_id, **options) -> RolloutEngine`` (the arguments of :func:`make_engine`) and
+``mode(mode, **options) -> str`` (what ``mode`` resolves to here, :func:`engine_mode`). A second backend
 registers here (or its module is added at run time) and the fleet uses it with no change."""
 
 STAGE_BACKENDS: dict[str, str] = {"torch": "stoa.backends.torch.remote"}
