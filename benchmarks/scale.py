@@ -347,7 +347,9 @@ def run_fleet(model: Path, work: Path, steps: int, timeout_s: float, overrides: 
     save_keypair(generate_private_key(), run_dir / "keys", "run")
     key = run_dir / "keys" / "run.key"
     public_hex = load_private_key(key).public_key().public_bytes_raw().hex()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1")
+    from stoa.backends import openmp
+
+    env = openmp.shared_env(dict(os.environ, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1"))  # one machine's cores
     stoa = [sys.executable, "-m", "stoa"]
 
     def spawn(name: str, args: list[str]) -> tuple[subprocess.Popen, float]:

@@ -10,9 +10,13 @@ import uuid
 import pytest
 
 from stoa import blas
+from stoa.backends import openmp
 from stoa.transport.store import LocalStore, S3Config, S3Store
 
 blas.load_openblas()  # before any test imports mlx, so MLX tests run on OpenBLAS (see stoa.blas)
+# The suite's processes (two pytest workers, and the trainers and workers that tests start) share
+# this machine's cores: OpenMP threads sleep at once, as the local launcher's do (stoa.backends.openmp).
+openmp.shared_env(os.environ)
 
 S3_ENDPOINT = os.environ.get("STOA_TEST_S3_ENDPOINT")
 NO_S3_REASON = "no S3 server: STOA_TEST_S3_ENDPOINT is unset (scripts/test.sh starts SeaweedFS and sets it)"

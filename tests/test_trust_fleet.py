@@ -23,7 +23,7 @@ from stoa.fleet.metrics import read_metrics
 from stoa.testing.adversaries import KINDS
 from stoa.transport.identity import enroll_worker, list_bans, load_or_create_worker_key
 from stoa.transport.signing import generate_private_key, key_id, save_keypair
-from stoa.transport.store import LocalStore
+from stoa.transport.store import KeyNotFound, LocalStore
 
 from helpers import tiny_fleet_config
 
@@ -72,6 +72,15 @@ def _trained(run_dir) -> tuple[int, float]:
     return len(train), (train[-1]["trust/banned_workers"] if train else 0)
 
 
+def _withheld(store, run: str, kid: str) -> int:
+    """The selective worker's withheld count in the trainer's newest trust report (0 before one)."""
+    try:
+        report = json.loads(json.loads(store.get(f"{run}/trust.json"))["body"])
+    except KeyNotFound:
+        return 0
+    return int(report["workers"].get(kid, {}).get("withheld", 0))
+
+
 def test_two_honest_workers_and_every_adversary(tmp_path):
     assert set(NEEDLES) == set(KINDS)
     config = tmp_path / "trust.toml"
@@ -113,11 +122,14 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
             steps, banned = _trained(run_dir)
             unenrolled = bool(store.list(f"{run}/quarantine/adv-unenrolled/"))
             unbanned = sorted(w for w, kind in workers.items() if kid_of[w] in must_ban - set(list_bans(store, run, run_pub)[0]))
-            if steps >= MIN_STEPS and banned >= len(must_ban) and unenrolled and not unbanned:
+            # A withheld batch shows only when a later one of the same worker arrives: wait for one.
+            withheld = _withheld(store, run, kid_of["adv-selective"])
+            if steps >= MIN_STEPS and banned >= len(must_ban) and unenrolled and not unbanned and withheld:
                 procs["trainer"].send_signal(signal.SIGTERM)
                 break
             waiting_for = (f"{steps} steps of {MIN_STEPS}, {banned} banned in the metrics of {len(must_ban)}, "
-                           f"unenrolled quarantined: {unenrolled}, ban documents missing for {unbanned}")
+                           f"unenrolled quarantined: {unenrolled}, ban documents missing for {unbanned}, "
+                           f"batches withheld by the selective worker: {withheld}")
             time.sleep(1.0)
         assert procs["trainer"].wait(timeout=120) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
         for w in ("honest-0", "honest-1"):
