@@ -104,15 +104,32 @@ static void reduce_init(void) {
     reduce_ready = 1;
 }
 
-/* One output row of the panel: buf[k] = (float)code[k] * scale[g] + bias[g], two roundings. */
+/* VL weights of record: (float)code * scale, rounded, then + bias, rounded (no fused multiply-add). */
+static inline vf dequant_vec(const uint8_t *code, float s, float b) {
+    vf w = codes_f(code);
+    vf m = w * s;
+    return m + b;
+}
+
+/* One output row of the panel: buf[k] = the weight of record of code[k]. */
 static void dequant_row(const uint8_t *code, const float *scale, const float *bias, int64_t K, float *buf) {
-    for (int64_t g = 0; g < K / GROUP; g++) {
-        const float s = scale[g], b = bias[g];
-        for (int64_t j = 0; j < GROUP; j += VL) {
-            vf w = codes_f(code + g * GROUP + j);
-            vf m = w * s;
-            storef(buf + g * GROUP + j, m + b);
-        }
+    for (int64_t g = 0; g < K / GROUP; g++)
+        for (int64_t j = 0; j < GROUP; j += VL)
+            storef(buf + g * GROUP + j, dequant_vec(code + g * GROUP + j, scale[g], bias[g]));
+}
+
+/* Writes the nr x no results of a tile's accumulators to y. The tree sums each accumulator's
+ * lanes in one fixed order whatever the others hold, so a row's result does not depend on its
+ * neighbours in the tile, the batch size or the threads. */
+static inline __attribute__((always_inline)) void
+store_tile(vf acc[RT][OT], const int nr, const int no, float *y, int64_t ldy) {
+    vf a[VL];
+    for (int r = 0; r < RT; r++)
+        for (int o = 0; o < OT; o++) a[r * OT + o] = acc[r][o];
+    reduce_tree(a);
+    for (int j = 0; j < VL; j++) {
+        const int i = lane_of[j], r = i / OT, o = i % OT;
+        if (r < nr && o < no) y[r * ldy + o] = a[0][j];
     }
 }
 
@@ -129,16 +146,7 @@ tile_body(const float *x, int64_t ldx, const float *w, int64_t K, const int nr, 
         for (int r = 0; r < nr; r++)
             for (int o = 0; o < no; o++) acc[r][o] = fmadd(xv[r], wv[o], acc[r][o]);
     }
-    /* The tree sums each accumulator's lanes in one fixed order whatever the others hold, so a
-     * row's result does not depend on its neighbours in the tile, the batch size or the threads. */
-    vf a[VL];
-    for (int r = 0; r < RT; r++)
-        for (int o = 0; o < OT; o++) a[r * OT + o] = acc[r][o];
-    reduce_tree(a);
-    for (int j = 0; j < VL; j++) {
-        const int i = lane_of[j], r = i / OT, o = i % OT;
-        if (r < nr && o < no) y[r * ldy + o] = a[0][j];
-    }
+    store_tile(acc, nr, no, y, ldy);
 }
 
 /* The body with constant row and output counts, so the accumulators stay in registers (with
@@ -158,14 +166,9 @@ static void tile(const float *x, int64_t ldx, const float *w, int64_t K, int nr,
     tile_body(x, ldx, w, K, nr, no, y, ldy);
 }
 
-/* Few rows (n < RT): no panel buffer; each weight is dequantized in registers (the same two
- * roundings) and used at once. Same accumulation order per (row, output) as tile(): the results
- * are bit for bit those of the buffered path. */
-static inline vf dequant_vec(const uint8_t *code, float s, float b) {
-    vf w = codes_f(code);
-    vf m = w * s;
-    return m + b;
-}
+/* Few rows (n < RT): no panel buffer; each weight is dequantized in registers (dequant_vec) and
+ * used at once. Same accumulation order per (row, output) as tile(): the results are bit for bit
+ * those of the buffered path. */
 
 static inline __attribute__((always_inline)) void
 few_rows_body(const float *x, int64_t K, const int nr, const uint8_t *code, const float *scale, const float *bias,
@@ -183,14 +186,7 @@ few_rows_body(const float *x, int64_t K, const int nr, const uint8_t *code, cons
             }
         }
     }
-    vf a[VL];
-    for (int r = 0; r < RT; r++)
-        for (int o = 0; o < OT; o++) a[r * OT + o] = acc[r][o];
-    reduce_tree(a);
-    for (int j = 0; j < VL; j++) {
-        const int i = lane_of[j], r = i / OT, o = i % OT;
-        if (r < nr && o < no) y[r * ldy + o] = a[0][j];
-    }
+    store_tile(acc, nr, no, y, ldy);
 }
 
 /* As tile(): constant counts keep the accumulators in registers. */
