@@ -1,15 +1,17 @@
 """Honest and cheating workers on the torch rollout engine, judged by the trainer's scorers.
 
-Workers sample with the torch engine (its CPU default: the int8 kernel, ``quantized`` mode) on the arithmetic example
+Workers sample with the torch engine (its CPU default, or ``--mode``) on the arithmetic example
 (``examples/custom_env.py``) at T = 1, batches of one group of 4 episodes, each batch its own
 group ids; every token of every episode is re-derived by the trainer's check (``check_draws``,
-drift allowance half the audit's sampling band): by the torch int8 scorer (transformers' modules)
-and, where MLX is installed, by the MLX engine. Cheaters claim T = 1 and honest log-probs of what
+drift allowance half the audit's sampling band): by the torch int8 scorer (transformers' modules,
+float32), by torch engines in the int8 kernel's modes (``integer``, ``quantized``: what a CPU
+trainer's ``auto`` check runs on) and, where MLX is installed, by the MLX engine (float32). Cheaters claim T = 1 and honest log-probs of what
 they drew (re-scored at T = 1) after sampling at 0.8 T, 0.6 T, or with top-p 0.9. Per row: tokens,
 worst margin, the share within the band (ambiguous, never punished), tokens below ``-band``
 (caught), episodes and batches holding a caught token.
 
-    python benchmarks/engine_trust.py [--model PATH] [--honest-batches 16] [--cheat-batches 8] [--json out.json]
+    python benchmarks/engine_trust.py [--model PATH] [--mode auto] [--honest-batches 16] [--cheat-batches 8]
+                                      [--json out.json]
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ def main() -> None:
     ap.add_argument("--honest-batches", type=int, default=16)
     ap.add_argument("--cheat-batches", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--mode", default="auto", help="the workers' torch engine mode")
     ap.add_argument("--bf16-batches", type=int, default=4, help="honest batches of a bfloat16-compute engine (its drift)")
     ap.add_argument("--only-bf16", action="store_true", help="only the bfloat16 rows")
     ap.add_argument("--json", type=Path)
@@ -83,9 +86,17 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     band = AuditConfig().sampling_band
-    eng = make_engine(args.model, "torch", config=EngineConfig(max_batch=8), device="cpu")
+    from stoa.backends.engine import EngineError
+
+    eng = make_engine(args.model, "torch", config=EngineConfig(max_batch=8), device="cpu", mode=args.mode)
     judges = {"torch scorer": TorchInt8Scorer(args.model, "cpu")}
     judges["torch scorer"].load_state(0, eng.state)
+    for mode in ("integer", "quantized"):
+        try:
+            judges[f"torch engine, {mode}"] = make_engine(args.model, "torch", state=eng.state, mode=mode,
+                                                          config=EngineConfig(max_batch=8), device="cpu")
+        except EngineError as e:
+            print(f"no {mode} judge: {e}")
     if have_mlx:
         judges["MLX engine"] = make_engine(args.model, "mlx", state=eng.state, mode="dequantized")
     base = SamplingConfig(max_turn_tokens=16, max_episode_tokens=120)

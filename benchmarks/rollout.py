@@ -283,7 +283,7 @@ def like_for_like(path: Path, threads: int, quick: bool, engines: list[str]) -> 
     import torch
     import transformers
 
-    from stoa.backends.engine import EngineConfig, make_engine
+    from stoa.backends.engine import EngineConfig, EngineError, make_engine
     from stoa.models.presets import decode_flops
 
     batches, prompt, gen = LIKE["quick" if quick else "full"]
@@ -295,12 +295,18 @@ def like_for_like(path: Path, threads: int, quick: bool, engines: list[str]) -> 
                  "tokens_per_s": {}}
     tps = out["tokens_per_s"]
     built = {"torch": lambda: make_engine(path, "torch", config=EngineConfig(max_batch=max(batches)), device="cpu"),
+             "torch-int": lambda: make_engine(path, "torch", mode="integer",
+                                              config=EngineConfig(max_batch=max(batches)), device="cpu"),
              "torch-f32": lambda: make_engine(path, "torch", mode="dequantized",
                                               config=EngineConfig(max_batch=max(batches)), device="cpu"),
              "mlx": lambda: make_engine(path, "mlx", mode="dequantized", config=EngineConfig(max_batch=max(batches)))}
     texts = None
     for name in engines:
-        eng = built[name]()
+        try:
+            eng = built[name]()
+        except EngineError as e:  # the integer path on a CPU without AVX-512 VNNI
+            print(f"[rollout] like-for-like: no {name} engine here: {e}", file=sys.stderr)
+            continue
         texts = texts or exact_prompts(eng.codec, max(batches), prompt)
         label = f"torch engine ({eng.mode})" if name.startswith("torch") else f"{name} engine"
         tps[label] = {b: _engine_run(eng, texts, b, gen) for b in batches}
@@ -335,9 +341,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="BLAS / torch threads")
     ap.add_argument("--skip-mismatch", action="store_true", help="do not load torch")
     ap.add_argument("--model", type=Path, help="a Hugging Face folder to measure instead of the built models")
-    ap.add_argument("--engines", default="torch,torch-f32,mlx",
+    ap.add_argument("--engines", default="torch,torch-int,torch-f32,mlx",
                     help="engines of the like-for-like table (--model): torch (auto: the int8 kernel on CPUs), "
-                         "torch-f32 (float32 weights), mlx")
+                         "torch-int (the kernel's integer path, AVX-512 VNNI), torch-f32 (float32 weights), mlx")
     ap.add_argument("--like-only", action="store_true", help="--model: only the like-for-like table")
     args = ap.parse_args()
     _reexec(args.threads)

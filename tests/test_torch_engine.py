@@ -24,6 +24,7 @@ MODEL = TinyConfig(vocab_size=1024, hidden_size=128, num_layers=2, num_heads=4, 
                    intermediate_size=256, seed=0)
 SAMPLING = SamplingConfig(max_turn_tokens=12, max_episode_tokens=400, seed=7)
 qlinear_ok = __import__("stoa.backends.torch.qlinear", fromlist=["available"]).available()[0]
+integer_ok = __import__("stoa.backends.torch.qlinear", fromlist=["integer_available"]).integer_available()[0]
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -97,10 +98,12 @@ def test_auto_picks_torch_off_apple_silicon_and_the_run_config_accepts_it(tiny):
         assert type(make_engine(tiny, "auto", device="cpu")).__name__ == "TorchEngine"
 
 
-@pytest.mark.parametrize("mode", ["quantized", "dequantized"])
+@pytest.mark.parametrize("mode", ["quantized", "integer", "dequantized"])
 def test_delta_applied_live_gives_the_trainers_state(tiny, mode):
     if mode == "quantized" and not qlinear_ok:
         pytest.skip("the int8 kernel is unavailable here")
+    if mode == "integer" and not integer_ok:
+        pytest.skip("the int8 kernel's integer path (AVX-512 VNNI) is unavailable here")
     eng = make_engine(tiny, "torch", config=EngineConfig(max_batch=16), device="cpu", mode=mode)
     old = {k: v.copy() for k, v in eng.state.items()}
     w = float_weights(tiny)
@@ -142,6 +145,25 @@ def test_quantized_mode_draws_the_dequantized_modes_episodes_holding_no_float_we
     assert same_tokens(a, b) >= len(a) - 1
     assert worst([e.behavior_logprobs() for e in a], f32.score(a), a) < 1e-5
     assert all(d.margins.min() > -1e-4 for d in f32.check_draws(a, [SAMPLING.seed] * len(a)))
+
+
+def test_integer_mode_is_opt_in_and_its_episodes_pass_the_trainers_float32_check(tiny):
+    """The kernel's integer path holds no float weights either; its drift from the float32 re-score
+    is larger than the float modes' but inside the audit's band, so the trainer's checks accept it."""
+    from stoa.fleet.trust.audit import AuditConfig
+
+    if not integer_ok:
+        pytest.skip("the int8 kernel's integer path (AVX-512 VNNI) is unavailable here")
+    band = AuditConfig().sampling_band
+    eng = make_engine(tiny, "torch", config=EngineConfig(max_batch=16), device="cpu", mode="integer")
+    assert eng.mode == "integer" and make_engine(tiny, "torch", device="cpu").mode == "quantized"
+    assert all(t.is_meta for n, t in eng.decoder.views.items() if n.endswith("proj.weight") or "embed" in n)
+    f32 = make_engine(tiny, "torch", state=eng.state, config=EngineConfig(max_batch=16), device="cpu",
+                      mode="dequantized")
+    a = eng.rollout(make_env, requests(4, 3), SAMPLING)
+    gap = worst([e.behavior_logprobs() for e in a], f32.score(a), a)
+    assert 1e-7 < gap < band / 2
+    assert all(d.margins.min() > -band for d in f32.check_draws(a, [SAMPLING.seed] * len(a), drift=band / 2))
 
 
 def test_no_weight_swap_inside_a_cohort(tiny):

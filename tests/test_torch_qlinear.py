@@ -1,6 +1,8 @@
 """The torch engine's int8 CPU kernel (`stoa.backends.torch.qlinear`): it computes a float32 matmul
 on exactly the weights of record, reads the state's codes in place, and gives a row the same bits
-whatever its batch neighbours and thread count; the narrower (AVX2-width) build agrees too."""
+whatever its batch neighbours and thread count; the narrower (AVX2-width) build agrees too. Its
+integer path (AVX-512 VNNI; skipped elsewhere) is exact arithmetic on inputs rounded as documented,
+batch-invariant too."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from stoa.backends.torch.int8 import dequantize_torch  # noqa: E402
 
 ok, why = qlinear.available()
 pytestmark = pytest.mark.skipif(not ok, reason=f"int8 kernel unavailable: {why}")
+int_ok, int_why = qlinear.integer_available()
+INTEGER = pytest.mark.skipif(not int_ok, reason=f"the kernel's integer path is unavailable: {int_why}")
 
 
 def matrix(rng, out, k, scale_dtype=np.float32):
@@ -112,3 +116,73 @@ def test_the_eight_lane_build_computes_the_same(tmp_path):
     assert rc == 0
     want = x.astype(np.float64) @ record(codes, scales, biases).double().numpy().T
     assert np.abs(y - want).max() < 1e-5 * np.abs(want).max()
+    lib.stoa_qmatmul_int.restype = ctypes.c_int
+    assert lib.stoa_qmatmul_has_int() == 0  # no VNNI in this build: the integer path says so
+    assert lib.stoa_qmatmul_int(P(x.ctypes.data), ctypes.c_int64(7), ctypes.c_int64(256), 1,
+                                (P * 1)(codes.ctypes.data), (P * 1)(scales.ctypes.data), (P * 1)(biases.ctypes.data),
+                                (ctypes.c_int64 * 1)(23), P(y.ctypes.data), ctypes.c_int64(23), 2) == -2
+
+
+# -- the integer path --------------------------------------------------------------------------------
+
+def rounded_inputs(x: np.ndarray) -> np.ndarray:
+    """The inputs the integer path multiplies, as documented: per group of 64, q = round(x * (32639 / m))
+    (m = the group's largest |x|, float32 arithmetic, ties to even), times m / 32639."""
+    g = x.reshape(x.shape[0], -1, 64).astype(np.float32)
+    m = np.abs(g).max(-1, keepdims=True)
+    safe = np.where(m > 0, m, np.float32(1))
+    inv = np.where(m > 0, np.float32(32639) / safe, np.float32(0)).astype(np.float32)
+    q = np.rint((g * inv).astype(np.float32))
+    sx = (m / np.float32(32639)).astype(np.float32)
+    return (q.astype(np.float64) * sx).reshape(x.shape)
+
+
+@INTEGER
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 17, 64])
+def test_the_integer_path_is_exact_arithmetic_on_its_rounded_inputs(n):
+    rng = np.random.default_rng(10 + n)
+    mats = [matrix(rng, 70, 192), matrix(rng, 33, 192), matrix(rng, 5, 192)]
+    q = qlinear.QLinear(mats, integer=True)
+    x = rng.standard_normal((n, 192)).astype(np.float32)
+    x[:, 7] *= 40  # an outlier channel: its group's other inputs are rounded more coarsely
+    bias = rng.standard_normal(108).astype(np.float32)
+    w = torch.cat([record(*m) for m in mats]).double().numpy()
+    got = q(torch.from_numpy(x), torch.from_numpy(bias)).double().numpy()
+    want = rounded_inputs(x) @ w.T + bias
+    assert np.abs(got - want).max() < 2e-6 * np.abs(want).max()  # only the float32 epilogue rounds
+    exact = x.astype(np.float64) @ w.T + bias
+    err = np.abs(got - exact).max() / np.abs(exact).max()
+    assert 1e-7 < err < 3e-4  # the inputs' rounding shows, and stays within its documented size
+
+
+@INTEGER
+def test_the_integer_path_gives_a_row_the_same_bits_whatever_its_neighbours_or_threads():
+    rng = np.random.default_rng(11)
+    q = qlinear.QLinear([matrix(rng, 300, 576), matrix(rng, 40, 576)], integer=True)
+    x = torch.from_numpy(rng.standard_normal((37, 576)).astype(np.float32))
+    whole = q(x)
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for a, b in ((0, 1), (5, 8), (3, 37), (36, 37)):
+                assert torch.equal(q(x[a:b]), whole[a:b])
+    finally:
+        torch.set_num_threads(old)
+
+
+@INTEGER
+def test_the_integer_path_reads_codes_in_place_and_handles_zero_and_non_finite_inputs():
+    rng = np.random.default_rng(12)
+    codes, scales, biases = matrix(rng, 16, 128)
+    q = qlinear.QLinear([(codes, scales, biases)], integer=True)
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    x[1, :64] = 0.0   # a group of zeros contributes nothing
+    x[2, 70] = np.inf  # a non-finite input makes its row's outputs NaN, never a finite lie
+    codes[3, :] = 255 - codes[3, :]
+    y = q(torch.from_numpy(x)).double().numpy()
+    w = record(codes, scales, biases).double().numpy()
+    for r in (0, 1):
+        want = rounded_inputs(x[r:r + 1]) @ w.T
+        assert np.abs(y[r] - want).max() < 2e-6 * np.abs(want).max()
+    assert np.isnan(y[2]).all()

@@ -16,7 +16,8 @@ layers). Positions a row has not written yet hold stale values and are never att
 
 ``quantized=True`` (CPUs): the int8 matrices hold no float32 copy; after :meth:`Decoder.bind`
 every projection, the head and the embedding lookup compute on the weight state's own codes
-(:class:`stoa.backends.torch.qlinear.QLinear`, the weights of record dequantized in cache).
+(:class:`stoa.backends.torch.qlinear.QLinear`, the weights of record dequantized in cache;
+``integer=True``: the kernel's integer path, inputs rounded to 16-bit integers per group of 64).
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ class Decoder:
 
     def __init__(self, spec: ModelSpec, config, device: torch.device, dtype: torch.dtype = torch.float32,
                  attention_bias: bool = False, mlp_bias: bool = False, part: tuple[int, int] | None = None,
-                 quantized: bool = False) -> None:
+                 quantized: bool = False, integer: bool = False) -> None:
         if spec.model_type not in FAMILIES:
             raise ValueError(f"model_type {spec.model_type!r} is not one of {FAMILIES}")
         n_layers = spec.num_hidden_layers
@@ -157,7 +158,9 @@ class Decoder:
         new = lambda *shape: torch.empty(shape, dtype=dtype, device=self.device)  # noqa: E731
         if quantized and (self.device.type != "cpu" or dtype != torch.float32):
             raise ValueError("a quantized decoder computes float32 on the CPU")
-        self.quantized = quantized
+        if integer and not quantized:
+            raise ValueError("integer=True is a quantized decoder's kernel path")
+        self.quantized, self.integer = quantized, integer
         # int8 matrices of a quantized decoder: shape-only (meta) tensors, so views still name them
         mat = (lambda *shape: torch.empty(shape, dtype=dtype, device="meta") if shape[-1] % 64 == 0  # noqa: E731
                else new(*shape)) if quantized else new
@@ -233,7 +236,7 @@ class Decoder:
                 return current
             if isinstance(current, QLinear) and not touched(*weights):
                 return current
-            return QLinear([part(w) for w in weights])
+            return QLinear([part(w) for w in weights], integer=self.integer)
 
         lo = self.part[0]
         for j, ly in enumerate(self.layers):

@@ -7,9 +7,17 @@ Conventions (cohorts, episode layout, log-probs, determinism) are those of
 The int8 weight state (uint8 codes, scales, biases, unquantized tensors; numpy, owned by the
 engine) is the state of record. The model computes with its weights of record, ``code * scale +
 bias`` evaluated in float32 (:func:`stoa.backends.torch.int8.dequantize_torch`, what the trainer's
-re-score uses), in one of two modes:
+re-score uses), in one of these modes:
 
-* ``dequantized`` (``auto``'s choice everywhere): float32 weights and float32 activations. On
+* ``quantized`` (``auto``'s choice on CPUs where the int8 kernel builds,
+  :mod:`stoa.backends.torch.qlinear`): no float32 weights are held; the weights of record are
+  dequantized in cache and multiplied in float32: a float32 matmul's results up to the order of the
+  sums.
+* ``integer`` (x86 CPUs with AVX-512 VNNI; never ``auto``'s choice): the same kernel's integer path.
+  Each matmul's input is rounded per group of 64 to 16-bit integers and multiplied with the codes in
+  exact integer arithmetic: faster at batch 16-64, and its log-probs drift from a float32 re-score
+  by up to ~3e-3 (docs/rollout.md, docs/trust.md): measure it on your model before a run admits it.
+* ``dequantized`` (``auto``'s choice on GPUs): float32 weights and float32 activations. On
   CUDA, TF32 matmuls are turned off for the engine's calls, so a GPU computes what a CPU does up to
   summation order.
 * ``bfloat16`` (for GPUs; a CPU without bfloat16 units runs it ~25x slower): the same weights rounded to bfloat16, bfloat16 activations (norms and the
@@ -40,11 +48,14 @@ from stoa.backends.torch import scoring
 from stoa.backends.torch.int8 import to_torch, dequantize_torch
 from stoa.types import Episode
 
-__all__ = ["ENGINE_DTYPES", "MODES", "TorchEngine", "check_state", "draw", "exact_matmuls", "make", "pretrained_state", "rebuild",
+__all__ = ["ENGINE_DTYPES", "KERNEL_MODES", "MODES", "TorchEngine", "check_state", "draw", "exact_matmuls", "make", "pretrained_state", "rebuild",
            "state_layout"]
 
-MODES = ("auto", "quantized", "dequantized", "bfloat16")
-ENGINE_DTYPES = {"quantized": torch.float32, "dequantized": torch.float32, "bfloat16": torch.bfloat16}
+MODES = ("auto", "integer", "quantized", "dequantized", "bfloat16")
+ENGINE_DTYPES = {"integer": torch.float32, "quantized": torch.float32, "dequantized": torch.float32,
+                 "bfloat16": torch.bfloat16}
+KERNEL_MODES = ("integer", "quantized")
+"""The modes that compute on the int8 kernel (CPUs; no float32 weights held)."""
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -56,17 +67,18 @@ def resolve_device(setting: str) -> torch.device:
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:
-    """``auto``: ``quantized`` on a CPU where the int8 kernel builds, else ``dequantized``."""
+    """``auto``: ``quantized`` on a CPU where the int8 kernel builds, else ``dequantized``.
+    ``integer`` is never ``auto``'s choice: it trades a ~1e-3 logit drift for speed (docs/rollout.md)."""
     from stoa.backends.torch import qlinear
 
     if mode not in MODES:
         raise EngineError(f"mode={mode!r} must be one of {MODES}")
-    if mode == "quantized":
+    if mode in KERNEL_MODES:
         if device.type != "cpu":
-            raise EngineError("mode='quantized' runs on CPUs (on a GPU use 'dequantized' or 'bfloat16')")
-        ok, why = qlinear.available()
+            raise EngineError(f"mode={mode!r} runs on CPUs (on a GPU use 'dequantized' or 'bfloat16')")
+        ok, why = (qlinear.integer_available if mode == "integer" else qlinear.available)()
         if not ok:
-            raise EngineError(f"mode='quantized' needs the int8 kernel: {why}")
+            raise EngineError(f"mode={mode!r} needs the int8 kernel{' integer path' if mode == 'integer' else ''}: {why}")
     if mode == "auto":
         return "quantized" if device.type == "cpu" and qlinear.available()[0] else "dequantized"
     return mode
@@ -180,7 +192,8 @@ class TorchEngine:
         cfg = AutoConfig.from_pretrained(self.hf_dir)
         self.decoder = D.Decoder(spec, cfg, self.device, ENGINE_DTYPES[self._mode],
                                  attention_bias=bool(getattr(cfg, "attention_bias", False)),
-                                 mlp_bias=bool(getattr(cfg, "mlp_bias", False)), quantized=self._mode == "quantized")
+                                 mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+                                 quantized=self._mode in KERNEL_MODES, integer=self._mode == "integer")
         self.state_layout = state_layout(self.decoder)
         check_state(state, self.state_layout, None)
         self._state = {k: np.array(v, copy=True, order="C") for k, v in state.items()}

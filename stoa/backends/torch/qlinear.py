@@ -14,6 +14,12 @@ The kernel is compiled once per machine with the system C compiler (``$CC``, els
 keyed by the source's hash, the compiler and the CPU's flags, and loaded with ``ctypes``.
 :func:`available` says whether it could be, and why not; the engine's ``auto`` mode falls back
 to float32 weights when it cannot.
+
+``QLinear(..., integer=True)`` runs the kernel's integer path instead (the engine's ``integer``
+mode; x86 CPUs with AVX-512 VNNI, :func:`integer_available`): each input row is rounded per group of
+64 to 16-bit integers on the group's own scale, and the products with the int8 codes are exact
+integer dot products, 1.5-2x faster at batch 16-64. Its results are the weights of record applied to
+those rounded inputs: a relative error of at most 1.5e-5 of the group's largest entry per input.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["QLinear", "available", "kernel_path"]
+__all__ = ["QLinear", "available", "integer_available", "kernel_path"]
 
 _SOURCE = Path(__file__).with_name("kernels") / "qmatmul.c"
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11", "-ffp-contract=off")
@@ -113,7 +119,10 @@ def _load() -> ctypes.CDLL | None:
         lib.stoa_qmatmul.restype = ctypes.c_int
         lib.stoa_qmatmul.argtypes = [_P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, _P, _P, _P, _P, _P,
                                      ctypes.c_int64, ctypes.c_int]
+        lib.stoa_qmatmul_int.restype = ctypes.c_int
+        lib.stoa_qmatmul_int.argtypes = lib.stoa_qmatmul.argtypes
         lib.stoa_qmatmul_width.restype = ctypes.c_int
+        lib.stoa_qmatmul_has_int.restype = ctypes.c_int
         _lib = lib
         return lib
 
@@ -126,6 +135,16 @@ def available() -> tuple[bool, str]:
     return True, f"{lib.stoa_qmatmul_width()} float32 lanes"
 
 
+def integer_available() -> tuple[bool, str]:
+    """(whether the kernel's integer path is usable here, a reason when not)."""
+    lib = _load()
+    if lib is None:
+        return False, str(_why)
+    if not lib.stoa_qmatmul_has_int():
+        return False, "this CPU (or this compiler) has no AVX-512 VNNI, which the integer path needs"
+    return True, "AVX-512 VNNI"
+
+
 def _f32(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32)
 
@@ -135,13 +154,18 @@ class QLinear:
     input width, given as ``(codes, scales, biases)`` numpy arrays of the weight state (codes uint8
     ``[out, in]``, C-contiguous; scales and biases ``[out, in / 64]`` in any float dtype). The codes
     are used in place; float32 copies of scales and biases are made only when they are not float32
-    already (:meth:`refresh` re-reads them after a write)."""
+    already (:meth:`refresh` re-reads them after a write). ``integer``: the kernel's integer path
+    (see the module's docstring)."""
 
-    def __init__(self, parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+    def __init__(self, parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], integer: bool = False) -> None:
         lib = _load()
         if lib is None:
             raise RuntimeError(str(_why))
+        if integer and not lib.stoa_qmatmul_has_int():
+            raise RuntimeError(integer_available()[1])
         self._lib = lib
+        self.integer = integer
+        self._matmul = lib.stoa_qmatmul_int if integer else lib.stoa_qmatmul
         self.parts = [tuple(p) for p in parts]
         widths = {int(c.shape[1]) for c, _, _ in self.parts}
         if len(widths) != 1:
@@ -178,10 +202,10 @@ class QLinear:
         n = x2.shape[0]
         y = torch.empty((n, self.out_features), dtype=torch.float32)
         if n:
-            rc = self._lib.stoa_qmatmul(x2.data_ptr(), n, self.in_features, self._m, self._codes, self._s, self._b,
-                                        self._outs, y.data_ptr(), self.out_features, torch.get_num_threads())
+            rc = self._matmul(x2.data_ptr(), n, self.in_features, self._m, self._codes, self._s, self._b,
+                               self._outs, y.data_ptr(), self.out_features, torch.get_num_threads())
             if rc != 0:
-                raise MemoryError("the int8 kernel could not allocate its panel buffer")
+                raise MemoryError("the int8 kernel could not allocate its buffers")
         if bias is not None:
             y += bias
         return y.reshape(*shape[:-1], self.out_features)

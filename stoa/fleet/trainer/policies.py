@@ -105,14 +105,15 @@ class HeldPolicies:
         return "engine"  # a large model on a CPU learner; any other device (Apple's mps: MLX runs on Metal)
 
     def _engine_is_int8_kernel(self) -> bool:
-        """Whether the run's engine here is torch's in ``quantized`` mode (the int8 kernel, CPUs)."""
+        """Whether the run's engine here is torch's on the int8 kernel (``integer`` or ``quantized``
+        mode, CPUs)."""
         from stoa.backends.engine import EngineError, engine_mode, resolve_backend
 
         if resolve_backend(self.rollout.engine) != "torch":  # asking MLX would import it
             return False
         try:
-            return engine_mode("torch", self.rollout.engine_mode) == "quantized"
-        except EngineError:  # "quantized" where it cannot run: the engine itself will say so
+            return engine_mode("torch", self.rollout.engine_mode) in ("integer", "quantized")
+        except EngineError:  # a kernel mode where it cannot run: the engine itself will say so
             return False
 
     def keep(self, version: int, state: dict[str, np.ndarray], state_hash: str | None = None) -> None:
