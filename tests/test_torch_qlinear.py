@@ -97,10 +97,11 @@ def test_bad_shapes_are_refused():
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build the 8-lane variant")
 def test_the_eight_lane_build_computes_the_same(tmp_path):
-    """Machines without AVX-512 get 8-lane vectors and 2x4 tiles; build that variant here and check it."""
+    """Machines without AVX-512 get 8-lane vectors and 2x4 tiles; build that variant here and check it
+    (and its decode attention)."""
     so = tmp_path / "q8.so"
     r = subprocess.run(["gcc", "-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-mavx2", "-mfma", "-mno-avx512f", "-o", str(so),
-                        str(qlinear._SOURCE)], capture_output=True, text=True)
+                        *map(str, qlinear._SOURCES)], capture_output=True, text=True)
     if r.returncode:
         pytest.skip(f"this gcc cannot build an AVX2 variant: {r.stderr[-200:]}")
     lib = ctypes.CDLL(str(so))
@@ -121,6 +122,20 @@ def test_the_eight_lane_build_computes_the_same(tmp_path):
     assert lib.stoa_qmatmul_int(P(x.ctypes.data), ctypes.c_int64(7), ctypes.c_int64(256), 1,
                                 (P * 1)(codes.ctypes.data), (P * 1)(scales.ctypes.data), (P * 1)(biases.ctypes.data),
                                 (ctypes.c_int64 * 1)(23), P(y.ctypes.data), ctypes.c_int64(23), 2) == -2
+    # its decode attention: one query against 5 positions, in float64 for reference
+    kc, vc = rng.standard_normal((2, 3, 5, 64, 2)).astype(np.float32).transpose(4, 0, 1, 2, 3)
+    kc, vc = np.ascontiguousarray(kc), np.ascontiguousarray(vc)
+    q = rng.standard_normal((1, 6, 64)).astype(np.float32)
+    out = np.zeros_like(q)
+    rows, pos = np.array([1], np.int64), np.array([4], np.int64)
+    lib.stoa_attn_decode.argtypes = [P] * 5 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
+                                               ctypes.c_float, ctypes.c_int64, P, ctypes.c_int]
+    assert lib.stoa_attn_decode(q.ctypes.data, kc.ctypes.data, vc.ctypes.data, rows.ctypes.data, pos.ctypes.data, 1, 3, 2,
+                                64, 5, 0.125, 0, out.ctypes.data, 2) == 0
+    s = np.einsum("hjd,htd->hjt", q[0].reshape(3, 2, 64).astype(np.float64), kc[1]) * 0.125
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("hjt,htd->hjd", p / p.sum(-1, keepdims=True), vc[1]).reshape(6, 64)
+    assert np.abs(out[0] - want).max() < 1e-5 * np.abs(want).max()
 
 
 # -- the integer path --------------------------------------------------------------------------------

@@ -12,7 +12,10 @@ Keys and values live in :class:`KVCache`: ``slots`` rows, each its own episode a
 length, with no padding inside a row. A forward pass feeds ``m`` new tokens to each of ``n``
 rows, writing their keys at positions ``start .. start + m - 1`` of the rows' slots; a query
 at position ``p`` attends to positions ``<= p`` of its row (and ``> p - window`` on sliding
-layers). Positions a row has not written yet hold stale values and are never attended to.
+layers). Positions a row has not written yet hold stale values and are never attended to. On a
+float32 CPU decoder a decode step (one new token a row) attends with the C kernel
+``kernels/attention.c`` (each row's keys and values read once, no batch-wide score matrix); prefill,
+soft-capped scores and other devices use the torch path.
 
 ``quantized=True`` (CPUs): the int8 matrices hold no float32 copy; after :meth:`Decoder.bind`
 every projection, the head and the embedding lookup compute on the weight state's own codes
@@ -161,6 +164,13 @@ class Decoder:
         if integer and not quantized:
             raise ValueError("integer=True is a quantized decoder's kernel path")
         self.quantized, self.integer = quantized, integer
+        # decode steps (one new token a row) on a float32 CPU decoder: the C decode attention
+        self._decode_attention = None
+        if self.device.type == "cpu" and dtype == torch.float32:
+            from stoa.backends.torch.qlinear import library
+
+            lib = library()
+            self._decode_attention = lib.stoa_attn_decode if lib is not None else None
         # int8 matrices of a quantized decoder: shape-only (meta) tensors, so views still name them
         mat = (lambda *shape: torch.empty(shape, dtype=dtype, device="meta") if shape[-1] % 64 == 0  # noqa: E731
                else new(*shape)) if quantized else new
@@ -333,9 +343,17 @@ class Decoder:
         kc, vc = cache.k[li], cache.v[li]
         kc[rsel[:, None], :, pos] = k
         vc[rsel[:, None], :, pos] = v
+        rep = nq // nkv
+        if m == 1 and self._decode_attention is not None and not spec.attn_logit_softcapping:
+            attn = torch.empty((n, nq * d), dtype=x.dtype)
+            q, rs, ps = q.contiguous(), rsel.contiguous(), pos.reshape(n).contiguous()
+            rc = self._decode_attention(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), rs.data_ptr(),
+                                        ps.data_ptr(), n, nkv, rep, d, kc.shape[2], spec.attention_scale,
+                                        ly.window or 0, attn.data_ptr(), torch.get_num_threads())
+            if rc == 0:
+                return self._mlp(ly, x, _linear(attn.view(n, 1, nq * d), ly.o, ly.o_bias))
         keys = kc[:n, :, :longest] if contiguous else kc[rsel, :, :longest]
         vals = vc[:n, :, :longest] if contiguous else vc[rsel, :, :longest]
-        rep = nq // nkv
         qg = q.view(n, m, nkv, rep, d).permute(0, 2, 3, 1, 4).reshape(n, nkv, rep * m, d)
         out = torch.empty((n, nkv, rep * m, d), dtype=x.dtype, device=x.device)
         step = max(1, _SCORES // max(1, nkv * rep * m * longest))
@@ -349,7 +367,11 @@ class Decoder:
             p = torch.softmax(s, dim=-1, dtype=torch.float32).to(x.dtype)
             torch.matmul(p.view(r1 - r0, nkv, rep * m, longest), vals[r0:r1], out=out[r0:r1])
         attn = out.view(n, nkv, rep, m, d).permute(0, 3, 1, 2, 4).reshape(n, m, nq * d)
-        o = _linear(attn, ly.o, ly.o_bias)
+        return self._mlp(ly, x, _linear(attn, ly.o, ly.o_bias))
+
+    def _mlp(self, ly: _Layer, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The rest of a layer after attention's output projection ``o``: residual, norms, MLP."""
+        eps, g = self.spec.rms_norm_eps, self.gemma
         if g:
             o = _rms(o, ly.norms["post_attention_layernorm"], eps, g)
             x = x + o

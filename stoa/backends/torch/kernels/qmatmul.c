@@ -30,35 +30,19 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX512F__) || defined(__AVX2__) || defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 #define GROUP 64
 
 #if defined(__AVX512F__)
-#define VL 16
 #define RT 4 /* rows per tile */
 #define OT 4 /* outputs per tile */
 #else
-#define VL 8
 #define RT 2
 #define OT 4 /* RT * OT == VL: one reduction tree per tile */
 #endif
 
-typedef float vf __attribute__((vector_size(VL * 4)));
 typedef uint8_t vb __attribute__((vector_size(VL)));
-typedef int32_t vi __attribute__((vector_size(VL * 4)));
-
-static inline vf fmadd(vf a, vf b, vf c) { /* a * b + c, rounded once where the CPU can */
-#if defined(__AVX512F__)
-    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__FMA__)
-    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-    return a * b + c;
-#endif
-}
 
 /* VL codes as floats (exact: 0 .. 255). GCC turns the generic conversion into byte-by-byte
  * inserts, so x86 gets the one-instruction widening loads. */
@@ -72,45 +56,6 @@ static inline vf codes_f(const uint8_t *p) {
     memcpy(&c, p, sizeof c);
     return __builtin_convertvector(__builtin_convertvector(c, vi), vf);
 #endif
-}
-
-static inline vf loadf(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
-static inline void storef(float *p, vf v) { memcpy(p, &v, sizeof v); }
-
-/* Horizontal sums of VL accumulators at once: a tree of VL - 1 shuffle-and-add steps whose lane j
- * ends up holding the sum of accumulator lane_of[j] (found once, by running the tree on one-hot
- * inputs). Cheaper than VL separate horizontal sums. */
-static vi lo_mask[5], hi_mask[5];
-static int lane_of[VL];
-static int reduce_ready = 0;
-
-static void reduce_tree(vf *a) { /* a[0 .. VL-1] -> a[0] */
-    int count = VL, level = 0;
-    for (int B = VL / 2; B >= 1; B /= 2, level++) {
-        for (int i = 0; i < count / 2; i++)
-            a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo_mask[level]) +
-                   __builtin_shuffle(a[2 * i], a[2 * i + 1], hi_mask[level]);
-        count /= 2;
-    }
-}
-
-static void reduce_init(void) {
-    if (reduce_ready) return;
-    int level = 0;
-    for (int B = VL / 2; B >= 1; B /= 2, level++) {
-        const int per = VL / (2 * B); /* blocks of 2B lanes in each input vector */
-        for (int t = 0; t < VL; t++) {
-            int q = t / B, w = t % B, base = 0;
-            if (q >= per) { q -= per; base = VL; }
-            lo_mask[level][t] = base + q * 2 * B + w;
-            hi_mask[level][t] = base + q * 2 * B + B + w;
-        }
-    }
-    vf a[VL];
-    for (int i = 0; i < VL; i++) { a[i] = (vf){0}; a[i][0] = (float)(i + 1); }
-    reduce_tree(a);
-    for (int j = 0; j < VL; j++) lane_of[j] = (int)a[0][j] - 1;
-    reduce_ready = 1;
 }
 
 /* VL weights of record: (float)code * scale, rounded, then + bias, rounded (no fused multiply-add). */
@@ -436,16 +381,6 @@ static void itile(const int8_t *xh, const int8_t *xl, const float *sx, const flo
     }
     switch (nr) { case 4: ICASE(4, 1); case 3: ICASE(3, 1); case 2: ICASE(2, 1); default: ICASE(1, 1); }
 #undef ICASE
-}
-
-static inline __attribute__((always_inline)) void reduce_tree_i(vi *a) { /* reduce_tree on int32 lanes (exact) */
-    int count = VL, level = 0;
-    for (int B = VL / 2; B >= 1; B /= 2, level++) {
-        for (int i = 0; i < count / 2; i++)
-            a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo_mask[level]) +
-                   __builtin_shuffle(a[2 * i], a[2 * i + 1], hi_mask[level]);
-        count /= 2;
-    }
 }
 
 /* Few rows (n < IRT): no packing; a row's group of 64 codes times its 64 digits is one vpdpbusd

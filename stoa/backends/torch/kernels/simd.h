@@ -1,0 +1,79 @@
+/* Vector types and helpers shared by the torch engine's CPU kernels (qmatmul.c, attention.c).
+ * The vector width follows the target: 16 floats with AVX-512, else 8 (AVX2, NEON-sized targets). */
+#ifndef STOA_SIMD_H
+#define STOA_SIMD_H
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+
+static inline vf fmadd(vf a, vf b, vf c) { /* a * b + c, rounded once where the CPU can */
+#if defined(__AVX512F__)
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
+static inline vf loadf(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void storef(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* Horizontal sums of VL accumulators at once: a tree of VL - 1 shuffle-and-add steps whose lane j
+ * ends up holding the sum of accumulator lane_of[j] (found once, by running the tree on one-hot
+ * inputs). Cheaper than VL separate horizontal sums. */
+static vi lo_mask[5], hi_mask[5];
+static int lane_of[VL];
+static int reduce_ready = 0;
+
+static inline __attribute__((unused)) void reduce_tree(vf *a) { /* a[0 .. VL-1] -> a[0] */
+    int count = VL, level = 0;
+    for (int B = VL / 2; B >= 1; B /= 2, level++) {
+        for (int i = 0; i < count / 2; i++)
+            a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo_mask[level]) +
+                   __builtin_shuffle(a[2 * i], a[2 * i + 1], hi_mask[level]);
+        count /= 2;
+    }
+}
+
+static __attribute__((unused)) void reduce_init(void) {
+    if (reduce_ready) return;
+    int level = 0;
+    for (int B = VL / 2; B >= 1; B /= 2, level++) {
+        const int per = VL / (2 * B); /* blocks of 2B lanes in each input vector */
+        for (int t = 0; t < VL; t++) {
+            int q = t / B, w = t % B, base = 0;
+            if (q >= per) { q -= per; base = VL; }
+            lo_mask[level][t] = base + q * 2 * B + w;
+            hi_mask[level][t] = base + q * 2 * B + B + w;
+        }
+    }
+    vf a[VL];
+    for (int i = 0; i < VL; i++) { a[i] = (vf){0}; a[i][0] = (float)(i + 1); }
+    reduce_tree(a);
+    for (int j = 0; j < VL; j++) lane_of[j] = (int)a[0][j] - 1;
+    reduce_ready = 1;
+}
+
+static inline __attribute__((always_inline, unused)) void reduce_tree_i(vi *a) { /* reduce_tree on int32 lanes (exact) */
+    int count = VL, level = 0;
+    for (int B = VL / 2; B >= 1; B /= 2, level++) {
+        for (int i = 0; i < count / 2; i++)
+            a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo_mask[level]) +
+                   __builtin_shuffle(a[2 * i], a[2 * i + 1], hi_mask[level]);
+        count /= 2;
+    }
+}
+
+#endif
