@@ -4,8 +4,8 @@ Workers sample with the torch engine (its CPU default, or ``--mode``) on the ari
 (``examples/custom_env.py``) at T = 1, batches of one group of 4 episodes, each batch its own
 group ids; every token of every episode is re-derived by the trainer's check (``check_draws``,
 drift allowance half the audit's sampling band): by the torch int8 scorer (transformers' modules,
-float32), by torch engines in the int8 kernel's modes (``integer``, ``quantized``: what a CPU
-trainer's ``auto`` check runs on) and, where MLX is installed, by the MLX engine (float32). Cheaters claim T = 1 and honest log-probs of what
+float32), by torch engines in the int8 kernel's modes (``--judge-modes``: what a CPU trainer's
+``auto`` check runs on) and, where MLX is installed, by the MLX engine (float32). Cheaters claim T = 1 and honest log-probs of what
 they drew (re-scored at T = 1) after sampling at 0.8 T, 0.6 T, or with top-p 0.9. Per row: tokens,
 worst margin, the share within the band (ambiguous, never punished), tokens below ``-band``
 (caught), episodes and batches holding a caught token.
@@ -69,6 +69,8 @@ def main() -> None:
     ap.add_argument("--cheat-batches", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--mode", default="auto", help="the workers' torch engine mode")
+    ap.add_argument("--judge-modes", default="int24,quantized",
+                    help="torch engine modes that judge too (the int8 kernel's: int24, int16, quantized; '' for none)")
     ap.add_argument("--bf16-batches", type=int, default=4, help="honest batches of a bfloat16-compute engine (its drift)")
     ap.add_argument("--only-bf16", action="store_true", help="only the bfloat16 rows")
     ap.add_argument("--json", type=Path)
@@ -91,7 +93,7 @@ def main() -> None:
     eng = make_engine(args.model, "torch", config=EngineConfig(max_batch=8), device="cpu", mode=args.mode)
     judges = {"torch scorer": TorchInt8Scorer(args.model, "cpu")}
     judges["torch scorer"].load_state(0, eng.state)
-    for mode in ("integer", "quantized"):
+    for mode in filter(None, args.judge_modes.split(",")):
         try:
             judges[f"torch engine, {mode}"] = make_engine(args.model, "torch", state=eng.state, mode=mode,
                                                           config=EngineConfig(max_batch=8), device="cpu")

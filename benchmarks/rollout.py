@@ -295,8 +295,10 @@ def like_for_like(path: Path, threads: int, quick: bool, engines: list[str]) -> 
                  "tokens_per_s": {}}
     tps = out["tokens_per_s"]
     built = {"torch": lambda: make_engine(path, "torch", config=EngineConfig(max_batch=max(batches)), device="cpu"),
-             "torch-int": lambda: make_engine(path, "torch", mode="integer",
-                                              config=EngineConfig(max_batch=max(batches)), device="cpu"),
+             "torch-int16": lambda: make_engine(path, "torch", mode="int16",
+                                                config=EngineConfig(max_batch=max(batches)), device="cpu"),
+             "torch-q": lambda: make_engine(path, "torch", mode="quantized",
+                                            config=EngineConfig(max_batch=max(batches)), device="cpu"),
              "torch-f32": lambda: make_engine(path, "torch", mode="dequantized",
                                               config=EngineConfig(max_batch=max(batches)), device="cpu"),
              "mlx": lambda: make_engine(path, "mlx", mode="dequantized", config=EngineConfig(max_batch=max(batches)))}
@@ -341,9 +343,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="BLAS / torch threads")
     ap.add_argument("--skip-mismatch", action="store_true", help="do not load torch")
     ap.add_argument("--model", type=Path, help="a Hugging Face folder to measure instead of the built models")
-    ap.add_argument("--engines", default="torch,torch-int,torch-f32,mlx",
-                    help="engines of the like-for-like table (--model): torch (auto: the int8 kernel on CPUs), "
-                         "torch-int (the kernel's integer path, AVX-512 VNNI), torch-f32 (float32 weights), mlx")
+    ap.add_argument("--engines", default="torch,torch-q,torch-int16,torch-f32,mlx",
+                    help="engines of the like-for-like table (--model): torch (auto: the int8 kernel on CPUs, on its "
+                         "24-bit integer path where the CPU has AVX-512 VNNI), torch-q (the kernel in float32), "
+                         "torch-int16 (its 16-bit integer path), torch-f32 (float32 weights), mlx")
     ap.add_argument("--like-only", action="store_true", help="--model: only the like-for-like table")
     args = ap.parse_args()
     _reexec(args.threads)

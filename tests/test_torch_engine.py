@@ -25,6 +25,7 @@ MODEL = TinyConfig(vocab_size=1024, hidden_size=128, num_layers=2, num_heads=4, 
 SAMPLING = SamplingConfig(max_turn_tokens=12, max_episode_tokens=400, seed=7)
 qlinear_ok = __import__("stoa.backends.torch.qlinear", fromlist=["available"]).available()[0]
 integer_ok = __import__("stoa.backends.torch.qlinear", fromlist=["integer_available"]).integer_available()[0]
+AUTO = "int24" if integer_ok else "quantized" if qlinear_ok else "dequantized"  # auto's choice on this CPU
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -66,7 +67,7 @@ def worst(xs, ys, eps) -> float:
 def test_state_is_the_trainers_quantization_and_from_state_matches(tiny, eng):
     trainer_state = quant.quantize_state(float_weights(tiny))
     assert eng.state_hash() == pulse.state_hash(trainer_state)
-    assert eng.mode == ("quantized" if qlinear_ok else "dequantized")
+    assert eng.mode == AUTO
     other = make_engine(tiny, "torch", state=trainer_state, version=5, device="cpu")
     assert other.version == 5 and other.state_hash() == eng.state_hash()
     a, b = other.rollout(make_env, requests(2, 2), SAMPLING), eng.rollout(make_env, requests(2, 2), SAMPLING)
@@ -98,11 +99,11 @@ def test_auto_picks_torch_off_apple_silicon_and_the_run_config_accepts_it(tiny):
         assert type(make_engine(tiny, "auto", device="cpu")).__name__ == "TorchEngine"
 
 
-@pytest.mark.parametrize("mode", ["quantized", "integer", "dequantized"])
+@pytest.mark.parametrize("mode", ["quantized", "int24", "int16", "dequantized"])
 def test_delta_applied_live_gives_the_trainers_state(tiny, mode):
     if mode == "quantized" and not qlinear_ok:
         pytest.skip("the int8 kernel is unavailable here")
-    if mode == "integer" and not integer_ok:
+    if mode.startswith("int") and not integer_ok:
         pytest.skip("the int8 kernel's integer path (AVX-512 VNNI) is unavailable here")
     eng = make_engine(tiny, "torch", config=EngineConfig(max_batch=16), device="cpu", mode=mode)
     old = {k: v.copy() for k, v in eng.state.items()}
@@ -133,12 +134,14 @@ def test_delta_applied_live_gives_the_trainers_state(tiny, mode):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
 
 
-def test_quantized_mode_draws_the_dequantized_modes_episodes_holding_no_float_weights(tiny, eng):
-    """auto on a CPU computes on the state's int8 codes (no float32 copy of a matrix) and draws what
-    the float32 weights of record draw; the trainer's checks hold unchanged."""
-    if not qlinear_ok:
-        pytest.skip("the int8 kernel is unavailable here")
-    assert eng.mode == "quantized"
+@pytest.mark.parametrize("mode", ["quantized", "int24"])
+def test_the_kernel_modes_draw_the_dequantized_modes_episodes_holding_no_float_weights(tiny, mode):
+    """auto on a CPU computes on the state's int8 codes (no float32 copy of a matrix), in float32 or
+    on 24-bit integer inputs, and draws what the float32 weights of record draw; the trainer's
+    checks hold unchanged."""
+    if not qlinear_ok or (mode == "int24" and not integer_ok):
+        pytest.skip(f"the int8 kernel's {mode} path is unavailable here")
+    eng = make_engine(tiny, "torch", config=EngineConfig(max_batch=16), device="cpu", mode=mode)
     assert all(t.is_meta for n, t in eng.decoder.views.items() if n.endswith("proj.weight") or "embed" in n)
     f32 = make_engine(tiny, "torch", config=EngineConfig(max_batch=16), device="cpu", mode="dequantized")
     a, b = eng.rollout(make_env, requests(4, 3), SAMPLING), f32.rollout(make_env, requests(4, 3), SAMPLING)
@@ -147,16 +150,17 @@ def test_quantized_mode_draws_the_dequantized_modes_episodes_holding_no_float_we
     assert all(d.margins.min() > -1e-4 for d in f32.check_draws(a, [SAMPLING.seed] * len(a)))
 
 
-def test_integer_mode_is_opt_in_and_its_episodes_pass_the_trainers_float32_check(tiny):
-    """The kernel's integer path holds no float weights either; its drift from the float32 re-score
-    is larger than the float modes' but inside the audit's band, so the trainer's checks accept it."""
+def test_int16_mode_is_opt_in_and_its_episodes_pass_the_trainers_float32_check(tiny):
+    """The kernel's 16-bit integer path holds no float weights either; its drift from the float32
+    re-score is larger than the other modes' but inside the audit's band, so the trainer's checks
+    accept it."""
     from stoa.fleet.trust.audit import AuditConfig
 
     if not integer_ok:
         pytest.skip("the int8 kernel's integer path (AVX-512 VNNI) is unavailable here")
     band = AuditConfig().sampling_band
-    eng = make_engine(tiny, "torch", config=EngineConfig(max_batch=16), device="cpu", mode="integer")
-    assert eng.mode == "integer" and make_engine(tiny, "torch", device="cpu").mode == "quantized"
+    eng = make_engine(tiny, "torch", config=EngineConfig(max_batch=16), device="cpu", mode="int16")
+    assert eng.mode == "int16" and make_engine(tiny, "torch", device="cpu").mode == "int24"
     assert all(t.is_meta for n, t in eng.decoder.views.items() if n.endswith("proj.weight") or "embed" in n)
     f32 = make_engine(tiny, "torch", state=eng.state, config=EngineConfig(max_batch=16), device="cpu",
                       mode="dequantized")

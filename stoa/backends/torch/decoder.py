@@ -20,7 +20,8 @@ soft-capped scores and other devices use the torch path.
 ``quantized=True`` (CPUs): the int8 matrices hold no float32 copy; after :meth:`Decoder.bind`
 every projection, the head and the embedding lookup compute on the weight state's own codes
 (:class:`stoa.backends.torch.qlinear.QLinear`, the weights of record dequantized in cache;
-``integer=True``: the kernel's integer path, inputs rounded to 16-bit integers per group of 64).
+``digits`` 3 or 2: the kernel's integer path, inputs rounded to 24- or 16-bit integers per group of
+64).
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ class Decoder:
 
     def __init__(self, spec: ModelSpec, config, device: torch.device, dtype: torch.dtype = torch.float32,
                  attention_bias: bool = False, mlp_bias: bool = False, part: tuple[int, int] | None = None,
-                 quantized: bool = False, integer: bool = False) -> None:
+                 quantized: bool = False, digits: int = 0) -> None:
         if spec.model_type not in FAMILIES:
             raise ValueError(f"model_type {spec.model_type!r} is not one of {FAMILIES}")
         n_layers = spec.num_hidden_layers
@@ -161,9 +162,9 @@ class Decoder:
         new = lambda *shape: torch.empty(shape, dtype=dtype, device=self.device)  # noqa: E731
         if quantized and (self.device.type != "cpu" or dtype != torch.float32):
             raise ValueError("a quantized decoder computes float32 on the CPU")
-        if integer and not quantized:
-            raise ValueError("integer=True is a quantized decoder's kernel path")
-        self.quantized, self.integer = quantized, integer
+        if digits and not quantized:
+            raise ValueError("digits: the integer path of a quantized decoder's kernel")
+        self.quantized, self.digits = quantized, digits
         # decode steps (one new token a row) on a float32 CPU decoder: the C decode attention
         self._decode_attention = None
         if self.device.type == "cpu" and dtype == torch.float32:
@@ -246,7 +247,7 @@ class Decoder:
                 return current
             if isinstance(current, QLinear) and not touched(*weights):
                 return current
-            return QLinear([part(w) for w in weights], integer=self.integer)
+            return QLinear([part(w) for w in weights], digits=self.digits)
 
         lo = self.part[0]
         for j, ly in enumerate(self.layers):

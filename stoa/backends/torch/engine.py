@@ -9,14 +9,16 @@ engine) is the state of record. The model computes with its weights of record, `
 bias`` evaluated in float32 (:func:`stoa.backends.torch.int8.dequantize_torch`, what the trainer's
 re-score uses), in one of these modes:
 
-* ``quantized`` (``auto``'s choice on CPUs where the int8 kernel builds,
-  :mod:`stoa.backends.torch.qlinear`): no float32 weights are held; the weights of record are
-  dequantized in cache and multiplied in float32: a float32 matmul's results up to the order of the
-  sums.
-* ``integer`` (x86 CPUs with AVX-512 VNNI; never ``auto``'s choice): the same kernel's integer path.
-  Each matmul's input is rounded per group of 64 to 16-bit integers and multiplied with the codes in
-  exact integer arithmetic: faster at batch 16-64, and its log-probs drift from a float32 re-score
-  by up to ~3e-3 (docs/rollout.md, docs/trust.md): measure it on your model before a run admits it.
+* ``int24`` (``auto``'s choice on x86 CPUs with AVX-512 VNNI): the int8 kernel's integer path
+  (:mod:`stoa.backends.torch.qlinear`). No float32 weights are held; each matmul's input is rounded
+  per group of 64 to 24-bit integers (an error of at most 6e-8 of the group's largest entry: float32's
+  class) and multiplied with the codes by exact int8 dot products.
+* ``quantized`` (``auto``'s choice on other CPUs where the kernel builds): the same kernel's float32
+  path: the weights of record are dequantized in cache and multiplied in float32, a float32 matmul's
+  results up to the order of the sums.
+* ``int16`` (x86 CPUs with AVX-512 VNNI; never ``auto``'s choice): the integer path on 16-bit
+  inputs: faster still at batch 16-64, and its log-probs drift from a float32 re-score by up to
+  ~7e-3 (docs/rollout.md, docs/trust.md): measure it on your model before a run admits it.
 * ``dequantized`` (``auto``'s choice on GPUs): float32 weights and float32 activations. On
   CUDA, TF32 matmuls are turned off for the engine's calls, so a GPU computes what a CPU does up to
   summation order.
@@ -51,11 +53,13 @@ from stoa.types import Episode
 __all__ = ["ENGINE_DTYPES", "KERNEL_MODES", "MODES", "TorchEngine", "check_state", "draw", "exact_matmuls", "make", "pretrained_state", "rebuild",
            "state_layout"]
 
-MODES = ("auto", "integer", "quantized", "dequantized", "bfloat16")
-ENGINE_DTYPES = {"integer": torch.float32, "quantized": torch.float32, "dequantized": torch.float32,
-                 "bfloat16": torch.bfloat16}
-KERNEL_MODES = ("integer", "quantized")
+MODES = ("auto", "int24", "int16", "quantized", "dequantized", "bfloat16")
+ENGINE_DTYPES = {"int24": torch.float32, "int16": torch.float32, "quantized": torch.float32,
+                 "dequantized": torch.float32, "bfloat16": torch.bfloat16}
+KERNEL_MODES = ("int24", "int16", "quantized")
 """The modes that compute on the int8 kernel (CPUs; no float32 weights held)."""
+DIGITS = {"int24": 3, "int16": 2}
+"""The integer modes' input bytes (the kernel's integer path)."""
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -67,8 +71,9 @@ def resolve_device(setting: str) -> torch.device:
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:
-    """``auto``: ``quantized`` on a CPU where the int8 kernel builds, else ``dequantized``.
-    ``integer`` is never ``auto``'s choice: it trades a ~1e-3 logit drift for speed (docs/rollout.md)."""
+    """``auto``: on a CPU ``int24`` where the kernel's integer path runs (AVX-512 VNNI), else
+    ``quantized`` where the int8 kernel builds, else ``dequantized``; on a GPU ``dequantized``.
+    ``int16`` is never ``auto``'s choice: it trades a ~1e-3 logit drift for speed (docs/rollout.md)."""
     from stoa.backends.torch import qlinear
 
     if mode not in MODES:
@@ -76,11 +81,15 @@ def resolve_mode(mode: str, device: torch.device) -> str:
     if mode in KERNEL_MODES:
         if device.type != "cpu":
             raise EngineError(f"mode={mode!r} runs on CPUs (on a GPU use 'dequantized' or 'bfloat16')")
-        ok, why = (qlinear.integer_available if mode == "integer" else qlinear.available)()
+        ok, why = (qlinear.integer_available if mode in DIGITS else qlinear.available)()
         if not ok:
-            raise EngineError(f"mode={mode!r} needs the int8 kernel{' integer path' if mode == 'integer' else ''}: {why}")
+            raise EngineError(f"mode={mode!r} needs the int8 kernel{' integer path' if mode in DIGITS else ''}: {why}")
     if mode == "auto":
-        return "quantized" if device.type == "cpu" and qlinear.available()[0] else "dequantized"
+        if device.type != "cpu":
+            return "dequantized"
+        if qlinear.integer_available()[0]:
+            return "int24"
+        return "quantized" if qlinear.available()[0] else "dequantized"
     return mode
 
 
@@ -193,7 +202,7 @@ class TorchEngine:
         self.decoder = D.Decoder(spec, cfg, self.device, ENGINE_DTYPES[self._mode],
                                  attention_bias=bool(getattr(cfg, "attention_bias", False)),
                                  mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-                                 quantized=self._mode in KERNEL_MODES, integer=self._mode == "integer")
+                                 quantized=self._mode in KERNEL_MODES, digits=DIGITS.get(self._mode, 0))
         self.state_layout = state_layout(self.decoder)
         check_state(state, self.state_layout, None)
         self._state = {k: np.array(v, copy=True, order="C") for k, v in state.items()}

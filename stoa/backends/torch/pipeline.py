@@ -30,7 +30,7 @@ from stoa.backends.engine import EngineConfig, EngineError, RolloutRequest, Roll
 from stoa.backends.sampling import HostSampler
 from stoa.backends.torch import decoder as D
 from stoa.backends.torch.engine import ENGINE_DTYPES, check_state, exact_matmuls, state_layout, draw, rebuild
-from stoa.backends.torch.engine import KERNEL_MODES, resolve_device, resolve_mode
+from stoa.backends.torch.engine import DIGITS, KERNEL_MODES, resolve_device, resolve_mode
 from stoa.types import Episode
 
 __all__ = ["Pipeline", "Stage", "StageMemory", "make", "read_share", "split_layers", "stage_names"]
@@ -94,7 +94,7 @@ class Stage:
             self.decoder = D.Decoder(spec, cfg, self.device, ENGINE_DTYPES[self.mode],
                                      attention_bias=bool(getattr(cfg, "attention_bias", False)),
                                      mlp_bias=bool(getattr(cfg, "mlp_bias", False)), part=part,
-                                     quantized=self.mode in KERNEL_MODES, integer=self.mode == "integer")
+                                     quantized=self.mode in KERNEL_MODES, digits=DIGITS.get(self.mode, 0))
         except ValueError as e:
             raise EngineError(str(e)) from None
         self.part, self.first, self.last = self.decoder.part, self.decoder.first, self.decoder.last

@@ -16,11 +16,12 @@ library holds the decoder's decode attention (``kernels/attention.c``, :func:`li
 :func:`available` says whether it could be, and why not; the engine's ``auto`` mode falls back
 to float32 weights when it cannot.
 
-``QLinear(..., integer=True)`` runs the kernel's integer path instead (the engine's ``integer``
-mode; x86 CPUs with AVX-512 VNNI, :func:`integer_available`): each input row is rounded per group of
-64 to 16-bit integers on the group's own scale, and the products with the int8 codes are exact
-integer dot products, 1.3-1.6x faster at batch 16-64. Its results are the weights of record applied to
-those rounded inputs: a relative error of at most 1.5e-5 of the group's largest entry per input.
+``QLinear(..., digits=3)`` (or ``2``) runs the kernel's integer path instead (the engine's ``int24``
+and ``int16`` modes; x86 CPUs with AVX-512 VNNI, :func:`integer_available`): each input row is
+rounded per group of 64 to 24-bit (16-bit) integers on the group's own scale, and the products with
+the int8 codes are exact integer dot products, 1.2-1.4x (1.5-1.8x) faster at batch 16-64 than the
+float32 path. Its results are the weights of record applied to those rounded inputs: an error of
+at most 6e-8 (1.5e-5) of the group's largest entry per input.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def _load() -> ctypes.CDLL | None:
         lib.stoa_qmatmul.argtypes = [_P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, _P, _P, _P, _P, _P,
                                      ctypes.c_int64, ctypes.c_int]
         lib.stoa_qmatmul_int.restype = ctypes.c_int
-        lib.stoa_qmatmul_int.argtypes = lib.stoa_qmatmul.argtypes
+        lib.stoa_qmatmul_int.argtypes = [*lib.stoa_qmatmul.argtypes, ctypes.c_int]
         lib.stoa_qmatmul_width.restype = ctypes.c_int
         lib.stoa_qmatmul_has_int.restype = ctypes.c_int
         lib.stoa_attn_decode.restype = ctypes.c_int
@@ -167,18 +168,23 @@ class QLinear:
     input width, given as ``(codes, scales, biases)`` numpy arrays of the weight state (codes uint8
     ``[out, in]``, C-contiguous; scales and biases ``[out, in / 64]`` in any float dtype). The codes
     are used in place; float32 copies of scales and biases are made only when they are not float32
-    already (:meth:`refresh` re-reads them after a write). ``integer``: the kernel's integer path
-    (see the module's docstring)."""
+    already (:meth:`refresh` re-reads them after a write). ``digits`` 3 or 2: the kernel's integer
+    path on inputs of that many bytes (see the module's docstring); 0: the float32 path."""
 
-    def __init__(self, parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], integer: bool = False) -> None:
+    def __init__(self, parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], digits: int = 0) -> None:
         lib = _load()
         if lib is None:
             raise RuntimeError(str(_why))
-        if integer and not lib.stoa_qmatmul_has_int():
+        if digits not in (0, 2, 3):
+            raise ValueError(f"digits={digits}: 0 (float32 inputs), 2 or 3 (16- or 24-bit integer inputs)")
+        if digits and not lib.stoa_qmatmul_has_int():
             raise RuntimeError(integer_available()[1])
         self._lib = lib
-        self.integer = integer
-        self._matmul = lib.stoa_qmatmul_int if integer else lib.stoa_qmatmul
+        self.digits = digits
+        if digits:
+            self._matmul = lambda *args: lib.stoa_qmatmul_int(*args, digits)
+        else:
+            self._matmul = lib.stoa_qmatmul
         self.parts = [tuple(p) for p in parts]
         widths = {int(c.shape[1]) for c, _, _ in self.parts}
         if len(widths) != 1:

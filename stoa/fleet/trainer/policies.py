@@ -105,14 +105,14 @@ class HeldPolicies:
         return "engine"  # a large model on a CPU learner; any other device (Apple's mps: MLX runs on Metal)
 
     def _engine_is_int8_kernel(self) -> bool:
-        """Whether the run's engine here is torch's on the int8 kernel (``integer`` or ``quantized``
-        mode, CPUs)."""
+        """Whether the run's engine here is torch's on the int8 kernel (``int24``, ``int16`` or
+        ``quantized`` mode, CPUs)."""
         from stoa.backends.engine import EngineError, engine_mode, resolve_backend
 
         if resolve_backend(self.rollout.engine) != "torch":  # asking MLX would import it
             return False
         try:
-            return engine_mode("torch", self.rollout.engine_mode) in ("integer", "quantized")
+            return engine_mode("torch", self.rollout.engine_mode) in ("int24", "int16", "quantized")
         except EngineError:  # a kernel mode where it cannot run: the engine itself will say so
             return False
 

@@ -45,11 +45,12 @@ class RolloutConfig:
     engine: str = "auto"
     """Rollout engine backend (``stoa.backends.engine.BACKENDS``), or ``auto``: MLX on Apple silicon,
     torch elsewhere (``stoa.backends.engine.resolve_backend``)."""
-    engine_mode: Literal["auto", "integer", "quantized", "dequantized", "bfloat16"] = "auto"
-    """Engine compute mode (MLX: ``quantized`` / ``dequantized``; torch: ``quantized`` (its int8 CPU
-    kernel, ``auto``'s choice on CPUs), ``integer`` (the kernel's integer path, x86 CPUs with AVX-512
-    VNNI), ``dequantized`` (float32 weights; ``auto`` on GPUs) or ``bfloat16`` on GPUs; ``integer``
-    and ``bfloat16`` drift from the trainer's float32 re-score: docs/trust.md)."""
+    engine_mode: Literal["auto", "int24", "int16", "quantized", "dequantized", "bfloat16"] = "auto"
+    """Engine compute mode (MLX: ``quantized`` / ``dequantized``; torch: its int8 CPU kernel as
+    ``int24`` (24-bit integer inputs; ``auto``'s choice on x86 CPUs with AVX-512 VNNI), ``quantized``
+    (float32; ``auto`` on other CPUs) or ``int16``, ``dequantized`` (float32 weights; ``auto`` on
+    GPUs) or ``bfloat16`` on GPUs; ``int16`` and ``bfloat16`` drift from the trainer's float32
+    re-score: docs/rollout.md, docs/trust.md)."""
     poll_seconds: float = 0.5
     """How often an idle worker checks the version pointer."""
     lag: int = 0

@@ -253,18 +253,23 @@ int stoa_qmatmul_width(void) { return VL; }
 /* ---- the integer path (AVX-512 VNNI) ------------------------------------------------------------ */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define QMAX 32639 /* |q| <= QMAX: q = 256 * hi + lo with hi in [-127, 127] and lo in [-128, 127] */
-#define IRT 4      /* rows per tile */
-#define IOB 2      /* blocks of 16 outputs per tile */
+#define IOB 2 /* blocks of 16 outputs per tile; rows per tile: irt(D) */
+
+/* Inputs are rounded to D signed bytes (D = 2: 16-bit, D = 3: 24-bit integers), |q| <= qmax(D), so
+ * that q = sum_i 256^(D-1-i) digit_i with every digit in [-128, 127] and the first in [-127, 127]. */
+static inline int qmax(int D) { return D == 2 ? 32639 : 8355711; }
+static inline int irt(int D) { return D == 2 ? 4 : 3; } /* rows per tile: 2 * D * irt * IOB accumulators */
 
 typedef int32_t vd __attribute__((vector_size(64)));
 
 /* a[i] lane l <-> a[l] lane i for 16 vectors of 16 dwords: at level k, the entries whose row and lane
  * differ in bit k swap (four levels of two-source shuffles). */
 static inline __attribute__((always_inline)) void transpose16(vd *a) {
-    for (int k = 0; k < 4; k++) {
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) { /* unrolled, so the shuffle masks are constants */
         const int B = 1 << k;
         vd m0, m1;
+#pragma GCC unroll 16
         for (int l = 0; l < 16; l++) {
             m0[l] = (l & B) ? 16 + (l ^ B) : l;
             m1[l] = (l & B) ? 16 + l : (l ^ B);
@@ -301,10 +306,13 @@ static void pack_block(const uint8_t *code, const float *scale, const float *bia
     }
 }
 
-/* Row r's digits: xh / xl [n][K] int8 (q = 256 * xh + xl), sx [n][G] its groups' scales and
- * cb [n][G] = sx * sum q. A group holding an infinity or NaN gets sx = NaN (its outputs are NaN). */
-static void quantize_rows(const float *x, int64_t n, int64_t K, int8_t *xh, int8_t *xl, float *sx, float *cb) {
+/* Row r's digits: xd[i][r][k] int8 (digit i of q, most significant first, D digits), sx [n][G] its
+ * groups' scales and cb [n][G] = sx * sum q. A group holding an infinity or NaN gets sx = NaN (its
+ * outputs are NaN). */
+static void quantize_rows(const float *x, int64_t n, int64_t K, int D, int8_t *xd, float *sx, float *cb) {
     const int64_t G = K / GROUP;
+    const int Q = qmax(D);
+    const __m512i c128 = _mm512_set1_epi32(128), m255 = _mm512_set1_epi32(255);
     for (int64_t r = 0; r < n; r++)
         for (int64_t g = 0; g < G; g++) {
             const float *p = x + r * K + g * GROUP;
@@ -313,56 +321,67 @@ static void quantize_rows(const float *x, int64_t n, int64_t K, int8_t *xh, int8
             const float mx = _mm512_reduce_max_ps(m);
             float s = 0.f, inv = 0.f;
             if (!(mx <= 3.4028235e38f)) s = NAN;
-            else if (mx > 0.f) { s = mx / (float)QMAX; inv = (float)QMAX / mx; }
+            else if (mx > 0.f) { s = mx / (float)Q; inv = (float)Q / mx; }
             __m512i qs = _mm512_setzero_si512();
             for (int j = 0; j < GROUP; j += 16) {
                 __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p + j), _mm512_set1_ps(inv)));
-                q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(QMAX)), _mm512_set1_epi32(-QMAX));
+                q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(Q)), _mm512_set1_epi32(-Q));
                 qs = _mm512_add_epi32(qs, q);
-                const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
-                const __m512i lo = _mm512_sub_epi32(q, _mm512_slli_epi32(hi, 8));
-                _mm_storeu_si128((__m128i *)(xh + r * K + g * GROUP + j), _mm512_cvtepi32_epi8(hi));
-                _mm_storeu_si128((__m128i *)(xl + r * K + g * GROUP + j), _mm512_cvtepi32_epi8(lo));
+                for (int i = D - 1; i >= 0; i--) { /* balanced base 256, least significant first */
+                    const __m512i d = i ? _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(q, c128), m255), c128) : q;
+                    _mm_storeu_si128((__m128i *)(xd + (i * n + r) * K + g * GROUP + j), _mm512_cvtepi32_epi8(d));
+                    q = _mm512_srai_epi32(_mm512_sub_epi32(q, d), 8);
+                }
             }
             sx[r * G + g] = s;
             cb[r * G + g] = s * (float)_mm512_reduce_add_epi32(qs);
         }
 }
 
-/* Rows 0 .. nr-1 (nr <= IRT) times packed blocks 0 .. nb-1 (nb <= IOB; valid[b] real outputs each).
- * Per group: two int32 dot products per (row, output) (high and low digits), then the float32
- * epilogue, in group order, whatever the tile: a result does not depend on the tiling. */
+/* A group's dot products as one float per lane, from the digits' exact int32 sums a[0 .. D-1]
+ * (most significant first): D = 2 sums exactly in int32; D = 3 adds the top digit's sum in float. */
+static inline __attribute__((always_inline)) __m512 group_dot(const __m512i *a, const int D) {
+    if (D == 2) return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(a[0], 8), a[1]));
+    const __m512i low = _mm512_add_epi32(_mm512_slli_epi32(a[1], 8), a[2]);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[0]), _mm512_set1_ps(65536.f), _mm512_cvtepi32_ps(low));
+}
+
+/* Rows 0 .. nr-1 (nr <= irt(D)) times packed blocks 0 .. nb-1 (nb <= IOB; valid[b] real outputs each);
+ * xd: the rows' first digit plane, the next ones dstride bytes apart. Per group: one int32 dot
+ * product per digit and (row, output), then the float32 epilogue, in group order, whatever the
+ * tile: a result does not depend on the tiling. */
 static inline __attribute__((always_inline)) void
-itile_body(const int8_t *xh, const int8_t *xl, const float *sx, const float *cb, int64_t K, const int nr,
+itile_body(const int8_t *xd, int64_t dstride, const float *sx, const float *cb, int64_t K, const int D, const int nr,
            const int nb, const uint8_t *pc, const float *ps, const float *pb, float *y, int64_t ldy,
            const int *valid) {
     const int64_t G = K / GROUP, bc = K * 16, bs = K / 4; /* a block's bytes of codes, floats of scales */
-    __m512 acc[IRT][IOB];
-    for (int r = 0; r < IRT; r++)
-        for (int b = 0; b < IOB; b++) acc[r][b] = _mm512_setzero_ps();
+    __m512 acc[4][IOB];
+    const int8_t *xr[4][3]; /* row r's digit plane i */
+    for (int r = 0; r < nr; r++) {
+        for (int b = 0; b < nb; b++) acc[r][b] = _mm512_setzero_ps();
+        for (int i = 0; i < D; i++) xr[r][i] = xd + i * dstride + r * K;
+    }
     for (int64_t g = 0; g < G; g++) {
-        __m512i ah[IRT][IOB], al[IRT][IOB];
-        for (int r = 0; r < IRT; r++)
-            for (int b = 0; b < IOB; b++) ah[r][b] = al[r][b] = _mm512_setzero_si512();
+        __m512i a[4][IOB][3];
+        for (int r = 0; r < nr; r++)
+            for (int b = 0; b < nb; b++)
+                for (int i = 0; i < D; i++) a[r][b][i] = _mm512_setzero_si512();
         for (int t = 0; t < 16; t++) {
             __m512i c[IOB];
             for (int b = 0; b < nb; b++) c[b] = _mm512_loadu_si512(pc + b * bc + g * 1024 + t * 64);
-            for (int r = 0; r < nr; r++) {
-                int32_t h, l;
-                memcpy(&h, xh + r * K + g * GROUP + 4 * t, 4);
-                memcpy(&l, xl + r * K + g * GROUP + 4 * t, 4);
-                const __m512i bh = _mm512_set1_epi32(h), bl = _mm512_set1_epi32(l);
-                for (int b = 0; b < nb; b++) {
-                    ah[r][b] = _mm512_dpbusd_epi32(ah[r][b], c[b], bh);
-                    al[r][b] = _mm512_dpbusd_epi32(al[r][b], c[b], bl);
+            for (int r = 0; r < nr; r++)
+                for (int i = 0; i < D; i++) {
+                    int32_t w;
+                    memcpy(&w, xr[r][i] + g * GROUP + 4 * t, 4);
+                    const __m512i x = _mm512_set1_epi32(w);
+                    for (int b = 0; b < nb; b++) a[r][b][i] = _mm512_dpbusd_epi32(a[r][b][i], c[b], x);
                 }
-            }
         }
         for (int r = 0; r < nr; r++) {
             const __m512 s = _mm512_set1_ps(sx[r * G + g]), q = _mm512_set1_ps(cb[r * G + g]);
             for (int b = 0; b < nb; b++) {
-                const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ah[r][b], 8), al[r][b]));
-                acc[r][b] = _mm512_fmadd_ps(dot, _mm512_mul_ps(_mm512_loadu_ps(ps + b * bs + g * 16), s), acc[r][b]);
+                acc[r][b] = _mm512_fmadd_ps(group_dot(a[r][b], D), _mm512_mul_ps(_mm512_loadu_ps(ps + b * bs + g * 16), s),
+                                            acc[r][b]);
                 acc[r][b] = _mm512_fmadd_ps(_mm512_loadu_ps(pb + b * bs + g * 16), q, acc[r][b]);
             }
         }
@@ -373,21 +392,23 @@ itile_body(const int8_t *xh, const int8_t *xl, const float *sx, const float *cb,
 }
 
 /* The body with constant counts (accumulators in registers, as tile()). */
-static void itile(const int8_t *xh, const int8_t *xl, const float *sx, const float *cb, int64_t K, int nr, int nb,
-                  const uint8_t *pc, const float *ps, const float *pb, float *y, int64_t ldy, const int *valid) {
-#define ICASE(R, B) itile_body(xh, xl, sx, cb, K, R, B, pc, ps, pb, y, ldy, valid); return
-    if (nb == IOB) {
-        switch (nr) { case 4: ICASE(4, IOB); case 3: ICASE(3, IOB); case 2: ICASE(2, IOB); default: ICASE(1, IOB); }
+static void itile(const int8_t *xd, int64_t dstride, const float *sx, const float *cb, int64_t K, int D, int nr,
+                  int nb, const uint8_t *pc, const float *ps, const float *pb, float *y, int64_t ldy, const int *valid) {
+#define ICASE(DD, R, B) itile_body(xd, dstride, sx, cb, K, DD, R, B, pc, ps, pb, y, ldy, valid); return
+    if (D == 2) {
+        if (nb == IOB) switch (nr) { case 4: ICASE(2, 4, IOB); case 3: ICASE(2, 3, IOB); case 2: ICASE(2, 2, IOB); default: ICASE(2, 1, IOB); }
+        switch (nr) { case 4: ICASE(2, 4, 1); case 3: ICASE(2, 3, 1); case 2: ICASE(2, 2, 1); default: ICASE(2, 1, 1); }
     }
-    switch (nr) { case 4: ICASE(4, 1); case 3: ICASE(3, 1); case 2: ICASE(2, 1); default: ICASE(1, 1); }
+    if (nb == IOB) switch (nr) { case 3: ICASE(3, 3, IOB); case 2: ICASE(3, 2, IOB); default: ICASE(3, 1, IOB); }
+    switch (nr) { case 3: ICASE(3, 3, 1); case 2: ICASE(3, 2, 1); default: ICASE(3, 1, 1); }
 #undef ICASE
 }
 
-/* Few rows (n < IRT): no packing; a row's group of 64 codes times its 64 digits is one vpdpbusd
- * (lanes over inputs), and a tree sums 16 outputs' lanes at once (reduce_tree, in integers: exact).
+/* Few rows (fewer than a tile's): no packing; a row's group of 64 codes times one digit's 64 bytes is
+ * one vpdpbusd (lanes over inputs), and a tree sums 16 outputs' lanes at once (reduce_tree_i: exact).
  * The float32 epilogue is the tiles' own, lane for lane, so the results are bit for bit theirs. */
 static inline __attribute__((always_inline)) void
-ifew_body(const int8_t *xh, const int8_t *xl, const float *sx, const float *cb, int64_t K, const int nr,
+ifew_body(const int8_t *xd, int64_t dstride, const float *sx, const float *cb, int64_t K, const int D, const int nr,
           const uint8_t *code, const float *scale, const float *bias, int no, float *y, int64_t ldy) {
     const int64_t G = K / GROUP;
     int idx[16];
@@ -397,28 +418,41 @@ ifew_body(const int8_t *xh, const int8_t *xl, const float *sx, const float *cb, 
         if (lane_of[j] < no) live |= (__mmask16)(1u << j);
     }
     const __m512i base = _mm512_loadu_si512(idx), z = _mm512_setzero_si512();
-    __m512 acc[IRT - 1];
+    __m512 acc[3];
     for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         for (int o = 0; o < 16; o++) _mm_prefetch((const char *)(code + (16 + o) * K + g * GROUP), _MM_HINT_T0);
-        vi t[IRT - 1][16];
+        vi t[3][2][16]; /* per row: the top digit's sums (D = 3) and the rest's, exact */
         for (int o = 0; o < 16; o++) {
             if (o >= no) {
-                for (int r = 0; r < nr; r++) t[r][o] = (vi){0};
+                for (int r = 0; r < nr; r++) t[r][0][o] = t[r][1][o] = (vi){0};
                 continue;
             }
             const __m512i c = _mm512_loadu_si512(code + o * K + g * GROUP);
             for (int r = 0; r < nr; r++) {
-                const __m512i h = _mm512_loadu_si512(xh + r * K + g * GROUP), l = _mm512_loadu_si512(xl + r * K + g * GROUP);
-                t[r][o] = (vi)_mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(z, c, h), 8), _mm512_dpbusd_epi32(z, c, l));
+                __m512i d[3];
+                for (int i = 0; i < D; i++)
+                    d[i] = _mm512_dpbusd_epi32(z, c, _mm512_loadu_si512(xd + i * dstride + r * K + g * GROUP));
+                t[r][0][o] = (vi)d[0];
+                t[r][1][o] = (vi)_mm512_add_epi32(_mm512_slli_epi32(d[D - 2], 8), d[D - 1]);
             }
         }
         const __m512i at = _mm512_add_epi32(base, _mm512_set1_epi32((int)g));
         const __m512 ps = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, at, scale, 4);
         const __m512 pb = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, at, bias, 4);
         for (int r = 0; r < nr; r++) {
-            reduce_tree_i(t[r]);
-            const __m512 dot = _mm512_cvtepi32_ps((__m512i)t[r][0]);
+            __m512i sums[3];
+            reduce_tree_i(t[r][1]);
+            if (D == 3) {
+                reduce_tree_i(t[r][0]);
+                sums[0] = (__m512i)t[r][0][0];
+                sums[1] = _mm512_setzero_si512(); /* group_dot(D = 3) takes (top, middle, low) */
+                sums[2] = (__m512i)t[r][1][0];
+            } else {
+                sums[0] = _mm512_setzero_si512();
+                sums[1] = (__m512i)t[r][1][0];
+            }
+            const __m512 dot = group_dot(sums, D);
             acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(ps, _mm512_set1_ps(sx[r * G + g])), acc[r]);
             acc[r] = _mm512_fmadd_ps(pb, _mm512_set1_ps(cb[r * G + g]), acc[r]);
         }
@@ -431,42 +465,43 @@ ifew_body(const int8_t *xh, const int8_t *xl, const float *sx, const float *cb, 
     }
 }
 
-static void ifew_rows(const int8_t *xh, const int8_t *xl, const float *sx, const float *cb, int64_t K, int nr,
+static void ifew_rows(const int8_t *xd, int64_t dstride, const float *sx, const float *cb, int64_t K, int D, int nr,
                       const uint8_t *code, const float *scale, const float *bias, int no, float *y, int64_t ldy) {
-    switch (nr) {
-    case 3: ifew_body(xh, xl, sx, cb, K, 3, code, scale, bias, no, y, ldy); return;
-    case 2: ifew_body(xh, xl, sx, cb, K, 2, code, scale, bias, no, y, ldy); return;
-    default: ifew_body(xh, xl, sx, cb, K, 1, code, scale, bias, no, y, ldy); return;
-    }
+#define FCASE(DD, R) ifew_body(xd, dstride, sx, cb, K, DD, R, code, scale, bias, no, y, ldy); return
+    if (D == 2) switch (nr) { case 3: FCASE(2, 3); case 2: FCASE(2, 2); default: FCASE(2, 1); }
+    switch (nr) { case 2: FCASE(3, 2); default: FCASE(3, 1); }
+#undef FCASE
 }
 
-/* As stoa_qmatmul, on the integer path. Returns -2 when this build has none (no AVX-512 VNNI). */
+/* As stoa_qmatmul, on the integer path with inputs of `digits` bytes (2 or 3). Returns -2 when this
+ * build has none (no AVX-512 VNNI), -1 for a bad argument or when out of memory. */
 int stoa_qmatmul_int(const float *x, int64_t n, int64_t K, int m, const uint8_t *const *codes,
                      const float *const *scales, const float *const *biases, const int64_t *outs,
-                     float *y, int64_t ldy, int threads) {
-    if (K % GROUP != 0 || n <= 0 || m <= 0) return -1;
+                     float *y, int64_t ldy, int threads, int digits) {
+    if (K % GROUP != 0 || n <= 0 || m <= 0 || (digits != 2 && digits != 3)) return -1;
+    const int D = digits, RTI = irt(D);
     const int64_t G = K / GROUP, bc = K * 16, bs = K / 4;
     int64_t P = (256 * 1024) / K / 16 * 16; /* outputs whose packed codes fill ~256 KB */
     if (P < 16) P = 16;
     int64_t npanels, *pm, *col;
     if (plan(m, outs, P, &npanels, &pm, &col)) return -1;
-    int8_t *xh = malloc(n * K), *xl = malloc(n * K);
+    int8_t *xd = malloc(D * n * K);
     float *sx = malloc(n * G * 4), *cb = malloc(n * G * 4);
-    int failed = !xh || !xl || !sx || !cb;
-    if (!failed) quantize_rows(x, n, K, xh, xl, sx, cb);
+    int failed = !xd || !sx || !cb;
+    if (!failed) quantize_rows(x, n, K, D, xd, sx, cb);
     if (threads < 1) threads = 1;
     reduce_init();
-    if (n < IRT && !failed) {
+    if (n < RTI && !failed) {
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t p = 0; p < npanels; p++) {
             const int i = (int)pm[2 * p];
             const int64_t o0 = pm[2 * p + 1];
             const int64_t no = outs[i] - o0 < P ? outs[i] - o0 : P;
             for (int64_t o = 0; o < no; o += 16)
-                ifew_rows(xh, xl, sx, cb, K, (int)n, codes[i] + (o0 + o) * K, scales[i] + (o0 + o) * G,
+                ifew_rows(xd, n * K, sx, cb, K, D, (int)n, codes[i] + (o0 + o) * K, scales[i] + (o0 + o) * G,
                           biases[i] + (o0 + o) * G, no - o < 16 ? (int)(no - o) : 16, y + col[i] + o0 + o, ldy);
         }
-        free(pm); free(col); free(xh); free(xl); free(sx); free(cb);
+        free(pm); free(col); free(xd); free(sx); free(cb);
         return 0;
     }
 #pragma omp parallel num_threads(threads) if (!failed)
@@ -488,8 +523,8 @@ int stoa_qmatmul_int(const float *x, int64_t n, int64_t K, int m, const uint8_t 
             for (int64_t b = 0; b < nblocks; b++)
                 pack_block(codes[i] + (o0 + b * 16) * K, scales[i] + (o0 + b * 16) * G, biases[i] + (o0 + b * 16) * G,
                            K, no - b * 16 < 16 ? (int)(no - b * 16) : 16, pc + b * bc, ps + b * bs, pb + b * bs);
-            for (int64_t r = 0; r < n; r += IRT) {
-                const int nr = n - r < IRT ? (int)(n - r) : IRT;
+            for (int64_t r = 0; r < n; r += RTI) {
+                const int nr = n - r < RTI ? (int)(n - r) : RTI;
                 for (int64_t b = 0; b < nblocks; b += IOB) {
                     const int nb = nblocks - b < IOB ? (int)(nblocks - b) : IOB;
                     int valid[IOB];
@@ -497,22 +532,22 @@ int stoa_qmatmul_int(const float *x, int64_t n, int64_t K, int m, const uint8_t 
                         const int64_t left = no - (b + v) * 16;
                         valid[v] = left >= 16 ? 16 : (left > 0 ? (int)left : 0);
                     }
-                    itile(xh + r * K, xl + r * K, sx + r * G, cb + r * G, K, nr, nb, pc + b * bc, ps + b * bs,
+                    itile(xd + r * K, n * K, sx + r * G, cb + r * G, K, D, nr, nb, pc + b * bc, ps + b * bs,
                           pb + b * bs, y + r * ldy + col[i] + o0 + b * 16, ldy, valid);
                 }
             }
         }
         free(pc); free(ps); free(pb);
     }
-    free(pm); free(col); free(xh); free(xl); free(sx); free(cb);
+    free(pm); free(col); free(xd); free(sx); free(cb);
     return failed ? -1 : 0;
 }
 #else
 int stoa_qmatmul_int(const float *x, int64_t n, int64_t K, int m, const uint8_t *const *codes,
                      const float *const *scales, const float *const *biases, const int64_t *outs,
-                     float *y, int64_t ldy, int threads) {
+                     float *y, int64_t ldy, int threads, int digits) {
     (void)x; (void)n; (void)K; (void)m; (void)codes; (void)scales; (void)biases; (void)outs; (void)y; (void)ldy;
-    (void)threads;
+    (void)threads; (void)digits;
     return -2;
 }
 #endif
