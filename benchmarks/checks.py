@@ -128,9 +128,10 @@ def main() -> None:
         scorers["torch"].load_state(0, state)
         eng = make_engine(model, "torch", state=state, version=0, device=device)
         scorers[f"torch engine ({eng.mode})"] = eng
-        if eng.mode == "quantized":  # the float32-weights engine too, to compare with
-            scorers["torch engine (dequantized)"] = make_engine(model, "torch", state=state, version=0,
-                                                                device=device, mode="dequantized")
+        for other in ("quantized", "dequantized"):  # the kernel's float32 path and float32 weights, to compare with
+            if eng.mode in ("int24", "quantized") and other != eng.mode:
+                scorers[f"torch engine ({other})"] = make_engine(model, "torch", state=state, version=0,
+                                                                 device=device, mode=other)
         try:
             scorers["engine"] = make_engine(model, "mlx", state=state, version=0, config=EngineConfig(max_batch=64))
         except ImportError:

@@ -22,7 +22,8 @@ corpus) and a ~100M-parameter random Qwen2 (same tokenizer; 12 layers, width 768
   threads; generated tokens/s over the whole run (prefill included) and achieved GFLOP/s (2 per
   weight of every matrix multiplied per token, plus attention), against this machine's float32
   matmul GFLOP/s measured in the same run. Engines: the torch engine (its CPU default: the int8
-  kernel, ``quantized``; and with float32 weights, ``dequantized``), the MLX engine
+  kernel, ``int24`` on CPUs with AVX-512 VNNI, else ``quantized``; the kernel in float32,
+  ``quantized``; its 16-bit integer path, ``int16``; float32 weights, ``dequantized``), the MLX engine
   (dequantized), ``transformers``' ``generate`` (float32, eager loop), llama.cpp F32 and Q8_0
   (GGUF converted from the same folder; ``benchmarks/llamacpp.py``; skipped, saying why, when
   ``scripts/build_llama_cpp.sh`` has not been run).
@@ -30,7 +31,8 @@ corpus) and a ~100M-parameter random Qwen2 (same tokenizer; 12 layers, width 768
 ``--model PATH`` (a Hugging Face folder, e.g. SmolLM2-135M-Instruct) measures that model instead
 of the two built ones, with the same prompts and the same comparisons, plus the like-for-like table.
 
-    python benchmarks/rollout.py [--quick] [--json out.json] [--threads 2] [--model PATH] [--engines torch,torch-f32,mlx]
+    python benchmarks/rollout.py [--quick] [--json out.json] [--threads 2] [--model PATH]
+                                 [--engines torch,torch-q,torch-int16,torch-f32,mlx]
 """
 
 from __future__ import annotations

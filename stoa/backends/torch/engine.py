@@ -73,7 +73,7 @@ def resolve_device(setting: str) -> torch.device:
 def resolve_mode(mode: str, device: torch.device) -> str:
     """``auto``: on a CPU ``int24`` where the kernel's integer path runs (AVX-512 VNNI), else
     ``quantized`` where the int8 kernel builds, else ``dequantized``; on a GPU ``dequantized``.
-    ``int16`` is never ``auto``'s choice: it trades a ~1e-3 logit drift for speed (docs/rollout.md)."""
+    ``int16`` is never ``auto``'s choice: it trades ~100x float32's drift for speed (docs/rollout.md)."""
     from stoa.backends.torch import qlinear
 
     if mode not in MODES:

@@ -8,11 +8,12 @@
  * kernel computes what a float32 matmul on the dequantized matrix computes, up to the order of the
  * sums, while reading one byte per weight from memory instead of four.
  *
- * stoa_qmatmul_int (the `integer` mode; x86 with AVX-512 VNNI): each row of x is rounded, per group of
- * 64 inputs, to 16-bit integers q on a scale sx = max|x| / 32639, and sum_k code_k * q_k is exact
- * integer arithmetic (int8 dot products, the CPU's fastest multiply); then, per group, in float32,
- * y += float(that sum) * (scale * sx) and y += bias * (sx * sum_k q_k). The weights are the weights of
- * record; the activations carry a relative error of at most 1.5e-5 of their group's largest entry.
+ * stoa_qmatmul_int (the `int24` and `int16` modes; x86 with AVX-512 VNNI): each row of x is rounded,
+ * per group of 64 inputs, to 24- or 16-bit integers q on a scale sx = max|x| / qmax, and
+ * sum_k code_k * q_k is exact integer arithmetic (int8 dot products, one per byte of q: the CPU's
+ * fastest multiply); then, per group, in float32, y += float(that sum) * (scale * sx) and
+ * y += bias * (sx * sum_k q_k). The weights are the weights of record; the inputs carry an error of
+ * at most 6e-8 (24-bit) or 1.5e-5 (16-bit) of their group's largest entry.
  *
  * Both are batch-invariant: a row's result does not depend on its neighbours, the batch size or the
  * threads. Several matrices with the same input width can be one call (q|k|v, gate|up): their
@@ -258,7 +259,7 @@ int stoa_qmatmul_width(void) { return VL; }
 /* Inputs are rounded to D signed bytes (D = 2: 16-bit, D = 3: 24-bit integers), |q| <= qmax(D), so
  * that q = sum_i 256^(D-1-i) digit_i with every digit in [-128, 127] and the first in [-127, 127]. */
 static inline int qmax(int D) { return D == 2 ? 32639 : 8355711; }
-static inline int irt(int D) { return D == 2 ? 4 : 3; } /* rows per tile: 2 * D * irt * IOB accumulators */
+static inline int irt(int D) { return D == 2 ? 4 : 3; } /* rows per tile: D * irt * IOB int32 accumulators */
 
 typedef int32_t vd __attribute__((vector_size(64)));
 
