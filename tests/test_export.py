@@ -206,6 +206,7 @@ _TP2_WORKER = textwrap.dedent("""
     lps = ln.logprobs(eps)
     if rank == 0:
         save_file({f"lp{i}": x for i, x in enumerate(lps)}, out)
+    dist.destroy_process_group()  # gloo's threads joined before exit (else, rarely: "terminate called ...")
 """)
 
 
