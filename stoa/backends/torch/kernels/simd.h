@@ -37,15 +37,19 @@ static vi lo_mask[5], hi_mask[5];
 static int lane_of[VL];
 static int reduce_ready = 0;
 
-static inline __attribute__((unused)) void reduce_tree(vf *a) { /* a[0 .. VL-1] -> a[0] */
-    int count = VL, level = 0;
-    for (int B = VL / 2; B >= 1; B /= 2, level++) {
-        for (int i = 0; i < count / 2; i++)
-            a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo_mask[level]) +
-                   __builtin_shuffle(a[2 * i], a[2 * i + 1], hi_mask[level]);
-        count /= 2;
+/* a[0 .. VL-1] -> a[0]: reduce_tree on floats, reduce_tree_i on int32 lanes (exact); one body. */
+#define STOA_REDUCE_TREE(NAME, T)                                                                   \
+    static inline __attribute__((always_inline, unused)) void NAME(T *a) {                          \
+        int count = VL, level = 0;                                                                  \
+        for (int B = VL / 2; B >= 1; B /= 2, level++) {                                             \
+            for (int i = 0; i < count / 2; i++)                                                     \
+                a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo_mask[level]) +                  \
+                       __builtin_shuffle(a[2 * i], a[2 * i + 1], hi_mask[level]);                   \
+            count /= 2;                                                                             \
+        }                                                                                           \
     }
-}
+STOA_REDUCE_TREE(reduce_tree, vf)
+STOA_REDUCE_TREE(reduce_tree_i, vi)
 
 static __attribute__((unused)) void reduce_init(void) {
     if (reduce_ready) return;
@@ -64,16 +68,6 @@ static __attribute__((unused)) void reduce_init(void) {
     reduce_tree(a);
     for (int j = 0; j < VL; j++) lane_of[j] = (int)a[0][j] - 1;
     reduce_ready = 1;
-}
-
-static inline __attribute__((always_inline, unused)) void reduce_tree_i(vi *a) { /* reduce_tree on int32 lanes (exact) */
-    int count = VL, level = 0;
-    for (int B = VL / 2; B >= 1; B /= 2, level++) {
-        for (int i = 0; i < count / 2; i++)
-            a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo_mask[level]) +
-                   __builtin_shuffle(a[2 * i], a[2 * i + 1], hi_mask[level]);
-        count /= 2;
-    }
 }
 
 #endif
