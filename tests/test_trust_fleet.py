@@ -16,14 +16,17 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from stoa.fleet.metrics import read_metrics
-from stoa.testing.adversaries import KINDS
+from stoa.testing.adversaries import KINDS, Selective
 from stoa.transport.identity import enroll_worker, list_bans, load_or_create_worker_key
 from stoa.transport.signing import generate_private_key, key_id, save_keypair
 from stoa.transport.store import KeyNotFound, LocalStore
+from stoa.types import Episode, Segment
 
 from helpers import tiny_fleet_config
 
@@ -81,6 +84,35 @@ def _withheld(store, run: str, kid: str) -> int:
     return int(report["workers"].get(kid, {}).get("withheld", 0))
 
 
+def test_the_selective_worker_withholds_by_taste_but_never_goes_silent():
+    """Successes are withheld, and every other batch without one, but never more than
+    ``max_in_a_row`` in a row: its gaps always show (a gap is seen only when a later number of
+    the same key arrives), however fast the policy learns to solve every batch. No timing."""
+    writer = SimpleNamespace(next_seq=0)
+    adv = Selective(SimpleNamespace(), SimpleNamespace(worker_id="adv-selective", writer=writer))
+
+    def batch(solved: bool) -> list[Episode]:
+        turn = [Segment("model", np.array([3], np.int32), np.zeros(1, np.float32))]
+        return [Episode(np.array([1, 2], np.int32), turn, reward=float(solved), metrics={"em": solved},
+                        env_id="stoa/SyntheticSearch-v0", group_id="0", sample_index=i) for i in range(2)]
+
+    def upload(pattern: str) -> str:  # "s" solved, "u" unsolved -> "U" uploaded, "." withheld
+        out = ""
+        for c in pattern:
+            seq = writer.next_seq
+            kept = adv.forge(batch(c == "s"))
+            assert writer.next_seq == seq + (not kept)  # a withheld batch's number is spent
+            if kept:
+                writer.next_seq += 1  # the worker uploads it under its number
+            out += "U" if kept else "."
+        return out
+
+    assert upload("uuuu") == ".U.U"  # every other batch without a success
+    assert upload("ssssssss") == "...U...U"  # successes: withheld, but at most 3 in a row
+    assert upload("sssuuu") == "...UU."  # the 5th without a success uploaded, forced; the 7th withheld
+    assert adv.withheld == 12 and writer.next_seq == 18
+
+
 def test_two_honest_workers_and_every_adversary(tmp_path):
     assert set(NEEDLES) == set(KINDS)
     config = tmp_path / "trust.toml"
@@ -122,7 +154,8 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
             steps, banned = _trained(run_dir)
             unenrolled = bool(store.list(f"{run}/quarantine/adv-unenrolled/"))
             unbanned = sorted(w for w, kind in workers.items() if kid_of[w] in must_ban - set(list_bans(store, run, run_pub)[0]))
-            # A withheld batch shows only when a later one of the same worker arrives: wait for one.
+            # A withheld batch shows only when a later one of the same worker arrives: wait for one
+            # (the selective worker uploads at least one batch of every 4 it makes: one comes).
             withheld = _withheld(store, run, kid_of["adv-selective"])
             if steps >= MIN_STEPS and banned >= len(must_ban) and unenrolled and not unbanned and withheld:
                 procs["trainer"].send_signal(signal.SIGTERM)

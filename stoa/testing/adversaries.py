@@ -26,8 +26,9 @@ kind                   what it does                                         caug
                        a copy of another (relabelled as that sample)        (repeated tokens)
 ``cold-sampler``       samples at 0.7x the temperature, claims the run's    the sampling check
                        and reports honest log-probs of what it sampled
-``selective``          honest, but never uploads a batch with a success,    withholding rate
-                       nor half of the others (a taste of its own)          (flagged, not banned)
+``selective``          honest, but withholds each batch with a success and  withholding rate
+                       every other one of the rest (a taste of its own);    (flagged, not banned)
+                       after 3 withheld in a row it uploads the next
 ``unenrolled``         honest, but its key is not enrolled                  the roster (an enrolled
                                                                             run; in an open run it
                                                                             is a new worker)
@@ -275,28 +276,40 @@ class ColdSampler(Adversary):
 
 class Selective(_Forger):
     """Honest generation, uploads chosen by a preference of its own: a batch in which any episode
-    succeeded (the task's success metric, from its declared hooks) is never uploaded, nor is every
-    other one of the rest (a stand-in for any other taste), and their sequence numbers are
-    skipped. The trainer sees a biased sample of genuine episodes."""
+    succeeded (the task's success metric, from its declared hooks) is withheld, and so is every
+    other one of the rest (the 1st, 3rd, 5th... batch without a success; a stand-in for any other
+    taste), except that after :attr:`max_in_a_row` batches withheld in a row the next one is
+    uploaded whatever it holds. Withheld batches' sequence numbers are skipped. The trainer sees
+    genuine episodes biased against successes (a batch with one is uploaded only when that streak
+    forces it, one without at least every other time), and at least one batch of every
+    ``max_in_a_row + 1`` made: a gap shows only once a later number of the same key arrives, so a
+    withholder that went silent (say, once the policy solves every batch) would never be seen,
+    and one that wants its work to count keeps uploading. The rule depends on the batches made,
+    in order, never on timing."""
 
     kind = "selective"
+    max_in_a_row = 3
+    """Batches withheld in a row after which the next one is uploaded regardless."""
 
     def __init__(self, engine: RolloutEngine, worker: Worker) -> None:
         super().__init__(engine, worker)
-        self.made = self.withheld = 0
+        self.unsolved = self.withheld = self.in_a_row = 0
 
     def forge(self, episodes: list[Episode]) -> list[Episode]:
         if not episodes:
             return episodes
         _, success = _declared(episodes[0].env_id)
         solved = any(bool(e.metrics.get(success)) if success else e.reward > 0 for e in episodes)
-        self.made += 1
-        if solved or self.made % 2:
+        if not solved:
+            self.unsolved += 1
+        if (solved or self.unsolved % 2) and self.in_a_row < self.max_in_a_row:
             self.withheld += 1
+            self.in_a_row += 1
             if self.worker.writer is not None:
                 self.worker.writer.next_seq += 1  # the number is spent: its work is never uploaded
-            log.info("withheld a batch (%d so far)", self.withheld)
+            log.info("withheld a batch (%d so far, %d in a row)", self.withheld, self.in_a_row)
             return []
+        self.in_a_row = 0
         return episodes
 
 
