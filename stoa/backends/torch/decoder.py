@@ -15,7 +15,10 @@ at position ``p`` attends to positions ``<= p`` of its row (and ``> p - window``
 layers). Positions a row has not written yet hold stale values and are never attended to. On a
 float32 CPU decoder a decode step (one new token a row) attends with the C kernel
 ``kernels/attention.c`` (each row's keys and values read once, no batch-wide score matrix); prefill,
-soft-capped scores and other devices use the torch path.
+soft-capped scores and other devices use the torch path. A bound quantized decoder of the
+Llama-shaped families goes further: a decode step runs every layer in one C call
+(:attr:`Decoder.step_kernel`, :mod:`stoa.backends.torch.cstep`), the same arithmetic without
+~35 torch ops and their Python per layer.
 
 ``quantized=True`` (CPUs): the int8 matrices hold no float32 copy; after :meth:`Decoder.bind`
 every projection, the head and the embedding lookup compute on the weight state's own codes
@@ -165,6 +168,9 @@ class Decoder:
         if digits and not quantized:
             raise ValueError("digits: the integer path of a quantized decoder's kernel")
         self.quantized, self.digits = quantized, digits
+        # decode steps of a bound quantized decoder: every layer in one C call (stoa.backends.torch.cstep);
+        # use_step_kernel = False (then bind again) keeps them on the torch path
+        self.use_step_kernel, self.step_kernel = True, None
         # decode steps (one new token a row) on a float32 CPU decoder: the C decode attention
         self._decode_attention = None
         if self.device.type == "cpu" and dtype == torch.float32:
@@ -264,6 +270,13 @@ class Decoder:
             c, s, b = part(emb)
             self.qembed = (torch.from_numpy(c), torch.from_numpy(np.ascontiguousarray(s, dtype=np.float32)),
                            torch.from_numpy(np.ascontiguousarray(b, dtype=np.float32)))
+        self.step_kernel = None
+        if self.use_step_kernel and all(isinstance(w, QLinear) for ly in self.layers
+                                        for w in (ly.qkv, ly.o, ly.gate_up, ly.down)):
+            from stoa.backends.torch.cstep import FAMILIES as STEP_FAMILIES, DecodeStep
+
+            if self.spec.model_type in STEP_FAMILIES and not self.spec.attn_logit_softcapping:
+                self.step_kernel = DecodeStep(self)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.qembed is None:
@@ -310,6 +323,12 @@ class Decoder:
         n, m = ids.shape[:2]
         pos = start[:, None] + torch.arange(m, device=self.device)[None]  # [n, m]
         self._tables(longest)
+        rsel = torch.arange(n, device=self.device) if rows is None else rows
+        if m == 1 and self.step_kernel is not None:
+            x = self._embed_or_stream(ids)
+            y = self.step_kernel(x, rsel, pos, cache, self._cos, self._sin)
+            if y is not None:
+                return _rms(y, self.final_norm, spec.rms_norm_eps, self.gemma) if self.last else y
         cos = [c[pos][:, :, None] for c in self._cos]
         sin = [s[pos][:, :, None] for s in self._sin]
         keys = torch.arange(longest, device=self.device)
@@ -318,17 +337,19 @@ class Decoder:
         for w in {ly.window for ly in self.layers if ly.window is not None}:
             masks[w] = seen & (keys[None, None, :] > pos[:, :, None] - w)
         masks = {w: mk[:, None, None] for w, mk in masks.items()}  # [n, 1, 1, m, L]
-        rsel = torch.arange(n, device=self.device) if rows is None else rows
-        if self.first:
-            x = self._embed(ids)
-            if self.embed_scale is not None:
-                x = x * self.embed_scale
-        else:
-            x = ids.to(self.dtype)
+        x = self._embed_or_stream(ids)
         for li, ly in enumerate(self.layers):
             x = self._layer(li, ly, x, pos, rsel, rows is None, cos[ly.rope], sin[ly.rope], masks[ly.window],
                             longest, cache)
         return _rms(x, self.final_norm, spec.rms_norm_eps, self.gemma) if self.last else x
+
+    def _embed_or_stream(self, ids: torch.Tensor) -> torch.Tensor:
+        """The residual stream entering the first layer: embedded token ids (the first part), or
+        the stream itself (a later part)."""
+        if not self.first:
+            return ids.to(self.dtype)
+        x = self._embed(ids)
+        return x * self.embed_scale if self.embed_scale is not None else x
 
     def _layer(self, li: int, ly: _Layer, x: torch.Tensor, pos: torch.Tensor, rsel: torch.Tensor, contiguous: bool,
                cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, longest: int, cache: KVCache) -> torch.Tensor:

@@ -44,6 +44,7 @@ from stoa.backends.engine import (
 from stoa.backends.packing import by_length
 from stoa.backends.sampling import Draws, HostSampler
 from stoa.backends.text import TokenizerText, config_eos_ids
+from stoa.backends.torch import csample as C
 from stoa.backends.torch import decoder as D
 from stoa.backends.torch import sample as S
 from stoa.backends.torch import scoring
@@ -174,10 +175,20 @@ def rebuild(decoder: D.Decoder, layout: dict[str, tuple[tuple[int, ...], bool]],
 
 def draw(logits: torch.Tensor, seeds: np.ndarray, s: SamplingConfig, where: str,
          host: HostSampler) -> tuple[np.ndarray, np.ndarray]:
-    """Tokens and behaviour log-probs of ``logits [B, V]`` by the sampling rule, in numpy
-    (``where`` ``host``, or ``auto`` on a CPU) or on the logits' device."""
+    """Tokens and behaviour log-probs of ``logits [B, V]`` by the sampling rule, on the host
+    (``where`` ``host``, or ``auto`` on a CPU) or on the logits' device. On the host, float32 CPU
+    logits without top-k / top-p go to the C sampler (:mod:`stoa.backends.torch.csample`, on torch's
+    thread count) where the kernel library is built; the rest, and rows it declines (a NaN, no finite
+    logit), to ``host``, the numpy :class:`HostSampler`. Both draw the same tokens (barring two noised
+    scores within float32 rounding of each other)."""
     if where == "host" or (where == "auto" and logits.device.type == "cpu"):
-        host.threads = torch.get_num_threads()  # rows drawn in as many blocks as torch has threads
+        threads = torch.get_num_threads()
+        if (C.supports(s.top_k, s.top_p) and logits.device.type == "cpu" and logits.dtype == torch.float32
+                and C.built()):
+            got = C.sample(logits, seeds, s.temperature, threads=threads)
+            if got is not None:
+                return got
+        host.threads = threads  # rows drawn in as many blocks as torch has threads
         return host(logits.float().cpu().numpy(), seeds, s.temperature, s.top_k, s.top_p)
     return S.sample(logits, seeds, s.temperature, s.top_k, s.top_p)
 
@@ -308,9 +319,11 @@ class TorchEngine:
 
     # -- generation -----------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, seeds: np.ndarray, s: SamplingConfig) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens and behaviour log-probs for logits ``[B, V]`` and uint64 row seeds ``[B]``: in numpy
-        (``config.sampler`` ``host``, or ``auto`` on a CPU: numpy's uint32 hash is several times
-        faster than torch's int64 one there) or on the engine's device (``device``, ``auto`` on a GPU)."""
+        """Tokens and behaviour log-probs for logits ``[B, V]`` and uint64 row seeds ``[B]``: on the
+        host (``config.sampler`` ``host``, or ``auto`` on a CPU: the C sampler of
+        :mod:`stoa.backends.torch.csample` without top-k / top-p, numpy's :class:`HostSampler`
+        otherwise or without the kernel library; both far faster there than torch's int64 hash) or on
+        the engine's device (``device``, ``auto`` on a GPU). See :func:`draw`."""
         return draw(logits, seeds, s, self.config.sampler, self._host_sampler)
 
     def feed(self, ids: torch.Tensor, start: torch.Tensor, longest: int, cache: D.KVCache, rows: torch.Tensor) -> None:

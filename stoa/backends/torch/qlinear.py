@@ -44,7 +44,8 @@ __all__ = ["QLinear", "available", "integer_available", "kernel_path", "library"
 
 _KERNELS = Path(__file__).with_name("kernels")
 _SOURCE = _KERNELS / "qmatmul.c"
-_SOURCES = (_SOURCE, _KERNELS / "attention.c")  # one library; both include simd.h
+_SOURCES = (_SOURCE, _KERNELS / "attention.c", _KERNELS / "step.c",
+            _KERNELS / "sample.c")  # one library; all include simd.h
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11", "-ffp-contract=off")
 _P = ctypes.c_void_p
 _lock = threading.Lock()
@@ -131,6 +132,10 @@ def _load() -> ctypes.CDLL | None:
         lib.stoa_attn_decode.restype = ctypes.c_int
         lib.stoa_attn_decode.argtypes = [_P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                          ctypes.c_int64, ctypes.c_float, ctypes.c_int64, _P, ctypes.c_int]
+        lib.stoa_decode_layers.restype = ctypes.c_int
+        lib.stoa_decode_layers.argtypes = [_P, ctypes.c_int, _P, ctypes.c_int64, _P, _P, ctypes.c_int64, ctypes.c_int,
+                                           ctypes.c_int, ctypes.c_int, ctypes.c_int64, _P, _P, _P, _P, ctypes.c_int64,
+                                           ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int]
         _lib = lib
         return lib
 

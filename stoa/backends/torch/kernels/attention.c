@@ -20,27 +20,6 @@
 
 #define MAXD 512 /* largest head dimension taken */
 
-static inline vf bcast(float x) { return (vf){0} + x; }
-static inline vf sel(vi m, vf a, vf b) { return (vf)((m & (vi)a) | (~m & (vi)b)); } /* m ? a : b */
-
-/* e^x for x <= 0 (Cephes' single-precision polynomial, ~1 ulp); below -87.3 (and -inf) it is 0. */
-static inline vf vexp(vf x) {
-    const vf lo = bcast(-87.33654f);
-    const vi dead = x < lo;
-    x = sel(dead, lo, x);
-    const vf n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi), vf);
-    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf p = bcast(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const vf y = p * r * r + r + 1.0f;
-    const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-    return sel(dead, bcast(0.f), y * (vf)e);
-}
-
 /* s[t] = q . K[t] for t < len (q pre-scaled, dv vectors; K rows of dv vectors): VL rows at a time,
  * summed across lanes by one reduction tree. */
 static inline __attribute__((always_inline)) void
