@@ -1,10 +1,11 @@
 """Untrusted workers in a real fleet: 2 honest workers and one of every adversary kind, at once.
 
 Real processes (`stoa trainer`, `stoa worker`, `stoa worker --adversary KIND`) meet in a real
-store with an enrolled roster. What must hold: no adversary's episode is trained on, each is
-banned (or, unenrolled, has every batch refused) within a bounded number of versions of its first
-rejected batch, with the reason in the quarantine and in its record, and the honest workers lose
-nothing to the checks. The test stops the run (SIGTERM) once every adversary has met its fate and
+store with an enrolled roster. What must hold: no adversary's episode is trained on (except a
+colder sampler's batch whose every token the honest rule also draws), each is banned (or,
+unenrolled, has every batch refused) by its first confirmed forgery or its second rejected batch,
+with the reason in the quarantine and in its record, and the honest workers lose nothing to the
+checks. The test stops the run (SIGTERM) once every adversary has met its fate and
 12 steps are trained. One shared run keeps this under ~2 minutes on 2 cores.
 """
 
@@ -32,21 +33,26 @@ from helpers import tiny_fleet_config
 
 pytestmark = pytest.mark.slow
 
+BAN_AFTER = 2
+"""``trust.ban_after``: every adversary that is banned is banned by its first confirmed forgery or
+its second rejected batch (in the poll that judged it), whatever the versions between them (a
+copier uploads only once it finds a fresh batch of another worker to copy, and on a quiet machine
+the trainer makes several versions a second meanwhile); every later batch of its key is refused
+unread."""
+
 CONFIG = tiny_fleet_config(
     "trust", warmstart={"mix": {"oracle": 0.5, "guess": 0.5}, "practice_answer_only": 0},
-    trainer={"steps": 100, "checkpoint_every": 4, "skip_zero_variance_groups": False},
+    trainer={"steps": 5000, "checkpoint_every": 4, "skip_zero_variance_groups": False},
     learner={"lr": 1e-5}, pulse={"anchor_every": 50},
-    trust={"mode": "enrolled", "max_worker_share": 0.5, "ban_after": 2})
+    trust={"mode": "enrolled", "max_worker_share": 0.5, "ban_after": BAN_AFTER})
 
 MIN_STEPS = 12
 """The run is stopped (SIGTERM: checkpoint, report) once it has trained this many steps and every
-adversary has met its fate; its 100 steps are only a cap (a loaded machine once reached 40 first).
-A copier uploads only once it finds a fresh batch to copy, so a fixed run length could end between
-its first strike and its ban."""
-
-BAN_WITHIN_VERSIONS = 8
-"""Every adversary that is banned is banned within this many versions of its first rejected batch
-(a copier uploads only once it finds a fresh batch of another worker to copy, which can be late)."""
+adversary has met its fate; its 5,000 steps are only a cap (the test stops it within a minute or two).
+The tiny model's steps take a fraction of a second, so a quiet machine's honest workers can carry
+the trainer through 100 steps while the last adversaries are still loading; a copier uploads only
+once it finds a fresh batch to copy, so a fixed run length could end between its first strike and
+its ban."""
 
 NEEDLES = {
     "flip-rewards": "reward: claimed 1.0",
@@ -84,11 +90,15 @@ def _withheld(store, run: str, kid: str) -> int:
     return int(report["workers"].get(kid, {}).get("withheld", 0))
 
 
-def test_the_selective_worker_withholds_by_taste_but_never_goes_silent():
+def test_the_selective_worker_withholds_by_taste_but_never_goes_silent(tmp_path):
     """Successes are withheld, and every other batch without one, but never more than
     ``max_in_a_row`` in a row: its gaps always show (a gap is seen only when a later number of
-    the same key arrives), however fast the policy learns to solve every batch. No timing."""
-    writer = SimpleNamespace(next_seq=0)
+    the same key arrives), however fast the policy learns to solve every batch. Its withheld
+    numbers are left (not waited on as outstanding), so it never stalls itself. No timing."""
+    from stoa.transport.sequence import RememberingWriter, SequenceFile
+
+    writer = RememberingWriter(LocalStore(tmp_path / "store"), "trust", "adv-selective", generate_private_key(),
+                               SequenceFile(tmp_path / "sequence.json"))
     adv = Selective(SimpleNamespace(), SimpleNamespace(worker_id="adv-selective", writer=writer))
 
     def batch(solved: bool) -> list[Episode]:
@@ -110,7 +120,7 @@ def test_the_selective_worker_withholds_by_taste_but_never_goes_silent():
     assert upload("uuuu") == ".U.U"  # every other batch without a success
     assert upload("ssssssss") == "...U...U"  # successes: withheld, but at most 3 in a row
     assert upload("sssuuu") == "...UU."  # the 5th without a success uploaded, forced; the 7th withheld
-    assert adv.withheld == 12 and writer.next_seq == 18
+    assert adv.withheld == 12 and writer.next_seq == 18 and writer.left == 12
 
 
 def test_two_honest_workers_and_every_adversary(tmp_path):
@@ -187,11 +197,8 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
         for g in entry.get("trained", []):
             trained_by_key[g.split("/")[0]] = trained_by_key.get(g.split("/")[0], 0) + 2  # group_size episodes
     assert len([e for e in ledger if "trained" in e]) == stopped[-1]["rl_step"]
-    first_rejected: dict[str, int] = {}
-    for entry in ledger:
-        if "rejected" in entry:
-            first_rejected.setdefault(entry["rejected"].split("/rollouts/")[1].split("/")[0], entry["version"])
 
+    first_rejected: dict[str, int] = {}
     for w, kind in workers.items():
         if kind is None:
             continue
@@ -199,12 +206,20 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
         _, rec = by_name[w]
         if kind == "selective":  # withholding can be counted, never proven: flagged, not banned
             assert rec["withheld"] > 0 and not rec["banned"], rec
-            assert rec["withholding_flagged"] or rec["max_seq"] < 7, rec  # flagged once 8 numbers show a rate
+            # Flagged once 8 numbers show a rate, where the fleet's range allows: with three keys in
+            # good standing, an honest key's late gaps (15% on a loaded machine) widen the range past
+            # any rate (docs/trust.md); the withholder's rate still stands above the honest ones.
+            honest = [by_name[h][1]["withheld_rate"] for h in ("honest-0", "honest-1")]
+            assert rec["withholding_flagged"] or rec["withheld_rate"] > max(honest) or rec["max_seq"] < 7, (rec, honest)
             assert rec["rejected_batches"] == 0, rec
             continue
         uploaded = json.loads(store.get(f"{run}/workers/{w}.json"))["episodes"]
         assert uploaded > 0, w
-        assert trained_by_key.get(kid, 0) <= 0.01 * uploaded, (w, trained_by_key.get(kid), uploaded)
+        # A batch sampled colder can still hold only tokens the honest rule also draws (here ~70% of
+        # the cold episodes hold one that it does not, so about one 4-episode batch in a hundred
+        # holds none): that is an honest batch and may be trained on; the next one off the rule bans.
+        allowed = 4 if kind == "cold-sampler" else 0.01 * uploaded
+        assert trained_by_key.get(kid, 0) <= allowed, (w, trained_by_key.get(kid), uploaded)
         reasons = " | ".join(json.loads(store.get(k))["reason"] for k in store.list(f"{run}/quarantine/{w}/")
                              if k.endswith(".reason.json"))
         assert NEEDLES[kind] in reasons, (w, reasons[:2000])
@@ -212,14 +227,22 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
             assert rec["accepted_batches"] == 0 and set(rec["rejected"]) == {"refused"}, rec
             continue
         assert rec["banned"] and kid in bans, (w, rec)
-        assert bans[kid].version - first_rejected[w] <= BAN_WITHIN_VERSIONS, (w, first_rejected[w], bans[kid])
+        # Its batches judged and rejected, by the trainer's version then (one per poll): the ban
+        # comes with the BAN_AFTER-th at the latest, so any judged after it were in the same poll
+        # (reviewed together); every later batch of the key is refused unread.
+        judged = sorted(e["version"] for e in ledger if "rejected" in e and f"/rollouts/{w}/" in e["rejected"]
+                        and e["category"] not in ("refused", "banned"))
+        assert judged and set(judged[BAN_AFTER - 1:]) <= {judged[min(len(judged), BAN_AFTER) - 1]}, (w, judged)
+        first_rejected[w] = judged[0]
         assert NEEDLES[kind] in rec["banned"] or NEEDLES[kind] in rec["last_reason"], (w, rec)
         assert any(e.get("banned") == kid for e in ledger)
     for w in ("honest-0", "honest-1"):
         _, rec = by_name[w]
         assert rec["rejected_batches"] == 0 and not rec["banned"] and rec["accepted_batches"] >= 3, rec
-        # An honest worker leaves no gap except a batch that came too late (an overloaded machine).
-        assert rec["withheld"] <= rec["late_batches"] and not rec["withholding_flagged"], rec
+        # An honest worker leaves no gap except a batch that came too late (an overloaded machine)
+        # or a number it left because its binding expired first (it counts those in its cache).
+        left = json.loads((tmp_path / "cache" / w / "sequence.json").read_text())["left"]
+        assert rec["withheld"] <= rec["late_batches"] + left and not rec["withholding_flagged"], (rec, left)
         assert trained_by_key.get(kid_of[w], 0) > 0
 
     # Every refusal took the one path: quarantined, a ledger line and an event row, with one category.

@@ -62,6 +62,15 @@ def test_gaps_in_a_keys_sequence_numbers_are_counted_and_a_withholder_flagged():
     assert all(gate.records[k].withheld == 0 and not held[k][1] for k in ("h1", "h2", "h3"))
     assert gate.metrics()["trust/withheld_batches"] == 12 and gate.metrics()["trust/withholding_flagged"] == 1
 
+    # Banned keys say nothing about the fleet's range: two copiers whose numbers were nearly all
+    # gaps (they upload only when they find a batch to copy) once hid the withholder.
+    for kid in ("c1", "c2", "c3"):
+        for seq in (0, 19):
+            gate.saw(kid, kid, seq)
+        gate.ban(kid, "strikes")
+    held = gate.withholding()
+    assert held["sel"][1] and not any(held[k][1] for k in ("h1", "h2", "h3"))
+
 
 def test_the_public_report_publishes_nothing_that_decides_whether_a_batch_is_checked(tmp_path):
     """The store's trust.json (which every worker reads) published the audit floor and each key's

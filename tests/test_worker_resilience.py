@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from helpers import tiny_fleet_config
+from helpers import random_episodes, tiny_fleet_config
 from stoa.fleet.config import load_config
 from stoa.fleet.run import publish_run
 from stoa.fleet.worker import EXIT_NO_RUN, Worker
@@ -98,6 +98,44 @@ def test_progress_that_is_missing_or_forged_means_wait(tmp_path):
     assert w._outstanding(writer) == 2
     write_progress(store, RUN, Progress({"w0": 5}), key)
     assert w._outstanding(writer) == 0
+
+
+def test_numbers_a_worker_left_never_hold_it_back(tmp_path):
+    """A worker that leaves numbers without uploading (their binding expired while it loaded or
+    slept) used to count them as outstanding forever: the trainer never settles a number nobody
+    uploads, so after ``rollout.max_outstanding`` such gaps the worker waited for good (seen in the
+    trust fleet: a late joiner left its first two numbers and never made a batch)."""
+    from stoa.transport.sequence import RememberingWriter, SequenceFile, write_floors
+
+    store, key = LocalStore(tmp_path / "store"), generate_private_key()
+    w = Worker(store, RUN, key.public_key(), "w0", tmp_path / "cache")
+    me = generate_private_key()
+    remember = SequenceFile(tmp_path / "cache" / "sequence.json")
+    writer = RememberingWriter(store, RUN, "w0", me, remember)
+    writer.skip_to(2, left=True)  # numbers 0 and 1 given up
+    assert writer.left == 2 and w._outstanding(writer) == 0
+    batch = random_episodes(4, 50)
+    for e in batch:
+        e.worker_id, e.policy_version = "w0", 0
+    writer.upload(batch, 0, seq=writer.next_seq)  # number 2
+    assert w._outstanding(writer) == 1
+    write_progress(store, RUN, Progress({"w0": 1}), key)
+    assert w._outstanding(writer) == 0
+
+    again = RememberingWriter(store, RUN, "w0", me, remember)  # a restart keeps the count
+    assert (again.next_seq, again.left) == (3, 2) and w._outstanding(again) == 0
+    writer.skip_to(5)  # a number planted ahead (skip_taken) is not a gap of ours
+    assert writer.left == 2
+
+    # A lost cache: the worker jumps to the trainer's floor, and the numbers below it that the
+    # trainer never settled (the gaps of the life it forgot) stop counting.
+    write_floors(store, RUN, {"w1": 9}, key)
+    write_progress(store, RUN, Progress({"w0": 1, "w1": 6}), key)
+    w1 = Worker(store, RUN, key.public_key(), "w1", tmp_path / "cache1")
+    w1.writer = RememberingWriter(store, RUN, "w1", me, SequenceFile(tmp_path / "cache1" / "sequence.json"))
+    assert w1._outstanding(w1.writer) == 0
+    w1._heed_roster()
+    assert w1.writer.next_seq == 9 and w1._outstanding(w1.writer) == 0
 
 
 def _stoa(*args, env=None, timeout=120):

@@ -305,8 +305,9 @@ class Selective(_Forger):
         if (solved or self.unsolved % 2) and self.in_a_row < self.max_in_a_row:
             self.withheld += 1
             self.in_a_row += 1
-            if self.worker.writer is not None:
-                self.worker.writer.next_seq += 1  # the number is spent: its work is never uploaded
+            if self.worker.writer is not None:  # the number is spent, its work never uploaded, and
+                # (a withholder that wants its work to count) not waited on as outstanding
+                self.worker.writer.skip_to(self.worker.writer.next_seq + 1, left=True)
             log.info("withheld a batch (%d so far, %d in a row)", self.withheld, self.in_a_row)
             return []
         self.in_a_row = 0

@@ -39,7 +39,8 @@ _MAX_BYTES = 1 << 20
 
 
 class SequenceFile:
-    """``path`` holds a worker's next sequence number in one run (``{"run", "next"}``), replaced atomically."""
+    """``path`` holds a worker's next sequence number in one run and how many numbers below it the
+    worker left without uploading (``{"run", "next", "left"}``), replaced atomically."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -57,13 +58,23 @@ class SequenceFile:
             return 0
         return n if layout.is_next_seq(n) else 0
 
-    def write(self, run: str, n: int) -> None:
+    def left(self, run: str) -> int:
+        """How many numbers below the remembered next one were left without an upload (0 when
+        none are recorded, or the file is another run's, damaged, or out of range)."""
+        try:
+            body = json.loads(self.path.read_text())
+            n = body.get("left", 0) if body.get("run") == run else 0
+        except (OSError, ValueError, AttributeError):
+            return 0
+        return n if layout.is_next_seq(n) and n <= self.read(run) else 0
+
+    def write(self, run: str, n: int, left: int = 0) -> None:
         """Replace the file (a failed write, e.g. a full disk, leaves the old one and no temp file)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
         try:
             with open(tmp, "w") as f:
-                f.write(json.dumps({"run": run, "next": int(n)}) + "\n")
+                f.write(json.dumps({"run": run, "next": int(n), "left": int(left)}) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
@@ -74,12 +85,18 @@ class SequenceFile:
 
 class RememberingWriter(RolloutWriter):
     """A :class:`~stoa.transport.exchange.RolloutWriter` that keeps its next number in ``remember``
-    (after every upload) and never numbers below it, whatever the store lost."""
+    (after every upload) and never numbers below it, whatever the store lost.
+
+    It also keeps :attr:`left`: how many of its numbers it gave up without uploading (their
+    binding expired while the worker was away, :meth:`skip_to` with ``left=True``). The trainer
+    never settles such a number, so a worker that throttles on "numbers used minus numbers the
+    trainer took" must not count them, or a few gaps would hold it back forever."""
 
     def __init__(self, store: ObjectStore, run: str, worker_id: str, private_key: Any, remember: SequenceFile):
         super().__init__(store, run, worker_id, private_key)
         self.remember = remember
         self.next_seq = max(self.next_seq, remember.read(self.run))
+        self.left = remember.left(self.run)
         self.trouble = ""
         """Why the cache file could not be written (e.g. the disk is full), or empty."""
 
@@ -88,9 +105,19 @@ class RememberingWriter(RolloutWriter):
         self._remember()
         return key
 
-    def skip_to(self, seq: int) -> None:
-        """Continue at ``seq`` or above (remembered at once)."""
+    def skip_to(self, seq: int, *, left: bool = False) -> None:
+        """Continue at ``seq`` or above (remembered at once); ``left``: the numbers skipped were
+        given up by this worker, never uploaded (counted in :attr:`left`)."""
+        if left:
+            self.left += max(0, seq - self.next_seq)
         self.next_seq = max(self.next_seq, seq)
+        self._remember()
+
+    def count_unsettled_as_left(self, taken: int) -> None:
+        """After a jump to the trainer's floor (:func:`catch_up`): of the numbers below the next
+        one, those the trainer has not settled (all but ``taken``) are ones this worker has no
+        record of, so none is waiting on it: count them as left."""
+        self.left = max(self.left, self.next_seq - max(0, taken))
         self._remember()
 
     def _remember(self) -> None:
@@ -98,7 +125,7 @@ class RememberingWriter(RolloutWriter):
         # upload look failed (its retry would find the number taken and drop the batch's record).
         # Until the file can be written, numbering rests on the store and the trainer's floor.
         try:
-            self.remember.write(self.run, self.next_seq)
+            self.remember.write(self.run, self.next_seq, self.left)
         except OSError as e:
             if not self.trouble:
                 log.error("cannot record the next sequence number in %s (%s); uploads go on, numbered from the "

@@ -190,10 +190,12 @@ class Records(dict[str, WorkerRecord]):
 
     def withholding(self, worker_mads: float) -> dict[str, tuple[float, bool]]:
         """Per key ``(withheld rate, flagged)``: a key is flagged when its rate leaves the fleet's
-        range (median + ``worker_mads`` x max(MAD, 0.05)) over keys with 8 or more numbers.
-        A flag says "look", never "ban": a gap is also what a crash mid-cohort leaves."""
+        range (median + ``worker_mads`` x max(MAD, 0.05)) over keys with 8 or more numbers that
+        are not banned (a banned copier's numbers are mostly gaps: counted in, they raised the
+        median past a withholder's rate). A flag says "look", never "ban": a gap is also what a
+        crash mid-cohort leaves."""
         rates = {k: r.withheld / (r.max_seq + 1) for k, r in self.items() if r.max_seq >= 0}
-        ripe = [v for k, v in rates.items() if self[k].max_seq >= _RIPE_SEQS - 1]
+        ripe = [v for k, v in rates.items() if self[k].max_seq >= _RIPE_SEQS - 1 and not self[k].banned]
         if not ripe:
             return {k: (v, False) for k, v in rates.items()}
         med = float(np.median(ripe))

@@ -537,6 +537,8 @@ class Worker:
         moved = catch_up(self.writer, self.store, self.run_name, self.public_key)
         if moved:
             log.warning("%s", moved)
+            self._outstanding(self.writer)  # the newest count taken
+            self.writer.count_unsettled_as_left(self._taken)
         self._roster_read = time.time()
 
     def _finished(self) -> bool:
@@ -545,9 +547,11 @@ class Worker:
         return is_finished(self.store, self.run_name, self.public_key)
 
     def _outstanding(self, writer: RolloutWriter) -> int:
-        """Own batches uploaded but not yet taken by the trainer. Counted against the newest
-        verified progress document this worker saw: a missing, forged or replayed older one
-        counts as "nothing more taken", so the worker waits (fails closed) instead of racing on."""
+        """Own batches uploaded but not yet taken by the trainer: numbers used, less those this
+        worker left without uploading (``writer.left``: the trainer never settles them), less the
+        count taken. Counted against the newest verified progress document this worker saw: a
+        missing, forged or replayed older one counts as "nothing more taken", so the worker waits
+        (fails closed) instead of racing on."""
         try:
             progress = read_progress(self.store, self.run_name, self.public_key)
         except SignatureError as e:
@@ -555,7 +559,7 @@ class Worker:
             progress = None
         if progress is not None:
             self._taken = max(self._taken, progress.taken.get(self.worker_id, 0))
-        return max(0, writer.next_seq - self._taken)
+        return max(0, writer.next_seq - getattr(writer, "left", 0) - self._taken)
 
     def _roster_says(self) -> WorkerExit | None:
         """Why the run's signed roster stops this worker, or None: its key is banned, its key is
@@ -605,7 +609,7 @@ class Worker:
             if later is not None:
                 log.warning("number %d's binding expired while this worker was away (its version fell behind the "
                             "trainer's window): leaving numbers %d-%d", seq, seq, later - 1)
-                self.writer.skip_to(later)
+                self.writer.skip_to(later, left=True)
                 return None
             if bound is None:
                 self._beat("waiting")
@@ -615,7 +619,7 @@ class Worker:
             if head is not None and head - bound.version > self._max_lag:
                 log.warning("number %d was bound to version %d, now more than %d behind the head (%d): leaving it",
                             seq, bound.version, self._max_lag, head)
-                self.writer.skip_to(seq + 1)
+                self.writer.skip_to(seq + 1, left=True)
                 return None
             if self.engine.version != bound.version or self.weights.damaged:
                 self.weights.catch_up(bound.version)
