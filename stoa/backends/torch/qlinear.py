@@ -12,7 +12,9 @@ delta written into the state in place is what the next call computes with.
 The kernel is compiled once per machine with the system C compiler (``$CC``, else ``cc``/``gcc``;
 ``-O3 -march=native -fopenmp -ffp-contract=off``) into ``$STOA_KERNEL_CACHE`` (default ``~/.cache/stoa/kernels``),
 keyed by the sources' hash, the compiler and the CPU's flags, and loaded with ``ctypes``; the same
-library holds the decoder's decode attention (``kernels/attention.c``, :func:`library`).
+library (:func:`library`) holds the decoder's decode attention (``kernels/attention.c``), its whole
+decode step (``kernels/step.c``, :mod:`stoa.backends.torch.cstep`) and the host sampler
+(``kernels/sample.c``, :mod:`stoa.backends.torch.csample`).
 :func:`available` says whether it could be, and why not; the engine's ``auto`` mode falls back
 to float32 weights when it cannot.
 
@@ -141,8 +143,8 @@ def _load() -> ctypes.CDLL | None:
 
 
 def library() -> ctypes.CDLL | None:
-    """The built kernel library (the int8 matmul and ``stoa_attn_decode``, the decode attention of
-    ``kernels/attention.c``), or None where it cannot be built (:func:`available` says why)."""
+    """The built kernel library (the int8 matmul, ``stoa_attn_decode``, ``stoa_decode_layers`` and
+    ``stoa_sample``), or None where it cannot be built (:func:`available` says why)."""
     return _load()
 
 
