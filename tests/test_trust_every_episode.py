@@ -81,6 +81,10 @@ def test_honest_batches_pass_and_every_episode_is_checked(engine_and_groups, tmp
     assert m["trust/sampled_tokens_checked"] == sum(e.num_model_tokens for g in groups for e in g)
     assert m["trust/sampling_violations"] == 0 and m["trust/episode_check_s"] > 0
     assert 0.0 <= m["trust/claim_gap_max"] < AuditConfig().spot_check_tolerance  # an honest engine's numerics
+    # so the intake takes no group prints of a sealed batch (a repeated group is refused here unless
+    # it is the draws); an unsealed one, or with every_episode off, keeps them
+    assert gate.checks.draws_every_episode("h0") and not gate.checks.draws_every_episode("")
+    assert not _gate(engine, tmp_path, every_episode=False).checks.draws_every_episode("h0")
 
 
 def test_one_hand_written_episode_per_batch_with_honest_log_probs_is_banned(engine_and_groups, tmp_path):

@@ -50,6 +50,27 @@ def test_identical_samples_are_no_copy_and_groups_live_in_their_senders_namespac
     assert gate.max_groups(8) == 4 and gate.max_groups(1) == 1
 
 
+def test_groups_whose_draws_are_rederived_get_no_print():
+    """An honest batch of the addition example was refused as a duplicate of itself: the same item
+    drawn twice in one batch, and a converged policy answered it alike in both groups (7 samples of
+    one answer, 1 of another). Where every token is re-derived from the batch's assigned seed, a
+    repeated group is either the draws (honest) or refused by that check, so no print is taken."""
+    from dataclasses import replace
+
+    from stoa.fleet.intake.copies import Copies
+
+    mixed = episodes("w", group="g3", seed=7)  # two different samples: a mixed group
+    twice = mixed + [replace(e, group_id="g4") for e in mixed]
+    b = batch_of("k", "w", twice, 5)
+    b = replace(b, sha256="ab" * 32)
+    fresh, dups = Copies(16).sift([b])
+    assert not fresh and "repeats a group" in dups[0][1]  # without the draws check: a copy
+    fresh, dups = Copies(16).sift([b], drawn=lambda _: True)
+    assert fresh == [b] and not dups
+    gate = TrustGate(TrustConfig(), None, RUN, generate_private_key())
+    assert not gate.checks.draws_every_episode("k")  # no int8 re-score: the prints stand
+
+
 def test_gaps_in_a_keys_sequence_numbers_are_counted_and_a_withholder_flagged():
     gate = TrustGate(TrustConfig(), None, RUN, generate_private_key())
     for kid in ("h1", "h2", "h3"):

@@ -212,7 +212,7 @@ class Intake:
         for refused in self.reader.last_report.rejected:
             self.reject(refused)
         self.gate.planted(self.reader.last_report.rejected)
-        batches, copies = self.copies.sift(batches)
+        batches, copies = self.copies.sift(batches, drawn=lambda b: self.gate.checks.draws_every_episode(b.key_id))
         for batch, why in copies:
             self.reject(batch, why, "duplicate")
         self._write_progress(bool(batches))

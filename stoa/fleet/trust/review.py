@@ -133,6 +133,12 @@ class Review:
         self.float_scorer = float_scorer if cfg.enabled else None
         self.int8 = int8 if cfg.enabled else None
 
+    def draws_every_episode(self, key_id: str) -> bool:
+        """Whether a batch sealed by ``key_id`` gets every episode's tokens re-derived from its
+        assigned seed (:meth:`check` with assigned work): sealed, an int8 re-score, and
+        ``audit.every_episode``."""
+        return bool(key_id) and self.int8 is not None and self.cfg.every_episode
+
     def replay(self, b: Batch) -> Verdict | None:
         """Replay's verdict on ``b`` (None also when replay is off)."""
         return None if self.replayer is None else _guarded(self._replay, b)
