@@ -178,8 +178,8 @@ def draw(logits: torch.Tensor, seeds: np.ndarray, s: SamplingConfig, where: str,
     """Tokens and behaviour log-probs of ``logits [B, V]`` by the sampling rule, on the host
     (``where`` ``host``, or ``auto`` on a CPU) or on the logits' device. On the host, float32 CPU
     logits without top-k / top-p go to the C sampler (:mod:`stoa.backends.torch.csample`, on torch's
-    thread count) where the kernel library is built; the rest, and rows it declines (a NaN, no finite
-    logit), to ``host``, the numpy :class:`HostSampler`. Both draw the same tokens (barring two noised
+    thread count) where the kernel library is built; the rest, and a batch it declines (a row with a
+    NaN or no finite logit), to ``host``, the numpy :class:`HostSampler`. Both draw the same tokens (barring two noised
     scores within float32 rounding of each other)."""
     if where == "host" or (where == "auto" and logits.device.type == "cpu"):
         threads = torch.get_num_threads()
