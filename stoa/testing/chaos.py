@@ -13,7 +13,8 @@ struck or banned. Faults:
   ``worker_silent``; once awake it is logged ``worker_back``;
 * ``kill-trainer``: SIGKILL the trainer, restart it at once with ``--resume``;
 * ``disk-full``: fill the worker's cache file system (a size-capped tmpfs the harness mounted for
-  it; root only) for ``seconds``: its writes fail with ENOSPC, then the filler is removed;
+  it; root only) for ``seconds``, and in any case until the trainer has logged the worker's
+  ``worker_trouble`` (at most a minute): its writes fail with ENOSPC, then the filler is removed;
 * store faults (target ``store``, with :class:`ChaosRun` ``s3=`` only): for ``seconds`` every
   request of the trainer and the workers goes through :class:`~stoa.testing.storefaults.FaultProxy`
   at ``rate``: ``store-5xx`` (half ``500 InternalError``, half ``503 SlowDown``), ``store-timeout``
@@ -178,6 +179,7 @@ class ChaosRun:
             later.append((time.time() + f.seconds, "store-off", f"{f.kind}:{f.rate}"))
         elif f.kind == "disk-full":
             _fill(self._cache(f.target))
+            self._filled_since[f.target] = time.time()
             later.append((time.time() + f.seconds, "disk-free", f.target))
         elif f.kind in ("pause-worker", "sleep-worker"):
             p.send_signal(signal.SIGSTOP)
@@ -208,14 +210,23 @@ class ChaosRun:
             slow=on.get("store-slow", 0.0), multipart_stall=min(1.0, on.get("store-multipart-stall", 0.0)),
             hold_s=STORE_READ_TIMEOUT_S + 1.0, slow_s=1.0))
 
-    def _silent_seen(self, wid: str) -> bool:
-        """Whether the trainer has logged ``wid`` silent since it was put to sleep."""
+    def _seen(self, event: str, wid: str, since: float) -> bool:
+        """Whether the trainer has logged ``event`` for ``wid`` since ``since``."""
         from stoa.fleet.metrics import read_metrics
 
         path = self.run_dir / "metrics.jsonl"
-        since = self._asleep_since.get(wid, 0.0)
-        return path.exists() and any(r.get("event") == "worker_silent" and r.get("worker") == wid
+        return path.exists() and any(r.get("event") == event and r.get("worker") == wid
                                      and r.get("time", 0.0) >= since for r in read_metrics(path))
+
+    def _silent_seen(self, wid: str) -> bool:
+        """Whether the trainer has logged ``wid`` silent since it was put to sleep."""
+        return self._seen("worker_silent", wid, self._asleep_since.get(wid, 0.0))
+
+    def _trouble_seen(self, wid: str) -> bool:
+        """Whether the trainer has logged ``wid``'s trouble since its disk was filled, or a minute
+        has passed (a worker that wrote nothing meanwhile has nothing to report)."""
+        since = self._filled_since.get(wid, 0.0)
+        return time.time() - since > 60.0 or self._seen("worker_trouble", wid, since)
 
     def _later(self, what: str, arg: str) -> None:
         if what in ("cont", "wake"):
@@ -262,6 +273,7 @@ class ChaosRun:
         t0 = time.time()
         pending, later = sorted(self.faults, key=lambda f: f.after_step), []
         self._asleep_since: dict[str, float] = {}
+        self._filled_since: dict[str, float] = {}
         self._store_on, self._mounts, self._proxy = {}, [], None
         try:
             self._setup()
@@ -274,6 +286,9 @@ class ChaosRun:
                     later.remove(item)
                     if item[1] == "wake" and not self._silent_seen(item[2]):
                         later.append((now + 0.5, *item[1:]))  # asleep until the trainer has said so
+                        continue
+                    if item[1] == "disk-free" and not self._trouble_seen(item[2]):
+                        later.append((now + 0.5, *item[1:]))  # full until the trainer has said so
                         continue
                     self._later(item[1], item[2])
                 while pending and self.steps() >= pending[0].after_step:
