@@ -388,6 +388,8 @@ _TP_WORKER = textwrap.dedent("""
     assert (w == {}) == (rank == 1)
     if rank == 0:
         save_file({**{f"lp{i}": x for i, x in enumerate(lps)}, **{f"w/{k}": v for k, v in w.items()}}, out)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()  # gloo's threads joined before exit (else, rarely: "terminate called ...")
 """)
 
 
