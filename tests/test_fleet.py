@@ -248,9 +248,21 @@ def test_kill_trainer_mid_step_and_resume(fleet):
     assert res.version == sub.head() and state_hash(res.state) == sub.manifest(res.version).state_hash
 
 
-def test_sigterm_stops_the_trainer_after_a_step_and_resume_finishes_the_run(fleet):
+def test_sigterm_stops_the_trainer_after_a_step_and_resume_finishes_the_run(tmp_path):
     """SIGTERM: the current step completes, a checkpoint at the stopped version, exit 0, no finished
-    marker (the worker keeps waiting); --resume then trains exactly the remaining steps."""
+    marker (the worker keeps waiting); --resume then trains exactly the remaining steps. 30 steps:
+    with the C decode step a 6-step run could end before the signal landed."""
+    fleet = Fleet(tmp_path, write_config(tmp_path, steps=STEPS_SIGTERM))
+    try:
+        _sigterm_then_resume(fleet)
+    finally:
+        fleet.close()
+
+
+STEPS_SIGTERM = 30
+
+
+def _sigterm_then_resume(fleet) -> None:
     from stoa.transport.exchange import is_finished
     from stoa.transport.signing import load_public_key
 
@@ -260,7 +272,7 @@ def test_sigterm_stops_the_trainer_after_a_step_and_resume_finishes_the_run(flee
     trainer.send_signal(signal.SIGTERM)
     assert fleet.wait(trainer, 120) == 0, fleet.log("trainer.log")[-3000:]
     stopped = [r for r in fleet.rows("event") if r.get("event") == "stopped"]
-    assert len(stopped) == 1 and 2 <= stopped[0]["rl_step"] < 6, stopped
+    assert len(stopped) == 1 and 2 <= stopped[0]["rl_step"] < STEPS_SIGTERM, stopped
     assert (fleet.run_dir / "checkpoints" / f"v{stopped[0]['version']:012d}").is_dir()
     assert not is_finished(fleet.store, fleet.cfg.name, load_public_key(fleet.pub))
     assert worker.poll() is None  # a stopped run is not over
@@ -269,7 +281,7 @@ def test_sigterm_stops_the_trainer_after_a_step_and_resume_finishes_the_run(flee
     assert fleet.wait(worker, 60) == 0
     ledger = fleet.ledger()
     trained = trained_groups(ledger)
-    assert len([e for e in ledger if "trained" in e]) == 6 and len(trained) == len(set(trained))
+    assert len([e for e in ledger if "trained" in e]) == STEPS_SIGTERM and len(trained) == len(set(trained))
     assert is_finished(fleet.store, fleet.cfg.name, load_public_key(fleet.pub))
 
 
