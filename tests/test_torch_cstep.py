@@ -45,6 +45,7 @@ def decode(eng, kernel: bool, rows, prompt, steps):
     dec, spec = eng.decoder, eng.decoder.spec
     keep = dec.step_kernel
     dec.step_kernel = keep if kernel else None
+    served = keep.served
     try:
         n, m = prompt.shape
         cache = KVCache(spec.num_hidden_layers, 12, spec.num_key_value_heads, spec.head_dim, torch.float32,
@@ -56,6 +57,7 @@ def decode(eng, kernel: bool, rows, prompt, steps):
             ids = torch.randint(0, spec.vocab_size, (n, 1), generator=g)
             h = dec.forward(ids, torch.full((n,), m + t), m + t + 1, cache, rows)
             out.append(dec.logits(h[:, 0]))
+        assert keep.served - served == (steps if kernel else 0)  # a refused step falls back to torch unseen
         return torch.stack(out), torch.stack(cache.k), torch.stack(cache.v)
     finally:
         dec.step_kernel = keep
@@ -117,6 +119,7 @@ def test_pipeline_parts_run_it_and_chain_to_the_whole(family):
     for p, c in zip(parts, caches):
         x = p.forward(x, torch.full((3,), 9), 10, c)
     assert torch.equal(x, want)  # the same C arithmetic, split at a layer boundary
+    assert whole.decoder.step_kernel.served == 1 and all(p.step_kernel.served == 1 for p in parts)
 
 
 def test_gemma_and_unquantized_decoders_keep_the_torch_path(tmp_path):

@@ -85,9 +85,22 @@ def test_the_engines_decode_steps_draw_what_the_torch_path_draws(tmp_path):
     reqs = [RolloutRequest(i, f"g{i}", 3) for i in range(5)]
     fast = make_engine(tiny, "torch", config=EngineConfig(max_batch=8), device="cpu")
     plain = make_engine(tiny, "torch", state=fast.state, config=EngineConfig(max_batch=8), device="cpu")
-    assert fast.decoder._decode_attention is not None
+    for eng in (fast, plain):  # a bound quantized decoder's C decode step would take every decode step
+        eng.decoder.use_step_kernel = False
+        eng.decoder.bind(eng.state)
+        assert eng.decoder.step_kernel is None
+    attend, served = fast.decoder._decode_attention, []
+    assert attend is not None
+
+    def counted(*args):
+        rc = attend(*args)
+        served.append(rc == 0)
+        return rc
+
+    fast.decoder._decode_attention = counted
     plain.decoder._decode_attention = None  # the torch path
     a, b = fast.rollout(env, reqs, s), plain.rollout(env, reqs, s)
+    assert len(served) > 20 and all(served)  # fast's decode steps (two layers each) all took the C attention
     assert sum(np.array_equal(x.tokens(), y.tokens()) for x, y in zip(a, b)) >= len(a) - 1
     same = [(x, y) for x, y in zip(a, b) if np.array_equal(x.tokens(), y.tokens())]
     gap = max(float(np.abs(x.behavior_logprobs() - y.behavior_logprobs())[x.loss_mask()].max()) for x, y in same)

@@ -2,6 +2,7 @@
 on exactly the weights of record, reads the state's codes in place, and gives a row the same bits
 whatever its batch neighbours and thread count; the narrower (AVX2-width) build agrees too. Its
 integer path (AVX-512 VNNI; skipped elsewhere) is exact arithmetic on inputs rounded as documented,
+bit for bit the numpy reference of `test_torch_int_reference` (which runs on every CPU), and
 batch-invariant too."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ torch = pytest.importorskip("torch", reason="the kernel is the torch engine's")
 
 from stoa.backends.torch import qlinear  # noqa: E402
 from stoa.backends.torch.int8 import dequantize_torch  # noqa: E402
+from test_torch_int_reference import integer_matmul  # noqa: E402  the integer path in numpy, op for op
 
 ok, why = qlinear.available()
 pytestmark = pytest.mark.skipif(not ok, reason=f"int8 kernel unavailable: {why}")
@@ -170,7 +172,10 @@ def test_the_integer_path_is_exact_arithmetic_on_its_rounded_inputs(n, digits, b
     x[:, 7] *= 40  # an outlier channel: its group's other inputs are rounded more coarsely
     bias = rng.standard_normal(108).astype(np.float32)
     w = torch.cat([record(*m) for m in mats]).double().numpy()
-    got = q(torch.from_numpy(x), torch.from_numpy(bias)).double().numpy()
+    y = q(torch.from_numpy(x), torch.from_numpy(bias)).numpy()
+    # the integer math's own bits: at 24 bits the inputs' rounding (~1e-7) hides under any float32 tolerance
+    np.testing.assert_array_equal(y, integer_matmul(x, mats, digits, bias))
+    got = y.astype(np.float64)
     want = rounded_inputs(x, digits) @ w.T + bias
     assert np.abs(got - want).max() < 2e-6 * np.abs(want).max()  # only the float32 epilogue rounds
     exact = x.astype(np.float64) @ w.T + bias
@@ -195,4 +200,5 @@ def test_the_integer_path_reads_codes_in_place_and_handles_zero_and_non_finite_i
     for r in (0, 1):
         want = rounded_inputs(x[r:r + 1], digits) @ w.T
         assert np.abs(y[r] - want).max() < 2e-6 * np.abs(want).max()
+    np.testing.assert_array_equal(y[:2], integer_matmul(x[:2], [(codes, scales, biases)], digits))
     assert np.isnan(y[2]).all()

@@ -83,6 +83,7 @@ class DecodeStep:
                             _ptr(nm.get("q_norm")), _ptr(nm.get("k_norm")), ly.window or 0, ly.rope)
         self._layers, self._n = arr, len(layers)
         self._cache_ptrs: tuple | None = None
+        self.served = 0  # calls the kernel computed (a refused one falls back to the torch path unseen)
 
     def _caches(self, cache) -> tuple[object, object]:
         """Pointer arrays of ``cache``'s layers, made again when the cache or its capacity changes
@@ -116,4 +117,5 @@ class DecodeStep:
             raise MemoryError("the C decode step could not allocate its buffers")
         if rc != 0:
             raise MemoryError("an int8 projection of the C decode step failed part way (out of memory)")
+        self.served += 1
         return out.view(n, 1, h)
