@@ -318,10 +318,15 @@ static void quantize_rows(const float *x, int64_t n, int64_t K, int D, int8_t *x
         for (int64_t g = 0; g < G; g++) {
             const float *p = x + r * K + g * GROUP;
             __m512 m = _mm512_setzero_ps();
-            for (int j = 0; j < GROUP; j += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(p + j)));
+            __mmask16 nan = 0; /* max_ps drops a NaN operand: it is looked for on its own */
+            for (int j = 0; j < GROUP; j += 16) {
+                const __m512 v = _mm512_loadu_ps(p + j);
+                nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+                m = _mm512_max_ps(m, _mm512_abs_ps(v));
+            }
             const float mx = _mm512_reduce_max_ps(m);
             float s = 0.f, inv = 0.f;
-            if (!(mx <= 3.4028235e38f)) s = NAN;
+            if (nan || !(mx <= 3.4028235e38f)) s = NAN;
             else if (mx > 0.f) { s = mx / (float)Q; inv = (float)Q / mx; }
             __m512i qs = _mm512_setzero_si512();
             for (int j = 0; j < GROUP; j += 16) {
