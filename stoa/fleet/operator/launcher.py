@@ -272,8 +272,8 @@ def _plain_line(r: dict[str, Any], headline: list[str]) -> str | None:
     if r.get("kind") == "train" and (r["version"] % 5 == 0 or r["version"] == 1):
         extra = "".join(f" {m} {r[f'rollout/{m}']:.2f}" for m in headline if f"rollout/{m}" in r)
         return (f"{t} train v{r['version']} reward {r['reward/mean']:.3f}{extra}"
-                f" gate {r.get('gate/masked_frac', 0):.4f} lag {r['staleness/mean']:.2f}"
-                f" delta {r['pulse/bytes'] / 1e3:.1f}kB workers {r.get('fleet/workers_alive', 0)}")
+                f" signal {r.get('groups/signal_frac', 0):.2f} gate {r.get('gate/masked_frac', 0):.4f}"
+                f" lag {r['staleness/mean']:.2f} delta {r['pulse/bytes'] / 1e3:.1f}kB")
     if r.get("kind") == "event" and r.get("event") != "started":
         rest = " ".join(f"{clean(k)}={clean(f'{v:.4g}' if isinstance(v, float) else v, 300)}"
                         for k, v in sorted(r.items()) if k not in ("kind", "event", "time", "version"))
@@ -308,6 +308,11 @@ def _view(cfg: RunConfig, rows: list[dict[str, Any]], store: LocalStore, procs: 
         for m in headline:
             if f"eval/{m}" in e0 and f"eval/{m}" in e1:
                 table.add_row(f"eval {m}", f"{e0[f'eval/{m}']:.3f} -> {e1[f'eval/{m}']:.3f}")
+    if last:
+        flat = int(last.get("groups/flat_steps") or 0)
+        table.add_row("learning signal", Text(f"{last.get('groups/signal_frac', 0):.0%} of groups' rewards differ"
+                                              + (f"; none for {flat} steps in a row" if flat else ""),
+                                              style="red" if flat >= max(1, cfg.trainer.warn_flat_steps) else ""))
     table.add_row("gate masked fraction", f"{last.get('gate/masked_frac', 0):.4f}")
     hist: dict[int, int] = {}
     for r in train:

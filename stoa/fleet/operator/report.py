@@ -112,6 +112,10 @@ def summarize(rows: list[dict[str, Any]], wall_s: float, workers: int) -> dict[s
         vals = [r[key] for r in train if r.get(key) is not None]
         return float(np.mean(vals)) if vals else None
 
+    flat = longest = 0
+    for r in train:  # the longest stretch of steps in which no group's rewards differed
+        flat = flat + 1 if r.get("groups/signal_frac") == 0 else 0
+        longest = max(longest, flat)
     return {
         "wall_seconds": round(wall_s, 1),
         "workers": workers,
@@ -122,6 +126,10 @@ def summarize(rows: list[dict[str, Any]], wall_s: float, workers: int) -> dict[s
         "staleness_histogram": dict(sorted(lag.items(), key=lambda kv: int(kv[0]))),
         "episodes_stale_ge_1": sum(v for k, v in lag.items() if int(k) >= 1),
         "gate_masked_frac_mean": mean("gate/masked_frac"),
+        "signal_frac_mean": mean("groups/signal_frac"),
+        "train_steps": len(train),
+        "no_signal_steps": sum(r.get("groups/signal_frac") == 0 for r in train),
+        "longest_no_signal_steps": longest,
         "delta_bytes_mean": float(np.mean(deltas)) if deltas else None,
         "full_bytes": float(np.mean(full)) if full else None,
         "dropped_stale_groups": train[-1].get("dropped/stale_groups") if train else 0,
@@ -154,6 +162,7 @@ def _summary_md(cfg: RunConfig, s: dict[str, Any]) -> str:
         return f"| {name} | {_fmt(a, True)} | {_fmt(b, True)} | {'-' if d is None else f'{d:+.1f} points'} |"
 
     gate = "-" if s["gate_masked_frac_mean"] is None else f"{100 * s['gate_masked_frac_mean']:.3f}%"
+    signal = "-" if s.get("signal_frac_mean") is None else f"{100 * s['signal_frac_mean']:.1f}%"
     lines = [
         f"# {cfg.name}: summary",
         "",
@@ -169,10 +178,19 @@ def _summary_md(cfg: RunConfig, s: dict[str, Any]) -> str:
         + (f"; trainer peak memory {s['trainer_peak_rss_gib']:.1f} GiB" if s.get("trainer_peak_rss_gib") else ""),
         f"- staleness of trained episodes (versions behind: count): {s['staleness_histogram']}; "
         f"{s['episodes_stale_ge_1']} episodes at staleness >= 1; {s['dropped_stale_groups']} stale groups dropped",
+        f"- learning signal: {signal} of a step's groups had rewards that differ (mean over steps); "
+        f"{s.get('no_signal_steps', 0)} steps had none",
         f"- DPPO gate masked fraction (mean over steps): {gate} of model tokens",
         f"- PULSE: mean delta {_fmt(s['delta_bytes_mean'])} bytes vs full int8 state {_fmt(s['full_bytes'])} bytes"
         + (f" ({100 * s['delta_bytes_mean'] / s['full_bytes']:.1f}%)" if s["delta_bytes_mean"] and s["full_bytes"] else ""),
     ]
+    if s.get("no_signal_steps") and s["no_signal_steps"] == s.get("train_steps"):
+        lines[2:2] = ["**No learning signal**: in every step every group's episodes got the same reward, so every "
+                      "advantage was 0 and the weights did not move. RL cannot reinforce what the policy never "
+                      "samples: look at the version-0 evaluation and the warm start.", ""]
+    elif cfg.trainer.warn_flat_steps and s.get("longest_no_signal_steps", 0) >= cfg.trainer.warn_flat_steps:
+        lines[2:2] = [f"**Warning**: {s['longest_no_signal_steps']} steps in a row had no group whose rewards "
+                      "differ (nothing was learned in them).", ""]
     if s.get("plots"):
         lines.append(f"- plots: {', '.join(s['plots'])}")
     tr = s.get("trust")

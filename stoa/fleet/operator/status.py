@@ -59,6 +59,17 @@ def _eval_row(body: Any) -> dict[str, Any] | None:
     return {"version": body["version"], **metrics}
 
 
+def _learning(meta: Any) -> dict[str, Any] | None:
+    """The learning figures a version's signed metadata carries (the trainer's last step), checked."""
+    if not isinstance(meta, dict):
+        return None
+    frac, flat, reward = meta.get("signal_frac"), meta.get("flat_steps"), meta.get("reward")
+    if (isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac <= 1
+            or _version(flat) is None or isinstance(reward, bool) or not isinstance(reward, (int, float))):
+        return None
+    return {"signal_frac": float(frac), "flat_steps": flat, "reward": float(reward)}
+
+
 class RunNotFound(ExpectedFailure, LookupError):
     """The store holds no such run (the message names the runs it does hold, where it can list them)."""
 
@@ -101,17 +112,25 @@ def fleet_status(store: ObjectStore, run: str, public_key: Any = None) -> dict[s
     ``head``, ``verified``, ``unverified`` (what was read without verifying it, with why),
     ``workers`` (each heartbeat with ``age_s``, ``lag`` and its ``trust`` record, matched by
     worker id, or None), ``bad_heartbeats``, ``trust`` (the trainer's whole report or None),
-    ``rollouts_waiting``, ``quarantined``, ``finished``, ``evals`` (last five).
+    ``rollouts_waiting``, ``quarantined``, ``finished``, ``evals`` (last five), ``learning`` (with the
+    key: the head version's share of groups whose rewards differed, steps in a row with none, and
+    mean reward, from its signed metadata; else None).
 
     Raises:
         RunNotFound: the store has no config and no heartbeats for ``run``.
     """
     _check_run(store, run)
-    head, verified = None, False
+    head, verified, learning = None, False, None
     if public_key is not None:
         from stoa.transport.chain import WeightSubscriber
 
-        head, verified = WeightSubscriber(store, run, public_key).head(), True
+        sub = WeightSubscriber(store, run, public_key)
+        head, verified = sub.head(), True
+        if head is not None:
+            try:
+                learning = _learning(sub.manifest(head).metadata.get("learning"))
+            except Exception:  # a display extra: a manifest that cannot be read leaves it out
+                learning = None
     else:
         try:  # display only: the pointer's signed body, read without checking the signature
             head = _version(json.loads(json.loads(store.get(layout.pointer(run), max_bytes=64 << 10))["body"])["version"])
@@ -156,7 +175,7 @@ def fleet_status(store: ObjectStore, run: str, public_key: Any = None) -> dict[s
         "workers": workers, "bad_heartbeats": bad, "trust": trust,
         "rollouts_waiting": len(store.list(layout.rollouts(run))),
         "quarantined": len([k for k in store.list(layout.quarantine(run)) if k.endswith(".reason.json")]),
-        "finished": finished, "evals": evals,
+        "finished": finished, "evals": evals, "learning": learning,
     })
 
 
@@ -207,6 +226,14 @@ def render(s: dict[str, Any]) -> list[Any]:
     out.append(Text(f"{clean(s['rollouts_waiting'])} rollout batches waiting, {clean(s['quarantined'])} quarantined"))
     if not s["verified"]:
         out.append(Text(f"{', '.join(map(clean, s.get('unverified') or ['the head']))}: {UNVERIFIED}", style="yellow"))
+    if lr := s.get("learning"):
+        if lr["flat_steps"]:
+            out.append(Text(f"no learning signal for {lr['flat_steps']} steps in a row: in every group all episodes "
+                            f"got the same reward (last mean {lr['reward']:.3f}), so the weights did not move",
+                            style="red"))
+        else:
+            out.append(Text(f"learning signal: {lr['signal_frac']:.0%} of the last step's groups had rewards "
+                            f"that differ (mean reward {lr['reward']:.3f})"))
     t = table("worker", "state", "ver", "lag", "seen", "ep/s", "tok/s", "episodes")
     for w in s["workers"]:
         t.add_row(Text(clean(w["worker_id"])), Text(clean(w["status"])), Text(num(w["version"])), Text(num(w["lag"])),

@@ -63,6 +63,9 @@ class TrainerConfig:
     """A worker whose heartbeat is older than this is *silent* (event ``worker_silent``, metric
     ``fleet/workers_silent``). A working worker beats at least every few seconds; a sleeping
     laptop or a dead link goes quiet. Only shown: nothing is dropped or struck for silence."""
+    warn_flat_steps: int = 3
+    """Warn (log and event ``no_learning_signal``) when this many steps in a row had no group whose
+    rewards differ: every advantage was then 0 and the weights did not move (0 = never warn)."""
     mismatch_every: int = 0
     """Every this many steps, split the behaviour/trainer mismatch into its int8 and staleness parts
     (``stoa.fleet.trainer.mismatch``: one extra int8 prefill and one float scoring pass); 0 = never."""
@@ -75,6 +78,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         check(self.steps >= 0 and self.groups_per_step >= 1, "trainer.steps >= 0 and groups_per_step >= 1")
         check(self.mismatch_every >= 0, "trainer.mismatch_every must be >= 0")
+        check(self.warn_flat_steps >= 0, "trainer.warn_flat_steps must be >= 0")
         check(self.max_lag >= 0, "trainer.max_lag must be >= 0")
         check(self.silent_after_s > 0, "trainer.silent_after_s must be > 0")
         check(self.average_over in ("step", "signal"), "trainer.average_over must be 'step' or 'signal'")
@@ -129,6 +133,15 @@ class WarmstartConfig:
     """Learning rate of the warm start (AdamW, its own optimizer state)."""
     check_every: int = 0
     """Report p(last turn) of held-out practice-style demonstrations every this many steps (0 = at the end)."""
+    habit_band: tuple[float, float] | None = None
+    """``[lo, hi]``: where the habit must leave the policy's propensity to open an episode as
+    ``practice_style`` does (for the search tasks: to search first), measured exactly from the
+    learner's probabilities on held-out prompts after the habit steps. Up to ``band_steps`` more
+    habit steps, their mix shifted toward or away from the style, bring it inside. The habit's end
+    point otherwise varies from seed to seed (a short phase at full learning rate), and a policy
+    that never opens that way gives RL nothing to reinforce. None: no calibration."""
+    band_steps: int = 8
+    """At most this many extra habit steps to reach ``habit_band``."""
     threads: int = 0
     """torch CPU threads during the warm start (workers are idle then); 0 = the trainer's setting."""
 
@@ -141,6 +154,9 @@ class WarmstartConfig:
                                       and math.isfinite(v) and v >= 0 for k, v in self.mix.items())
                and sum(self.mix.values()) > 0, "warmstart.mix must map style names to weights >= 0 (sum > 0)")
         check(math.isfinite(self.lr) and self.lr > 0 and self.check_every >= 0, "warmstart.lr > 0 and check_every >= 0")
+        check(self.habit_band is None or (len(self.habit_band) == 2 and 0 <= self.habit_band[0] < self.habit_band[1] <= 1),
+              "warmstart.habit_band must be [lo, hi] with 0 <= lo < hi <= 1")
+        check(self.band_steps >= 0, "warmstart.band_steps must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -146,6 +146,8 @@ class _Counters:
     episodes_trained: int = 0
     groups_trained: int = 0
     zero_variance_groups: int = 0
+    flat_steps: int = 0  # steps in a row (up to the last) without a group whose rewards differ
+    no_signal_steps: int = 0
     failed_steps: int = 0
     staleness: dict[str, int] = field(default_factory=dict)
 
@@ -366,8 +368,11 @@ class Trainer:
         self.intake.settle(taken)
         self._count(taken, rollout.pop("groups/zero_variance"))
         self.rl_step += 1
+        self._watch_signal(rollout)
         self.version += 1
-        pub = self._publish()
+        # what `stoa status` shows of learning, signed with the version (the manifest's metadata)
+        pub = self._publish(learning={"signal_frac": rollout["groups/signal_frac"],
+                                      "flat_steps": self.counters.flat_steps, "reward": rollout["reward/mean"]})
         self.ledger.write(trained=[g[0].group_id for g in taken.groups],
                           policy_versions=sorted({e.policy_version for e in taken.episodes}))
         fleet = self._watch_fleet()
@@ -419,6 +424,7 @@ class Trainer:
             "rollout/model_tokens": float(np.mean([e.num_model_tokens for e in episodes])),
             "staleness/mean": float(np.mean(lags)), "staleness/max": float(max(lags)),
             "groups/zero_variance_frac": float(stats["frac_zero_variance_groups"]),
+            "groups/signal_frac": 1.0 - float(stats["frac_zero_variance_groups"]),
             "groups/zero_variance": int(stats["num_zero_variance_groups"]),
         }
         for lag, n in Counter(lags).items():
@@ -437,6 +443,28 @@ class Trainer:
             scale = share if tc.average_over == "step" else 1.0
             learn = self.learner.train_step(sel, adv[keep] * np.float32(scale), objective=self.cfg.objective)
         return rollout, learn
+
+    def _watch_signal(self, rollout: dict[str, Any]) -> None:
+        """Count steps in a row whose every group had equal rewards, and say so in plain words after
+        ``trainer.warn_flat_steps`` of them (and at each doubling): such a run learns nothing."""
+        c, every = self.counters, self.cfg.trainer.warn_flat_steps
+        if rollout["groups/signal_frac"] > 0:
+            if every and c.flat_steps >= every:
+                self._log("event", event="learning_signal_back", after_steps=c.flat_steps)
+            c.flat_steps = 0
+            return
+        c.flat_steps += 1
+        c.no_signal_steps += 1
+        rollout["groups/flat_steps"] = c.flat_steps
+        n = c.flat_steps
+        if not every or n < every or (n // every) & (n // every - 1) or n % every:
+            return
+        self._log("event", event="no_learning_signal", steps=n, reward=rollout["reward/mean"])
+        log.warning("no learning signal for %d steps in a row: in every group all episodes got the same reward "
+                    "(mean %.3f), so every advantage was 0 and the weights did not move. RL cannot reinforce "
+                    "what the policy never samples: check the version-0 evaluation (does it ever succeed, or "
+                    "ever use the behaviour RL should find?), the warm start, rollout.temperature and "
+                    "rollout.group_size.", n, rollout["reward/mean"])
 
     def _count(self, taken: Taken, zero_variance_groups: int) -> None:
         for lag, n in Counter(self.version - e.policy_version for e in taken.episodes).items():

@@ -29,7 +29,7 @@ from stoa.backends import prompting
 from stoa.fleet.config import RunConfig
 from stoa.types import Episode, Segment
 
-__all__ = ["Demonstrations", "answer_only", "final_turn_probability", "warm_start"]
+__all__ = ["Demonstrations", "answer_only", "final_turn_probability", "opening_probability", "warm_start"]
 
 log = logging.getLogger("stoa.trainer")
 
@@ -127,6 +127,46 @@ def final_turn_probability(logprobs: Sequence[np.ndarray], episodes: Sequence[Ep
     return float(np.mean(probs)) if probs else 0.0
 
 
+def opening_probability(learner: Any, demos: Demonstrations, style: str, others: Sequence[str],
+                        indices: Sequence[int], rng: np.random.Generator) -> float:
+    """Mean probability, over the prompts of items ``indices``, that the policy opens its first
+    turn as ``style``'s demonstration does, up to the first token where it parts from every other
+    style's first turn (for the search tasks: ``<search`` rather than ``<answer``). Computed
+    exactly from the learner's log-probs at temperature 1; a policy that reaches the same text by
+    another tokenization is not counted, so it is a lower bound of the sampled share."""
+    episodes = []
+    for i in indices:
+        turns = {s: demos.env.unwrapped.demonstration_turns(int(i), s, rng) for s in (style, *others)}
+        if not turns[style]:
+            continue
+        ids = demos.tok.encode(turns[style][0], add_special_tokens=False)
+        k = 1
+        for o in others:
+            other = demos.tok.encode(turns[o][0], add_special_tokens=False) if turns[o] else []
+            same = next((j for j, (a, b) in enumerate(zip(ids, other)) if a != b), min(len(ids), len(other)))
+            k = max(k, same + 1)
+        prompt, info = demos.env.reset(options={"index": int(i)})
+        prompt_ids = prompting.prompt_tokens(demos.tok, prompt, demos.prompt_format)
+        opening = np.asarray(ids[: min(k, len(ids))])
+        episodes.append(Episode(np.asarray(prompt_ids), [Segment("model", opening, np.zeros(len(opening), np.float32))],
+                                0.0, {}, env_id=demos.env_id, group_id=f"open-{info['question_id']}",
+                                worker_id="warmstart"))
+    if not episodes:
+        raise ValueError(f"no held-out item has a {style!r} demonstration to measure the habit against")
+    return final_turn_probability(learner.logprobs(episodes), episodes)
+
+
+def _toward(mix: Mapping[str, float], style: str, p: float, band: Sequence[float]) -> dict[str, float]:
+    """The habit's mix with ``style``'s share moved so that training pulls its propensity ``p``
+    into ``band``: the band's middle mirrored about ``p`` (above the band: less of it; below: more)."""
+    share = float(np.clip(band[0] + band[1] - p, 0.0, 1.0))
+    rest = {k: v for k, v in mix.items() if k != style}
+    total = sum(rest.values())
+    if not rest or total <= 0:
+        return {style: 1.0}
+    return {style: share, **{k: (1.0 - share) * v / total for k, v in rest.items()}}
+
+
 def warm_start(cfg: RunConfig, learner: Any, model_dir: Path, make_env: Callable[..., Any],
                reset_optimizer: Callable[..., None], log_row: Callable[..., Any]) -> None:
     """Practice in sibling tasks, then this task's habit (``[warmstart]``, ``WarmstartConfig``).
@@ -155,26 +195,44 @@ def warm_start(cfg: RunConfig, learner: Any, model_dir: Path, make_env: Callable
                 raise ValueError(f"warmstart: {env_cfg.id} has no sibling tasks (practice_kwargs); "
                                  "set warmstart.practice_steps = 0 and practice_answer_only = 0")
             worlds.append(Demonstrations(lambda over=over: make_env(env_cfg.train_split, **over), tok, env_cfg.id, fmt))
+    band, style = ws.habit_band, ws.practice_style
+    if band is not None and (style not in ws.mix or len(ws.mix) < 2):
+        raise ValueError(f"warmstart.habit_band calibrates the share of {style!r} (practice_style) in the habit: "
+                         f"mix must weigh it against at least one other style, got {dict(ws.mix)}")
+    probe = np.random.default_rng([cfg.seed, 29])  # its own stream: without a band the warm start is unchanged
+    opening = [int(i) for i in probe.permutation(len(held))[:64]]  # held-out prompts the band is measured on
     t0 = last_report = time.time()
     losses: list[float] = []
     total = ws.practice_steps + ws.steps
-    for s in range(1, total + 1):
+    mix, s, extra, p_open = dict(ws.mix), 0, 0, None
+    while s < total:
+        s += 1
         if s <= ws.practice_steps:
             phase = "practice"
             batch = [worlds[w].sample(ws.practice_style, rng) for w in rng.integers(len(worlds), size=ws.batch_size)]
         else:
-            phase = "habit"
-            batch = demos.batch(ws.batch_size, ws.mix, rng)
+            phase = "habit" if s <= ws.practice_steps + ws.steps else "band"
+            batch = demos.batch(ws.batch_size, mix, rng)
             batch += [answer_only(worlds[w].sample(ws.practice_style, rng))
                       for w in rng.integers(len(worlds), size=ws.practice_answer_only)] if worlds else []
         losses.append(learner.sft_step(batch)["loss"])
         row = {"step": s, "of": total, "phase": phase, "loss": float(np.mean(losses)), "seconds": time.time() - t0}
+        if band is not None and s >= ws.practice_steps + ws.steps and ws.steps:
+            p_open = opening_probability(learner, held, style, [o for o in ws.mix if o != style], opening, probe)
+            row["warmstart/p_open"] = p_open
+            if not band[0] <= p_open <= band[1] and extra < ws.band_steps:
+                mix, extra, total = _toward(ws.mix, style, p_open, band), extra + 1, total + 1
+                row["of"] = total
         if (ws.check_every and s % ws.check_every == 0) or s in (ws.practice_steps, total):
             p = final_turn_probability(learner.logprobs(check), check)
             log_row(**row, **{"warmstart/p_final_turn": p})
-            log.info("warm start %d/%d (%s): loss %.3f, p(final turn) of held-out %s demonstrations %.2f",
-                     s, total, phase, row["loss"], ws.practice_style, p)
+            log.info("warm start %d/%d (%s): loss %.3f, p(final turn) of held-out %s demonstrations %.2f%s",
+                     s, total, phase, row["loss"], ws.practice_style, p,
+                     "" if p_open is None else f", p(opening as {style}) {p_open:.3f}")
             losses, last_report = [], time.time()
-        elif time.time() - last_report >= 10:  # a heartbeat for non-TTY watchers; no held-out check
+        elif time.time() - last_report >= 10 or "warmstart/p_open" in row:  # a heartbeat for non-TTY watchers
             log_row(**row)
             last_report = time.time()
+    if band is not None and p_open is not None and not band[0] <= p_open <= band[1]:
+        log.warning("warm start: p(opening as %s) %.3f is outside warmstart.habit_band [%g, %g] after %d extra "
+                    "habit steps (warmstart.band_steps)", style, p_open, band[0], band[1], extra)
