@@ -9,6 +9,10 @@ Built-in ids (registered when ``stoa.envs`` is imported):
 - ``stoa/SyntheticSearchHard-v0``: a harder synthetic corpus: paraphrased questions, distractors about
   similarly named entities, two-hop questions (:class:`stoa.envs.synthetic_hard.SyntheticSearchHardEnv`).
 
+Families of ids made on demand (:data:`ID_PREFIXES`): ``reasoning_gym:<dataset>`` makes any
+`reasoning-gym <https://github.com/open-thought/reasoning-gym>`_ dataset a task
+(:class:`stoa.envs.rgym.ReasoningGymEnv`; ``pip install 'stoa[reasoning-gym]'``).
+
 A new task is a :class:`TextEnv` subclass registered with one call, from any package::
 
     stoa.envs.register("mylab/Arithmetic-v0", entry_point="mylab.envs:ArithmeticEnv")
@@ -23,32 +27,20 @@ See ``docs/environments.md`` and ``examples/custom_env.py``.
 
 from __future__ import annotations
 
-from typing import Any
-
 import gymnasium
 
 from stoa.envs.base import TextEnv, TextSpace
 from stoa.envs.check import EnvCheckError, check_env
+from stoa.envs.registry import ID_PREFIXES, IdFamily, family, make, provider, register, resolve
 
-__all__ = ["TextEnv", "TextSpace", "make", "register", "check_env", "EnvCheckError", "BUILTIN_IDS"]
+__all__ = ["TextEnv", "TextSpace", "make", "register", "resolve", "provider", "family", "check_env", "EnvCheckError",
+           "BUILTIN_IDS", "ID_PREFIXES", "IdFamily"]
 
 BUILTIN_IDS = {
     "stoa/PaperSearchQA-v0": "stoa.envs.papersearch:PaperSearchQAEnv",
     "stoa/SyntheticSearch-v0": "stoa.envs.synthetic:SyntheticSearchEnv",
     "stoa/SyntheticSearchHard-v0": "stoa.envs.synthetic_hard:SyntheticSearchHardEnv",
 }
-
-
-def register(id: str, entry_point: Any, **kwargs: Any) -> None:
-    """``gymnasium.register(id=id, entry_point=entry_point, **kwargs)``; ``entry_point`` is a class,
-    a factory, or a ``"module:attr"`` string. Re-registering an id replaces it."""
-    gymnasium.register(id=id, entry_point=entry_point, **kwargs)
-
-
-def make(id: str, **kwargs: Any) -> gymnasium.Env:
-    """``gymnasium.make(id, **kwargs)``; reach the environment itself with ``env.unwrapped``."""
-    return gymnasium.make(id, **kwargs)
-
 
 for _id, _entry in BUILTIN_IDS.items():
     if _id not in gymnasium.registry:

@@ -125,7 +125,7 @@ def _raises(fn: Any, exc: type[BaseException] | tuple[type[BaseException], ...])
 
 
 def check_env(env_or_id: gymnasium.Env | str, *, seed: int = 0, gymnasium_checks: bool = True, **kwargs: Any) -> None:
-    """Verify an environment (or ``make(id, **kwargs)``) against the text-environment contract.
+    """Verify an environment (or ``stoa.envs.make(id, **kwargs)``) against the text-environment contract.
 
     Checks: gymnasium's own ``check_env`` on the unwrapped env; ``stop_strings`` and ``len``;
     reset return types and the info keys the trainer needs (``question_id``, ``gold_answers``,
@@ -143,7 +143,12 @@ def check_env(env_or_id: gymnasium.Env | str, *, seed: int = 0, gymnasium_checks
     """
     if kwargs and not isinstance(env_or_id, str):
         raise TypeError("keyword arguments are only used with an environment id")
-    env = gymnasium.make(env_or_id, **kwargs) if isinstance(env_or_id, str) else env_or_id
+    if isinstance(env_or_id, str):
+        from stoa.envs.registry import make
+
+        env = make(env_or_id, **kwargs)
+    else:
+        env = env_or_id
     u = env.unwrapped
     name = getattr(env.spec, "id", None) or type(u).__name__
 

@@ -280,9 +280,13 @@ def check_runnable(cfg: RunConfig) -> str:
     import_env_module(cfg.env)
     import gymnasium
 
-    import stoa.envs  # noqa: F401 - registers the built-in ids
+    import stoa.envs  # registers the built-in ids
 
-    if cfg.env.id not in gymnasium.registry:
+    try:
+        registered = stoa.envs.resolve(cfg.env.id)
+    except ValueError as e:
+        raise ConfigError(f"env.id: {e}") from None
+    if not registered:
         known = sorted(k for k, spec in gymnasium.registry.items()  # gymnasium's own ids are no text envs
                        if "/" in k and not str(spec.entry_point).startswith("gymnasium."))
         close = difflib.get_close_matches(cfg.env.id, known, 1)
@@ -365,11 +369,11 @@ def _beside(spec: Any, base: Path) -> Any:
 
 
 def _record_package(env: dict[str, Any]) -> None:
-    """Fill ``env.package`` from the installed package that declares ``env.id`` (or check it)."""
-    from stoa.plugins import installed_env
+    """Fill ``env.package`` from the installed package that provides ``env.id`` (or check it)."""
+    from stoa.envs import provider
 
     env_id = env.get("id", EnvConfig.id)
-    found = installed_env(env_id) if isinstance(env_id, str) else None
+    found = provider(env_id) if isinstance(env_id, str) else None
     if found is None or env.get("module"):
         return
     if not env.get("package"):

@@ -48,10 +48,11 @@ def import_env_module(env: EnvConfig) -> None:
     Raises:
         ConfigError: the package is missing or another version, or the module is not there.
     """
-    from stoa.plugins import import_module_or_file, installed_env
+    from stoa.envs import provider
+    from stoa.plugins import import_module_or_file
 
     if env.package:
-        found = installed_env(env.id)
+        found = provider(env.id)
         if found is None or found.requirement != env.package:
             have = f"this machine has {found.requirement}" if found else "it is not installed here"
             raise ConfigError(f"env {env.id!r} of this run comes from the package {env.package}, {have}: "
