@@ -1,9 +1,9 @@
 """OpenBLAS for MLX on Linux: its wheel bundles the slow netlib reference BLAS.
 
 :func:`load_openblas` opens the system OpenBLAS with ``RTLD_GLOBAL`` before ``mlx`` is imported,
-so MLX's BLAS calls bind to it (measured here: ~45x faster float32 matmul). Unlike ``LD_PRELOAD``
-this leaves torch's own MKL alone when torch was imported first (preloading OpenBLAS under
-torch made a training step ~2.4x slower here). ``stoa.backends.mlx`` calls it on import; set
+so MLX's BLAS calls bind to it. Unlike ``LD_PRELOAD`` this leaves torch's own MKL alone when
+torch was imported first (measured speeds: docs/rollout.md, "OpenBLAS for MLX on Linux").
+``stoa.backends.mlx`` calls it on import; set
 ``STOA_NO_OPENBLAS=1`` to opt out. OpenBLAS reads ``OPENBLAS_NUM_THREADS`` when it loads.
 """
 

@@ -5,15 +5,12 @@ torch runs ~35 small ops per decoder layer, each a parallel region, so a decode 
 thousand barriers. What idle threads do there decides a CPU engine's speed:
 
 * **spin, then sleep** (:func:`dedicated`, the default for a process alone on its cores:
-  ``GOMP_SPINCOUNT=2000``, tens of microseconds): the next op finds its threads awake. Measured on
-  a 2-core machine, the int8 engine at batch 16 / 64: 366-418 / 514-560 tokens/s, against
-  267-285 / 387-420 when threads sleep at once.
+  ``GOMP_SPINCOUNT=2000``, tens of microseconds): the next op finds its threads awake.
 * **sleep at once** (:func:`shared_env`, ``OMP_WAIT_POLICY=PASSIVE``, for processes that share
   the machine's cores with each other, as the local launcher's trainer and workers do): every op
-  pays a wake-up, but a spinning thread never burns the time slice another process needs. Same
-  machine with one busy process beside the engine: 222-233 / 281-298 tokens/s sleeping, 150-160 /
-  214-222 spinning 2000, 121-122 / 176-177 with libgomp's own default (300,000 spins), 57-62 /
-  80-82 spinning 20,000 (the table in docs/rollout.md, "Threads").
+  pays a wake-up, but a spinning thread never burns the time slice another process needs.
+
+Measured speeds of each policy, alone and beside a busy process: docs/rollout.md, "Threads".
 
 Whatever the user set (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``) is kept. Other OpenMP runtimes
 (Intel's, LLVM's) read their own variables (``KMP_BLOCKTIME``) and are left alone.

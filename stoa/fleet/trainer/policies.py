@@ -89,10 +89,9 @@ class HeldPolicies:
 
     def _auto(self, device: str) -> str:
         """Torch on a CUDA learner. On a CPU learner: the engine when it is torch's with the int8
-        kernel (it computes on the int8 codes, keeps no float copy, and checked the real model's
-        episodes 2.3x faster than the torch scorer, docs/scale.md); otherwise torch while its
-        float32 copy stays under :data:`SMALL_CPU_SCORER_BYTES` (torch scored 1.5-2.3x faster than
-        MLX's CPU build here, and the trainer keeps the engine for evaluation), else the engine."""
+        kernel (it computes on the int8 codes and keeps no float copy); otherwise torch while its
+        float32 copy stays under :data:`SMALL_CPU_SCORER_BYTES` (the trainer keeps the engine for
+        evaluation), else the engine. The measured speeds behind the choice: docs/scale.md."""
         if device != "cpu":
             device = scorer_device("torch", device)  # the learner has imported torch
             if device.startswith("cuda"):

@@ -29,8 +29,7 @@ several versions could make one batch under each and keep the one it likes. So s
 mixes in the **beacon** the trainer binds to the number when the worker tickets it, together with
 the one weight version the batch must be made with (:mod:`stoa.fleet.trust.binding`): a key learns
 a batch's items and seed only when that batch is due, and a number has one version and one random
-stream. Measured by benchmarks/assign_grinding.py: a grinder's kept keys put 10.7% of their
-trained groups on a chosen tenth of the items (honest keys 10.6%; 55-75% with the salt alone).
+stream (what a grinder gains, measured by benchmarks/assign_grinding.py: docs/trust.md).
 
 What follows: a worker cannot pick easy prompts or reroll a group (the same number gives the same
 items and the same random stream, under one version), cannot relabel another key's episodes as its
