@@ -221,6 +221,64 @@ def test_the_longest_waiting_connection_is_evicted_first(bm25):
         assert srv.srv.evicted == 1
 
 
+_LOW_FD_SERVER = """
+import json, os, resource, sys, threading
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), hard))
+watchdog = threading.Timer(120, lambda: os._exit(3))  # bounded, whatever the parent does
+watchdog.daemon = True
+watchdog.start()
+from stoa.envs.retrieval import BM25SRetriever, Document
+from stoa.envs.server import ServerLimits, make_server
+docs = [Document(f"d{i}", f"Protein{i}", f"Protein{i} inhibits the kinase Kin{i} in hepatocytes.") for i in range(50)]
+srv = make_server(BM25SRetriever.build(docs), "127.0.0.1", 0, ServerLimits(request_timeout=60.0))
+threading.Thread(target=srv.serve_forever, daemon=True).start()
+print(json.dumps({"port": srv.server_address[1], "cap": getattr(srv, "max_connections", 256)}), flush=True)
+sys.stdin.readline()
+print(json.dumps({"evicted": srv.evicted, "refused": srv.refused}), flush=True)
+os._exit(0)
+"""
+
+
+def test_a_server_under_a_low_descriptor_limit_answers_honest_clients_through_a_slow_client_flood():
+    """Under RLIMIT_NOFILE 64 (below the nominal 256 connections) an attacker's 96 half-sent
+    requests used up the descriptors before the cap was reached: ``accept`` failed, nobody was
+    evicted and honest clients timed out. The cap now follows the limit, and connections are
+    accepted one at a time, each making room before the next."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _LOW_FD_SERVER, "64"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    held: list[socket.socket] = []
+    try:
+        hello = json.loads(proc.stdout.readline())
+        port = hello["port"]
+        for _ in range(96):  # more half-sent requests than the child has descriptors
+            held.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+            held[-1].sendall(b"POST /retrieve HTTP/1.1\r\nContent-Le")
+        client = HTTPRetriever(f"http://127.0.0.1:{port}", retries=0, timeout=10)
+        deadline = time.monotonic() + 60  # bounded: 10 requests, and at most a minute
+        for i in range(10):
+            assert time.monotonic() < deadline
+            for j, s in enumerate(held):  # the attacker re-opens what the server dropped
+                if select.select([s], [], [], 0)[0]:
+                    s.close()
+                    held[j] = socket.create_connection(("127.0.0.1", port), timeout=10)
+                    held[j].sendall(b"POST /retrieve HTTP/1.1\r\nContent-Le")
+            [[hit, *_]] = client.search([f"Protein{i}"], 3)
+            assert hit.id == f"d{i}"
+        proc.stdin.write("stats\n")
+        proc.stdin.flush()
+        stats = json.loads(proc.stdout.readline())
+        assert stats["evicted"] >= 10 and stats["refused"] == 0 and 1 <= hello["cap"] < 64
+    finally:
+        for s in held:
+            s.close()
+        proc.kill()
+        proc.wait(30)
+
+
 # -- the server: request and answer bounds ---------------------------------------------------------
 
 

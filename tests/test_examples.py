@@ -3,6 +3,8 @@
 import runpy
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -25,19 +27,17 @@ def test_example_configs_load():
         assert cfg.name and cfg.seed is not None, path
 
 
-def test_the_real_model_examples_find_their_model_under_home(real_model, tmp_path):
+@pytest.mark.parametrize("name", ["smollm2_search.toml", "smollm2_addition.toml"])
+def test_the_real_model_examples_find_their_model_under_home(real_model, tmp_path, name):
     """`model.path = "~/..."` is expanded wherever it is read, so the examples run for any user
     after `make setup` (which builds the model into ~/.cache/stoa/models); the chat model gets chat prompts."""
-    import pytest
-
     from stoa.fleet.config import check_runnable, load_config
     from stoa.fleet.trainer import prepare_model
 
-    for name in ("smollm2_search.toml", "smollm2_addition.toml"):
-        cfg = load_config(ROOT / "examples" / name)
-        assert cfg.model.path.startswith("~/")
-        if Path(cfg.model.path).expanduser() != real_model:
-            pytest.skip(f"the real model is built in {real_model}, not where the example looks ({cfg.model.path})")
-        # imports the env (examples/addition_env.py for one), reads the model's config and tokenizer
-        assert check_runnable(cfg) == "prompt format: auto -> chat (the tokenizer has a chat template)"
-        assert prepare_model(cfg, tmp_path) == real_model
+    cfg = load_config(ROOT / "examples" / name)
+    assert cfg.model.path.startswith("~/")
+    if Path(cfg.model.path).expanduser() != real_model:
+        pytest.skip(f"the real model is built in {real_model}, not where the example looks ({cfg.model.path})")
+    # imports the env (examples/addition_env.py for one), reads the model's config and tokenizer
+    assert check_runnable(cfg) == "prompt format: auto -> chat (the tokenizer has a chat template)"
+    assert prepare_model(cfg, tmp_path) == real_model

@@ -129,6 +129,36 @@ def put_sealed(st: LocalStore, run: str, seq: int, version: int, blob: bytes) ->
            seal_batch(blob, run=run, worker_id="mallory", seq=seq, version=version, private_key=MALLORY))
 
 
+def waiting_groups(fleet: Fleet) -> list[str]:
+    """The group ids of the batches the trainer's newest checkpoint left unconsumed (pending
+    ones included) and of those uploaded since: what a resumed trainer would read next."""
+    from stoa.transport.exchange import RolloutReader
+
+    ck = sorted((fleet.run_dir / "checkpoints").glob("v*"))[-1]
+    reader = RolloutReader(fleet.store, fleet.cfg.name)
+    reader.restore(json.loads((ck / "meta.json").read_text())["extra"]["intake"]["reader"])
+    return [e.group_id for b in reader.poll() for e in b.episodes if e.sample_index == 0]
+
+
+def check_accounting(fleet: Fleet, workers: tuple[str, ...]) -> None:
+    """Every group the ``workers`` uploaded (their own count, in their heartbeats) was trained,
+    dropped with a reason in the ledger, checked as probation work (never trained), or is still
+    waiting for the trainer: none vanished, none counted twice. The store's rollouts cannot say:
+    the trainer deletes the batches it consumed at each checkpoint, so a batch it took and lost
+    would leave no trace there. For runs with no refused batch (a refused one is in none of these)."""
+    st, run, ledger = fleet.store, fleet.cfg.name, fleet.ledger()
+    gpc = fleet.cfg.rollout.groups_per_cohort
+    uploaded = sum(json.loads(st.get(f"{run}/workers/{w}.json"))["batches"] for w in workers) * gpc
+    trained = trained_groups(ledger)
+    dropped = [g.rsplit("/", 1)[-1] for e in ledger for gs in e.get("dropped", {}).values() for g in gs]
+    probation = [e["probation"] for e in ledger if "probation" in e]
+    waiting = waiting_groups(fleet)
+    accounted = len(trained) + len(dropped) + gpc * len(probation) + len(waiting)
+    assert uploaded == accounted and len(set(trained) | set(dropped) | set(waiting)) == accounted - gpc * len(probation), (
+        f"{'+'.join(workers)} uploaded {uploaded} groups: {len(trained)} trained, {len(dropped)} dropped, "
+        f"{len(probation)} probation batches of {gpc}, {len(waiting)} waiting", fleet.log("trainer.log")[-3000:])
+
+
 def uploaded_groups(store: LocalStore, run: str, skip: set[str] = frozenset()) -> set[str]:
     """The group ids of every batch in the run's rollouts folder, less the batches at keys ``skip``."""
     from stoa.transport.identity import open_sealed
@@ -226,19 +256,14 @@ def test_kill_trainer_mid_step_and_resume(fleet):
     assert max(e["rl_step"] for e in ledger) == 6 and len([e for e in ledger if "trained" in e]) == 6
     dropped = {g.rsplit("/", 1)[-1] for e in ledger for gs in e.get("dropped", {}).values() for g in gs}
     # Every uploaded group was trained, dropped with a reason, or is still waiting; none vanished.
-    from stoa.transport.exchange import RolloutReader
-
-    ck = sorted((fleet.run_dir / "checkpoints").glob("v*"))[-1]
-    extra = json.loads((ck / "meta.json").read_text())["extra"]
-    reader = RolloutReader(fleet.store, fleet.cfg.name)
-    reader.restore(extra["intake"]["reader"])
-    waiting = {e.group_id for b in reader.poll() for e in b.episodes}
+    waiting = set(waiting_groups(fleet))
     # A key's probation batches (made before the run published its salt, which a slow or restarted
     # trainer can delay) are checked and credited, never trained: the ledger names each one.
     probation = {e["probation"] for e in ledger if "probation" in e}
     vanished = uploaded_groups(fleet.store, fleet.cfg.name, skip=probation) - set(trained) - dropped - waiting
     assert not vanished, (sorted(vanished)[:8], [e for e in ledger if not e.get("trained")][-20:],
                           fleet.log("trainer.log")[-3000:])
+    check_accounting(fleet, ("w0", "w1"))  # and what the store no longer holds
     # Versions never repeat: the resumed trainer published past what the killed one had.
     events = [r for r in fleet.rows("event") if r.get("event") == "resumed"]
     assert len(events) == 1 and events[0]["version"] > killed_at

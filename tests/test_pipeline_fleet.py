@@ -16,7 +16,7 @@ from stoa.fleet.run import fetch_run
 from stoa.transport.chain import WeightSubscriber
 
 from helpers import tiny_fleet_config
-from test_fleet import Fleet, trained_groups
+from test_fleet import Fleet, check_accounting, trained_groups
 
 pytest.importorskip("torch", reason="the pipeline stages run the torch engine")
 pytestmark = pytest.mark.slow
@@ -58,12 +58,14 @@ def memory_cap(f: Fleet) -> tuple[float, float, float]:
 
 def check_run(f: Fleet) -> list[str]:
     """The run's integrity: nothing quarantined, nobody banned, no group trained twice, and every
-    batch the driver uploaded was trained on."""
+    batch the driver uploaded was trained on, checked as probation work, dropped with a reason in
+    the ledger, or is still waiting for the trainer: none vanished."""
     st, run = f.store, f.cfg.name
     assert st.list(f"{run}/quarantine/") == [], st.list(f"{run}/quarantine/")
     assert st.list(f"{run}/bans/") == []
     trained = trained_groups(f.ledger())
     assert trained and len(trained) == len(set(trained)), trained
+    check_accounting(f, ("driver",))
     return trained
 
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("mlx.core", reason="the MLX engine needs mlx")
 pytest.importorskip("torch", reason="the learner needs torch")
 
 from stoa.fleet.config import ConfigError, RunConfig, check_runnable  # noqa: E402
@@ -66,6 +65,7 @@ def test_stoa_train_on_the_real_base_model_with_plain_prompts(real_base_model, t
     """Parity passes, the workers' episodes start with the plain prompt (BOS + the text) and replay
     and the audit accept every honest batch."""
     from stoa.backends import prompting
+    from stoa.backends.engine import resolve_backend
     from stoa.fleet.config import load_config
     from stoa.fleet.metrics import read_metrics
     from stoa.transport.identity import open_sealed
@@ -73,6 +73,8 @@ def test_stoa_train_on_the_real_base_model_with_plain_prompts(real_base_model, t
     from stoa.types import decode_episodes
     from transformers import AutoTokenizer
 
+    if resolve_backend("auto") == "mlx":  # the workers' engine here (Apple silicon, or no torch)
+        pytest.importorskip("mlx.core", reason="the MLX engine needs mlx")
     module = Path(__file__).resolve().parents[1] / "examples" / "custom_env.py"
     config = tmp_path / "base.toml"
     config.write_text(_FLEET.format(path=real_base_model, module=module))

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("mlx.core", reason="the benchmarks' engine needs mlx")
 pytest.importorskip("torch", reason="the benchmarks' learner needs torch")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +38,7 @@ def test_pulse_on_the_real_model_measures_a_real_step(real_model, tmp_path):
 
 @pytest.mark.slow
 def test_offpolicy_on_the_real_model_reports_lags_0_and_1(real_model, tmp_path):
+    pytest.importorskip("mlx.core", reason="the benchmark samples with the MLX engine")
     got = _bench("offpolicy.py", real_model, tmp_path / "offpolicy.json")
     assert [r["lag"] for r in got["rows"]] == [0, 1] and got["episodes"] == 16
     for r in got["rows"]:
@@ -49,6 +49,7 @@ def test_offpolicy_on_the_real_model_reports_lags_0_and_1(real_model, tmp_path):
 
 @pytest.mark.slow
 def test_rollout_on_the_real_model_compares_with_mlx_lm(real_model, tmp_path):
+    pytest.importorskip("mlx.core", reason="the benchmark runs the MLX engine and mlx_lm")
     got = _bench("rollout.py", real_model, tmp_path / "rollout.json", "--engines", "mlx")  # torch's: test_torch_engine
     (m,) = got["models"].values()
     assert m["params"] > 100e6 and got["ratio_vs_mlx_lm_batch_generate"] > 0

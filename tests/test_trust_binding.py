@@ -89,7 +89,7 @@ def test_bad_tickets_are_quarantined_with_a_reason_and_bind_nothing(tmp_path):
     assert "over 4096 bytes" in reasons[layout.ticket(RUN, _kid(honest), 3)]
     assert "not a ticket's name" in reasons[f"{RUN}/tickets/junk"]
     assert "no standing" in reasons[layout.ticket(RUN, _kid(stranger), 0)]
-    assert f"more than {MAX_AHEAD} past" in reasons[layout.ticket(RUN, _kid(other), MAX_AHEAD + 5)]
+    assert f"more than {MAX_AHEAD} free numbers past" in reasons[layout.ticket(RUN, _kid(other), MAX_AHEAD + 5)]
     assert binder.bound == {} and store.list(layout.tickets(RUN)) == []
     write_ticket(store, RUN, 0, honest)  # the key's own ticket still binds its number afterwards
     assert binder.poll(3, lambda kid: True) == [] and binder.bound_to(_kid(honest), 0).version == 3

@@ -16,16 +16,21 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from stoa.fleet.config import load_config
 from stoa.fleet.metrics import read_metrics
+from stoa.fleet.trust.binding import TICKETS_AHEAD, read_bindings
 from stoa.testing.adversaries import KINDS, Selective
+from stoa.transport.exchange import parse_rollout_key
 from stoa.transport.identity import enroll_worker, list_bans, load_or_create_worker_key
-from stoa.transport.signing import generate_private_key, key_id, save_keypair
+from stoa.transport.signing import generate_private_key, key_id, load_private_key, save_keypair
 from stoa.transport.store import KeyNotFound, LocalStore
 from stoa.types import Episode, Segment
 
@@ -70,6 +75,39 @@ NEEDLES = {
 }
 
 
+def _check_cold_sampler(store: LocalStore, run: str, run_key, kid: str, ledger: list[dict], seen: dict[str, bytes],
+                        cache: Path) -> None:
+    """A batch sampled colder can still hold only tokens the honest rule also draws: that is an
+    honest batch and may be trained on, and the first one off the rule bans. How often that
+    happens is the tiny model's statistics, not the check's (a quiet machine's trainer is many
+    versions on when the late adversaries join, and the more peaked that policy, the more a
+    0.7 T sampler's tokens coincide with the rule's). So: every episode of each trained group is
+    re-derived here, token by token, from the batch as the store held it, and each trained group
+    came before the sampler's first batch off the rule (re-derived too) and was trained before it
+    was judged."""
+    judged = [i for i, e in enumerate(ledger) if e.get("category") == "sampling"
+              and "/rollouts/adv-cold-sampler/" in e.get("rejected", "")]
+    assert judged, "the cold sampler has no batch refused by the sampling check"
+    off, first_off = min([judged[0]] + [i for i, e in enumerate(ledger) if e.get("banned") == kid]), ledger[judged[0]]["rejected"]
+    trained = {g.split("/", 1)[1]: i for i, e in enumerate(ledger) for g in e.get("trained", []) if g.startswith(kid + "/")}
+    number = {k: parsed[1] for k in seen if (parsed := parse_rollout_key(run, k)) is not None}
+    quarantined = first_off.replace("/rollouts/", "/quarantine/", 1)
+    blobs = {k: b for k, b in seen.items() if k in number and any(g.startswith(f"{kid[:16]}-s{number[k]}-g") for g in trained)}
+    band, got = _rederive(store, run, run_key, {**blobs, quarantined: store.get(quarantined)}, cache)
+    eps, margins = got.pop(quarantined)
+    assert any((m < -band).any() for m in margins), (first_off, [float(m.min()) for m in margins if m.size])
+    checked = set()
+    for k, (eps, margins) in got.items():
+        assert number[k] < parse_rollout_key(run, first_off)[1], (k, first_off)
+        for e, m in zip(eps, margins):
+            if e.group_id in trained:
+                assert (m >= -band).all(), (k, e.group_id, e.sample_index, float(m.min()))
+                checked.add(e.group_id)
+    assert checked == set(trained), ("trained cold groups whose batch the test never saw", set(trained) - checked)
+    assert all(i < off for i in trained.values()), (trained, off)
+    print(f"cold sampler: {len(trained)} groups trained, every token the rule's draw; first off the rule: {first_off}")
+
+
 def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1", HF_HUB_OFFLINE="1",
                 TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -88,6 +126,86 @@ def _withheld(store, run: str, kid: str) -> int:
     except KeyNotFound:
         return 0
     return int(report["workers"].get(kid, {}).get("withheld", 0))
+
+
+class Watch(threading.Thread):
+    """What the store shows during the run, read every 50 ms (the trainer deletes the batches it
+    has consumed at each checkpoint, and its bindings document holds only live bindings):
+    ``cold``, every batch the cold sampler uploaded (object key -> bytes), to re-derive afterwards;
+    per honest worker, ``bound`` (number -> the version the trainer's signed bindings bound it to)
+    and ``uploaded`` (the numbers whose object was seen)."""
+
+    def __init__(self, store: LocalStore, run: str, pub, honest: dict[str, str]):
+        super().__init__(daemon=True)
+        self.store, self.name, self.pub, self.honest = store, run, pub, honest  # worker id -> key id
+        self.cold: dict[str, bytes] = {}
+        self.bound: dict[str, dict[int, int]] = {w: {} for w in honest}
+        self.uploaded: dict[str, set[int]] = {w: set() for w in honest}
+        self.stop = threading.Event()
+        self.ticks, self.trouble = 0, ""
+
+    def run(self) -> None:
+        while not self.stop.wait(0.05):
+            try:
+                self._tick()
+                self.ticks += 1
+            except Exception as e:  # a document replaced while read: the next tick reads it
+                self.trouble = f"{type(e).__name__}: {e}"
+
+    def _tick(self) -> None:
+        for k in self.store.list(f"{self.name}/rollouts/adv-cold-sampler/"):
+            if k not in self.cold:
+                try:
+                    self.cold[k] = self.store.get(k)
+                except KeyNotFound:
+                    pass
+        for w in self.honest:
+            self.uploaded[w] |= {p[1] for p in (parse_rollout_key(self.name, k)
+                                                for k in self.store.list(f"{self.name}/rollouts/{w}/")) if p}
+        bound, _ = read_bindings(self.store, self.name, self.pub)
+        for w, kid in self.honest.items():
+            for seq, b in bound.get(kid, {}).items():
+                self.bound[w].setdefault(seq, b.version)
+
+    def left_stale(self, w: str, max_seq: int, max_lag: int) -> int:
+        """Numbers up to ``max_seq`` of honest worker ``w`` that no object ever held and that the
+        trainer's bindings show went stale before the worker got to them: a worker that leaves
+        number n tickets the next numbers as it moves past it (``TICKETS_AHEAD``), and the trainer
+        binds those to its version then, more than ``max_lag`` past n's."""
+        bound = self.bound[w]
+        return sum(1 for n, v in bound.items() if n <= max_seq and n not in self.uploaded[w]
+                   and any(bound.get(m, -1) > v + max_lag for m in range(n + 1, n + 1 + TICKETS_AHEAD)))
+
+
+def _rederive(store: LocalStore, run: str, run_key, blobs: dict[str, bytes], cache: Path):
+    """Per batch blob: its episodes and each one's sampling margins, re-derived here from the
+    assigned seed (recomputed from the run key, the batch's key and number, and the version its
+    number was bound to) under its version's int8 weights from the weight chain."""
+    from stoa.backends.engine import make_engine
+    from stoa.fleet.run import fetch_run
+    from stoa.fleet.trust.assign import assignment
+    from stoa.fleet.trust.binding import beacon
+    from stoa.transport.chain import WeightSubscriber
+    from stoa.transport.identity import assignment_salt, open_sealed
+    from stoa.types import decode_episodes
+
+    cfg, model_dir = fetch_run(store, run, run_key.public_key(), cache)  # the run's own config and model
+    n_items = len(cfg.env.make(cfg.env.train_split).unwrapped)
+    sub, out = WeightSubscriber(store, run, run_key.public_key()), {}
+    for where, blob in blobs.items():
+        seal, payload = open_sealed(blob)
+        eps = decode_episodes(payload)
+        work = assignment(cfg.seed, seal.key_id, seal.seq, n_items, cfg.rollout.groups_per_cohort,
+                          assignment_salt(run_key, run, seal.key_id), beacon(run_key, run, seal.key_id, seal.seq, seal.version))
+        assert sorted((e.group_id, e.item_index) for e in eps) == sorted(
+            (g, i) for g, i in zip(work.group_ids, work.items) for _ in range(cfg.rollout.group_size)), (where, work)
+        weights = sub.sync(None, version=seal.version)
+        assert weights.version == seal.version, where
+        engine = make_engine(model_dir, cfg.rollout.engine, state=dict(weights.state), version=seal.version,
+                             mode=cfg.rollout.engine_mode, config=cfg.rollout.engine_config(cfg.model.prompt_format),
+                             worker_id="test")
+        out[where] = (eps, engine.sampling_margins(eps, [work.seed] * len(eps), drift=cfg.trust.audit.sampling_band / 2))
+    return cfg.trust.audit.sampling_band, out
 
 
 def test_the_selective_worker_withholds_by_taste_but_never_goes_silent(tmp_path):
@@ -145,6 +263,7 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
 
     kid_of = {w: key_id(load_or_create_worker_key(keys[w]).public_key()) for w in workers}
     procs: dict[str, subprocess.Popen] = {}
+    watch = Watch(store, run, run_pub, {w: kid_of[w] for w in ("honest-0", "honest-1")})
 
     def spawn(name: str, args: list[str]) -> None:
         procs[name] = subprocess.Popen([sys.executable, "-m", "stoa", *args], env=_env(),
@@ -153,6 +272,7 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
     try:
         spawn("trainer", ["trainer", str(config), "--store", str(store_dir), "--key", str(run_key),
                           "--run-dir", str(run_dir)])
+        watch.start()
         for w, kind in workers.items():
             spawn(w, ["worker", "--store", str(store_dir), "--run", run, "--public-key", str(run_pub), "--id", w,
                       "--cache", str(tmp_path / "cache" / w), "--key", str(keys[w]),
@@ -179,10 +299,13 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
             procs[w].send_signal(signal.SIGTERM)  # a stopped run has no finished marker
             assert procs[w].wait(timeout=60) == 0
     finally:
+        watch.stop.set()
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    watch.join(timeout=30)
+    assert watch.ticks > 0, watch.trouble
 
     stopped = [row for row in read_metrics(run_dir / "metrics.jsonl") if row.get("event") == "stopped"]
     assert stopped and stopped[-1]["rl_step"] >= MIN_STEPS, (
@@ -215,14 +338,10 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
             continue
         uploaded = json.loads(store.get(f"{run}/workers/{w}.json"))["episodes"]
         assert uploaded > 0, w
-        # A batch sampled colder can still hold only tokens the honest rule also draws: that is an
-        # honest batch and may be trained on, and the first one off the rule bans. How often that
-        # happens is the tiny model's statistics, not the check's: a quiet machine's trainer is many
-        # versions on when the late adversaries join, and the more peaked that policy, the more a
-        # 0.7 T sampler's tokens coincide with the rule's (CI once trained 2 of its 8 batches; the
-        # real model's cheaters are caught in 29-30 of 32 episodes, docs/trust.md).
-        allowed = uploaded - 1 if kind == "cold-sampler" else 0.01 * uploaded
-        assert trained_by_key.get(kid, 0) <= allowed, (w, trained_by_key.get(kid), uploaded)
+        if kind == "cold-sampler":
+            _check_cold_sampler(store, run, load_private_key(run_key), kid, ledger, watch.cold, tmp_path / "probe")
+        else:
+            assert trained_by_key.get(kid, 0) <= 0.01 * uploaded, (w, trained_by_key.get(kid), uploaded)
         reasons = " | ".join(json.loads(store.get(k))["reason"] for k in store.list(f"{run}/quarantine/{w}/")
                              if k.endswith(".reason.json"))
         assert NEEDLES[kind] in reasons, (w, reasons[:2000])
@@ -243,9 +362,10 @@ def test_two_honest_workers_and_every_adversary(tmp_path):
         _, rec = by_name[w]
         assert rec["rejected_batches"] == 0 and not rec["banned"] and rec["accepted_batches"] >= 3, rec
         # An honest worker leaves no gap except a batch that came too late (an overloaded machine)
-        # or a number it left because its binding expired first (it counts those in its cache).
-        left = json.loads((tmp_path / "cache" / w / "sequence.json").read_text())["left"]
-        assert rec["withheld"] <= rec["late_batches"] + left and not rec["withholding_flagged"], (rec, left)
+        # or a number whose binding went stale before the worker got to it, as the trainer's own
+        # bindings show (not the count of numbers the worker says it left, which nothing bounds).
+        stale = watch.left_stale(w, rec["max_seq"], load_config(config).trainer.max_lag)
+        assert rec["withheld"] <= rec["late_batches"] + stale and not rec["withholding_flagged"], (rec, stale)
         assert trained_by_key.get(kid_of[w], 0) > 0
 
     # Every refusal took the one path: quarantined, a ledger line and an event row, with one category.

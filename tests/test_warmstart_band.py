@@ -55,12 +55,28 @@ def test_the_opening_probability_is_the_policys_chance_of_the_styles_first_token
     assert 0 < p < 1
 
 
-def test_the_band_mix_mirrors_the_propensity_about_the_bands_middle():
+def test_the_band_mix_is_the_bands_middle_and_its_batches_have_it_exactly():
     mix = {"oracle": 0.2, "guess": 0.8}
-    assert _toward(mix, "oracle", 0.0, (0.1, 0.3)) == pytest.approx({"oracle": 0.4, "guess": 0.6})
-    assert _toward(mix, "oracle", 0.9, (0.1, 0.3)) == pytest.approx({"oracle": 0.0, "guess": 1.0})
-    assert _toward({"oracle": 1, "guess": 1, "other": 3}, "oracle", 0.25, (0.1, 0.3)) == pytest.approx(
+    assert _toward(mix, "oracle", (0.1, 0.3)) == pytest.approx({"oracle": 0.2, "guess": 0.8})
+    assert _toward({"oracle": 1, "guess": 1, "other": 3}, "oracle", (0.1, 0.2)) == pytest.approx(
         {"oracle": 0.15, "guess": 0.85 / 4, "other": 0.85 * 3 / 4})
+    from transformers import AutoTokenizer  # noqa: F401 - the demonstrations need no model here
+
+    demos = Demonstrations(lambda: _env(), _WordTokenizer())
+    rng = np.random.default_rng(0)
+    for size in (16, 7):
+        counts = [sum(len(e.segments) > 1 for e in demos.batch(size, {"oracle": 0.175, "guess": 0.825}, rng, exact=True))
+                  for _ in range(6)]
+        assert set(counts) <= {int(np.floor(0.175 * size)), int(np.ceil(0.175 * size))}  # searching demonstrations
+
+
+class _WordTokenizer:
+    """Enough of a tokenizer for demonstrations: ids of words, no chat template."""
+
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=False, split_special_tokens=False):
+        return [hash(w) % 1000 for w in text.split()]
 
 
 @pytest.mark.parametrize("band_steps", [16, 0])

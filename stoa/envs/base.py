@@ -51,6 +51,15 @@ hold an env that says it is replayable to it. Declare ``replayable = False`` for
 samples with ``np_random`` after ``reset`` or calls a service whose answers change; its
 episodes are then checked only statistically (``docs/trust.md``).
 
+Indeterminate outcomes (:attr:`TextEnv.indeterminate_metrics`): a replayable task whose scoring
+can fail for reasons of the machine rather than the text (a scorer killed at its time limit under
+load) names the metric values that say so, e.g. ``{"score_error": ("timeout", "crashed")}``. When
+the worker's claim or the trainer's replay of an episode carries one of them, the episode cannot be
+verified either way: it is *unverifiable*, neither trained on nor counted against the worker (its
+group is dropped; the trust report counts it per worker). Such a value must come with the turn
+that ends the episode, or with an observation the task derives from it: replay compares a
+claim only once the tokens match.
+
 Optional hooks (what the runtime may ask of a task; each has a safe default here)
 ---------------------------------------------------------------------------------
 The trainer and workers know no task: whatever task knowledge they use comes through these.
@@ -166,6 +175,10 @@ class TextEnv(gymnasium.Env[str, str]):
     replayable: ClassVar[bool] = True
     """Whether an episode is a function of its item index and its turns alone (see "Replay" in
     the module docstring); the trainer replays uploaded episodes of a replayable task."""
+    indeterminate_metrics: ClassVar[dict[str, tuple[Any, ...]]] = {}
+    """Metric key -> the values that mean its outcome depended on the machine, not on the text
+    (a scorer's timeout); an episode whose claim or replay holds one is unverifiable, neither
+    trained on nor struck (see "Indeterminate outcomes" in the module docstring)."""
     demo_styles: ClassVar[tuple[str, ...]] = ("oracle",)
     """Styles :meth:`demonstration_turns` knows; ``"oracle"`` is :meth:`oracle_turns`."""
     observation_space = TextSpace()

@@ -27,6 +27,7 @@ class IdFamily:
 
 ID_PREFIXES: dict[str, IdFamily] = {
     "reasoning_gym:": IdFamily("stoa.envs.rgym:register_id", "reasoning-gym"),
+    "verifiers:": IdFamily("stoa.envs.vf:register_id", "verifiers"),
 }
 """Id prefixes and the families they name: the only place that knows them all."""
 

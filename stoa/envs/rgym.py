@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from stoa.envs.base import TextEnv
-from stoa.envs.sandbox import SandboxLimits, shared_sandbox
+from stoa.envs.sandbox import INDETERMINATE, SandboxLimits, shared_sandbox
 
 __all__ = ["PREFIX", "REFUSED", "ReasoningGymEnv", "dataset_names", "extract_answer", "register_id", "survey"]
 
@@ -162,13 +162,16 @@ class ReasoningGymEnv(TextEnv):
     Metrics: ``correct`` (the score is 1.0), ``formatted`` (the turn had ``<answer>`` tags),
     ``score`` (the reward) and ``score_error`` (``""``, or why the scorer gave no score:
     ``"timeout"``, ``"crashed"``, ``"memory"``, ``"recursion"``, ``"error:<Exception>"``; the
-    reward is then 0 and ``info["score_error"]`` says the same).
+    reward is then 0 and ``info["score_error"]`` says the same). ``"timeout"`` and ``"crashed"``
+    depend on the machine's load (:data:`~stoa.envs.sandbox.INDETERMINATE`): an episode that holds
+    one, in the worker's claim or the trainer's replay, is unverifiable, not a forgery.
     """
 
     stop_strings = ("</answer>",)
     metric_types = {"correct": bool, "formatted": bool, "score": float, "score_error": str}
     success_metric = "correct"
     headline_metrics = ("formatted", "score")
+    indeterminate_metrics = {"score_error": INDETERMINATE}
 
     def __init__(self, dataset: str, split: str = "train", seed: int | None = None, train_size: int = 1000,
                  test_size: int = 200, system_prompt: str = "default", max_answer_chars: int = 8192,

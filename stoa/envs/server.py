@@ -12,6 +12,16 @@ size of the answer (checked while it is built, so it is never held whole beyond 
 connections, concurrent searches, and the time to receive one request: a client that sends
 nothing, or trickles bytes, is disconnected when ``request_timeout`` runs out, whatever it sends.
 
+The connection cap follows the process's descriptor limit: the effective cap
+(``RetrieverServer.max_connections``) is ``max_connections`` lowered to the soft
+``RLIMIT_NOFILE`` less the descriptors open when the server is made, less a headroom of
+:data:`FD_HEADROOM` for the index, logs and the connection being accepted. Otherwise, under a
+limit below the cap (macOS's default is 256), the attacker's half-sent requests would use up the
+descriptors before the cap is reached: ``accept`` then fails and nobody is evicted, and a new
+honest client waits in the listen queue until it times out. For the same reason connections are
+accepted one at a time, each making room before the next (asyncio's own server accepts the whole
+listen queue at once), so the server never holds more than the cap plus one.
+
 Connections held open cannot lock honest clients out. The server is one asyncio loop (HTTP/1.1
 parsed by ``h11``), so an open connection costs a few kilobytes, not a thread. At the
 ``max_connections`` cap a new connection *evicts* the open connection that has waited longest
@@ -33,9 +43,12 @@ with :class:`stoa.envs.retrieval.HTTPRetriever` or any Search-R1 client.
 from __future__ import annotations
 
 import asyncio
+import errno
 import http
 import json
+import logging
 import math
+import os
 import socket
 import sys
 import threading
@@ -48,7 +61,13 @@ import h11
 
 from stoa.envs.retrieval import Hit, Retriever
 
-__all__ = ["RetrieverServer", "ServerLimits", "make_server", "serve"]
+__all__ = ["FD_HEADROOM", "RetrieverServer", "ServerLimits", "connection_cap", "make_server", "serve"]
+
+log = logging.getLogger(__name__)
+
+FD_HEADROOM = 32
+"""Descriptors kept free beyond the open connections: the index's files, logs, the event loop's
+own, and the newcomer accepted before the connection it evicts is closed."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +99,8 @@ class ServerLimits:
     max_concurrent: int = 4
     """Requests searched at once; each holds a float32 score per document (64 MB for 16M)."""
     max_connections: int = 256
-    """Open connections at once. At the cap a newcomer evicts the connection that has waited
+    """Open connections at once, lowered to what the process's descriptor limit leaves
+    (:func:`connection_cap`). At the cap a newcomer evicts the connection that has waited
     longest for a request; it is answered 503 only when every open connection is searching.
     Memory bound: about ``max_connections x (max_head_bytes + max_body_bytes)`` of buffered input."""
     request_timeout: float = 30.0
@@ -122,10 +142,20 @@ class _Refusal(Exception):
 
 @dataclass(eq=False)
 class _Conn:
-    task: asyncio.Task | None
-    writer: asyncio.StreamWriter
+    sock: socket.socket
     waiting_since: float
+    task: asyncio.Task | None = None
+    writer: asyncio.StreamWriter | None = None
     searching: bool = False
+
+    def close(self) -> None:
+        """Drop the connection at once (its task is cancelled; its socket closes)."""
+        if self.writer is not None:
+            self.writer.transport.abort()
+        else:
+            self.sock.close()
+        if self.task is not None:
+            self.task.cancel()
 
 
 def _answer(hits: list[list[Hit]], scores: bool, budget: int, max_chars: int) -> bytes | None:
@@ -151,13 +181,54 @@ def _answer(hits: list[list[Hit]], scores: bool, budget: int, max_chars: int) ->
 
 
 
+def _nofile() -> int | None:
+    """The soft ``RLIMIT_NOFILE``, or None where there is none (Windows) or it is unlimited."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return None
+    return None if soft == resource.RLIM_INFINITY or soft <= 0 else soft
+
+
+def _open_fds() -> int | None:
+    """How many descriptors this process has open, or None where that cannot be read."""
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        try:
+            return len(os.listdir(folder)) - 1  # less the one listdir used
+        except OSError:
+            continue
+    return None
+
+
+def connection_cap(requested: int, headroom: int = FD_HEADROOM) -> int:
+    """``requested`` open connections, lowered to what the soft ``RLIMIT_NOFILE`` leaves: the limit
+    less the descriptors open now, less ``headroom`` (at least 1). Unchanged where there is no such
+    limit (Windows) or it is unlimited."""
+    soft = _nofile()
+    if soft is None:
+        return requested
+    used = _open_fds()
+    if used is None:  # count the low descriptors in use instead
+        used = 0
+        for fd in range(min(soft, 4096)):
+            try:
+                os.fstat(fd)
+                used += 1
+            except OSError:
+                pass
+    return max(1, min(requested, soft - used - headroom))
+
+
 class RetrieverServer:
     """The server of the module docstring: bound at construction (``server_address`` is known at
     once), serving in :meth:`serve_forever` until :meth:`shutdown` (from another thread).
 
     Counters (read them from any thread): ``refused`` (newcomers answered 503: every open
     connection was searching), ``evicted`` (waiting connections closed to admit a newcomer),
-    ``timed_out`` (connections closed at their request deadline)."""
+    ``timed_out`` (connections closed at their request deadline). ``max_connections`` is the
+    effective cap (``limits.max_connections`` within the descriptor limit, :func:`connection_cap`)."""
 
     def __init__(self, retriever: Retriever, host: str = "127.0.0.1", port: int = 0,
                  limits: ServerLimits | None = None) -> None:
@@ -166,8 +237,13 @@ class RetrieverServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.create_server((host, port), family=family, backlog=1024)
         self.server_address: tuple[Any, ...] = self._sock.getsockname()
+        self.max_connections = connection_cap(self.limits.max_connections)
+        if self.max_connections < self.limits.max_connections:
+            log.warning("serving at most %d connections, not %d: the process may open only %s descriptors "
+                        "(ulimit -n)", self.max_connections, self.limits.max_connections, _nofile())
         self.refused = self.evicted = self.timed_out = 0
         self._conns: set[_Conn] = set()
+        self._refusing: set[asyncio.Task] = set()  # newcomers being answered 503
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._done = threading.Event()
@@ -205,44 +281,91 @@ class RetrieverServer:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         pool = ThreadPoolExecutor(self.limits.max_concurrent, thread_name_prefix="stoa-retrieve")
         self._pool = pool
-        server = await asyncio.start_server(self._accept, sock=self._sock, limit=self.limits.max_head_bytes)
+        self._sock.setblocking(False)
+        acceptor = asyncio.create_task(self._accept_loop())
         self._started.set()
         try:
             await self._stop.wait()
         finally:
-            server.close()
+            acceptor.cancel()
+            await asyncio.gather(acceptor, return_exceptions=True)
             for c in list(self._conns):
-                c.writer.transport.abort()
-                if c.task is not None:
-                    c.task.cancel()
+                c.close()
             await asyncio.gather(*(c.task for c in list(self._conns) if c.task is not None), return_exceptions=True)
             pool.shutdown(wait=False, cancel_futures=True)
-            self._closed = True  # start_server owned the socket and closed it
+            self.server_close()
 
     # -- connections ------------------------------------------------------------------------------
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = _Conn(asyncio.current_task(), writer, time.monotonic())
-        if len(self._conns) >= self.limits.max_connections:
-            waiting = [c for c in self._conns if not c.searching]
-            if not waiting:
-                self.refused += 1
-                writer.write(_BUSY_RESPONSE)
-                writer.close()
-                return
-            victim = min(waiting, key=lambda c: c.waiting_since)
-            self._conns.discard(victim)
-            self.evicted += 1
-            victim.writer.transport.abort()
-            if victim.task is not None:
-                victim.task.cancel()
+    async def _accept_loop(self) -> None:
+        """Accept one connection at a time, making room for it before the next: so the process
+        never holds more than ``max_connections`` + 1 connections (asyncio's own server accepts
+        the whole backlog at once, and under a low descriptor limit ran out of descriptors
+        before any eviction happened)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self._sock)
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self._evict()  # out of descriptors all the same (the process's other files): free one
+                elif e.errno in (errno.ECONNABORTED, errno.EPROTO):
+                    continue  # the client left before it was accepted
+                else:
+                    log.warning("accept failed (%s); retrying", e)
+                await asyncio.sleep(0.05)
+                continue
+            self._admit(sock)
+            await asyncio.sleep(0)  # an evicted connection's socket is closed before the next accept
+
+    def _evict(self) -> bool:
+        """Close the connection that has waited longest for a request (none searching); False if
+        every open connection is searching."""
+        waiting = [c for c in self._conns if not c.searching]
+        if not waiting:
+            return False
+        victim = min(waiting, key=lambda c: c.waiting_since)
+        self._conns.discard(victim)
+        self.evicted += 1
+        victim.close()
+        return True
+
+    def _admit(self, sock: socket.socket) -> None:
+        """Serve a newcomer, evicting for it at the cap; 503 when every open connection is searching."""
+        if len(self._conns) >= self.max_connections and not self._evict():
+            self.refused += 1
+            task = asyncio.get_running_loop().create_task(self._busy(sock))
+            self._refusing.add(task)
+            task.add_done_callback(self._refusing.discard)
+            return
+        conn = _Conn(sock, time.monotonic())
         self._conns.add(conn)
+        conn.task = asyncio.get_running_loop().create_task(self._connection(conn))
+
+    async def _busy(self, sock: socket.socket) -> None:
         try:
-            await self._serve(conn, reader, writer)
-        except (asyncio.CancelledError, ConnectionError, OSError):
-            writer.transport.abort()
+            _, writer = await asyncio.open_connection(sock=sock)
+        except OSError:
+            sock.close()
+            return
+        writer.write(_BUSY_RESPONSE)
+        writer.close()
+
+    async def _connection(self, conn: _Conn) -> None:
+        try:
+            try:
+                reader, writer = await asyncio.open_connection(sock=conn.sock, limit=self.limits.max_head_bytes)
+            except (asyncio.CancelledError, OSError):
+                conn.sock.close()
+                return
+            conn.writer = writer
+            try:
+                await self._serve(conn, reader, writer)
+            except (asyncio.CancelledError, ConnectionError, OSError):
+                writer.transport.abort()
+            finally:
+                writer.close()  # sends what is still buffered, then closes
         finally:
             self._conns.discard(conn)
-            writer.close()  # sends what is still buffered, then closes
 
     async def _serve(self, conn: _Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         lim = self.limits

@@ -265,9 +265,11 @@ def _build_value(cls: type, name: str, value: Any, where: str) -> Any:
 
 def check_runnable(cfg: RunConfig) -> str:
     """What ``stoa train --check`` verifies beyond the config's own types and bounds: ``env.module``
-    imports, ``env.id`` is registered, ``model.path`` (if set) is a Hugging Face folder whose
-    config every stack reads alike and ``learner.kind`` builds (:func:`stoa.models.hfconfig.check_learner`),
-    and its tokenizer can build prompts in ``model.prompt_format``.
+    imports, ``env.id`` is registered (an id of a family, ``stoa.envs.ID_PREFIXES``, is also made
+    with ``env.kwargs``, so that a task the family refuses is refused here), ``model.path`` (if
+    set) is a Hugging Face folder whose config every stack reads alike and ``learner.kind`` builds
+    (:func:`stoa.models.hfconfig.check_learner`), and its tokenizer can build prompts in
+    ``model.prompt_format``.
 
     Returns:
         One line naming the prompt format the run will use (``stoa.backends.prompting.describe``).
@@ -286,6 +288,11 @@ def check_runnable(cfg: RunConfig) -> str:
         registered = stoa.envs.resolve(cfg.env.id)
     except ValueError as e:
         raise ConfigError(f"env.id: {e}") from None
+    if registered and stoa.envs.family(cfg.env.id) is not None:  # a family's env refuses its kwargs when made
+        try:
+            stoa.envs.make(cfg.env.id, **cfg.env.kwargs).close()
+        except ValueError as e:
+            raise ConfigError(f"env: {e}") from None
     if not registered:
         known = sorted(k for k, spec in gymnasium.registry.items()  # gymnasium's own ids are no text envs
                        if "/" in k and not str(spec.entry_point).startswith("gymnasium."))

@@ -60,7 +60,8 @@ from stoa.types import DEFAULT_LIMITS, Episode, EpisodeError, Limits, Verdict, d
 
 __all__ = [
     "Admission", "Batch", "PollLimits", "PollReport", "Progress", "Rejection", "RolloutReader", "RolloutWriter", "SequenceTaken",
-    "is_finished", "mark_finished", "parse_rollout_key", "read_progress", "rollout_key", "write_progress",
+    "held_numbers", "is_finished", "mark_finished", "parse_rollout_key", "read_progress", "rollout_key",
+    "write_progress",
 ]
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,20 @@ def parse_rollout_key(run: str, key: str) -> tuple[str, int, int] | None:
     worker, _, name = key.removeprefix(layout.rollouts(run)).partition("/")
     m = _NAME_RE.fullmatch(name) if key.startswith(layout.rollouts(run)) else None
     return (worker, int(m.group(1)), int(m.group(2))) if m and layout.WORKER_ID.fullmatch(worker) else None
+
+
+def held_numbers(store: ObjectStore, run: str, worker_id: str, after: int, below: int | None = None) -> set[int]:
+    """The sequence numbers above ``after`` (and below ``below``) that objects in the worker's
+    ``rollouts/`` or ``quarantine/`` folder hold now, whoever wrote them (one listing of each; a
+    reason file counts: an oversized batch is quarantined as its reason alone). The writer skips
+    these numbers; the trainer's binder does not count them against a key's lookahead."""
+    out = set()
+    for where in (layout.rollouts(_check_run(run), _check_worker(worker_id)), layout.quarantine(run, worker_id)):
+        for k in store.list(where, start_after=f"{where}s{max(after, 0):012d}"):
+            m = _NAME_RE.fullmatch(k.rpartition("/")[2].removesuffix(".reason.json"))
+            if m and int(m.group(1)) > after and (below is None or int(m.group(1)) < below):
+                out.add(int(m.group(1)))
+    return out
 
 
 @dataclass(frozen=True)
@@ -315,9 +330,7 @@ class RolloutWriter:
 
     def _next_free(self, seq: int) -> int:
         """The smallest number above ``seq`` no object holds, from one listing of each prefix."""
-        taken = {int(m.group(1)) for where in (self._prefix, self._qprefix)
-                 for k in self.store.list(where, start_after=f"{where}s{seq:012d}")
-                 if (m := _NAME_RE.fullmatch(k.rpartition("/")[2].removesuffix(".reason.json")))}
+        taken = held_numbers(self.store, self.run, self.worker_id, seq)
         nxt = seq + 1
         while nxt in taken:
             nxt += 1
@@ -433,6 +446,12 @@ class RolloutReader:
         """Batches taken (consumed or quarantined) per worker, for :func:`write_progress`."""
         return Progress({w: self._done.get(w, 0) + len(self._extra.get(w, ()))
                          for w in sorted(set(self._done) | set(self._extra))}, time.time())
+
+    def settled_between(self, worker: str, after: int, below: int) -> set[int]:
+        """The worker's numbers in ``(after, below)`` that this reader settled (consumed or
+        quarantined): remembered when the store no longer holds their objects (pruned, deleted)."""
+        done = self._done.get(worker, 0)
+        return set(range(max(after + 1, 0), min(done, below))) | {s for s in self._extra.get(worker, ()) if after < s < below}
 
     def next_numbers(self) -> dict[str, int]:
         """Per worker, the number above every settled one (:func:`stoa.transport.sequence.write_floors`)."""

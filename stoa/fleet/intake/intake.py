@@ -17,6 +17,7 @@ delivered work.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -31,12 +32,12 @@ from stoa.fleet.intake.copies import Copies
 from stoa.fleet.intake.pool import Pool, Taken
 from stoa.fleet.trust.admission import batch_problem
 from stoa.fleet.trust.assign import Assignment, assignment, assignment_problem, is_probation
-from stoa.fleet.trust.binding import Binder
+from stoa.fleet.trust.binding import MAX_AHEAD, Binder, free_between
 from stoa.fleet.trust.gate import TrustGate, scoped
 from stoa.fleet.trust.ledger import Ledger
 from stoa.fleet.trust.records import public_reason
 from stoa.fleet.trust.review import FloatScorer
-from stoa.transport.exchange import Batch, Rejection, RolloutReader, write_progress
+from stoa.transport.exchange import Batch, Rejection, RolloutReader, held_numbers, write_progress
 from stoa.transport.identity import assignment_salt
 from stoa.transport.sequence import write_floors
 from stoa.transport.store import StoreError
@@ -51,6 +52,8 @@ __all__ = ["Intake", "IntakeCounters"]
 log = logging.getLogger("stoa.trainer")
 
 _PROGRESS_EVERY_S = 5.0
+_HELD_LIST_EVERY_S = 10.0
+"""How often a key's far ticket may make the trainer list its worker id's objects (a worker re-tickets every 30 s)."""
 _NEWCOMER_BACKLOG = 64
 """Newcomers' batches kept waiting per allowed batch (``trust.newcomers_per_poll``)."""
 
@@ -105,6 +108,7 @@ class Intake:
         self.listed: dict[str, int] = {}  # object key -> the trainer's version at the listing before it appeared
         self._list_version = -1  # the trainer's version at the last listing (-1: none yet)
         self._salts: dict[str, str] = {}
+        self._held_listed: dict[str, float] = {}  # key id -> when its worker id's objects were last listed
         self.binder = Binder(store, cfg.name, private_key)
         self.binder.recover()  # a restart keeps every binding a worker may have seen
         self.reader = RolloutReader(store, cfg.name, vocab_size=vocab_size, hand_back=True)
@@ -226,7 +230,9 @@ class Intake:
                 self.counters.probation_batches += 1
                 self.ledger.write(probation=batch.key)
             else:
-                self.pool.add(batch)
+                skip = self.gate.untrained.get(batch.key)  # groups holding an unverifiable episode
+                self.pool.add(dataclasses.replace(batch, episodes=[e for e in batch.episodes if e.group_id not in skip])
+                              if skip else batch)
         for kid, worker, reason in self.gate.take_new_bans():  # a banned key's queued batches are never trained on
             self.event(event="banned", key_id=kid, worker=worker, reason=reason[:500])
             for batch in self.pool.of_key(kid):
@@ -240,15 +246,45 @@ class Intake:
         self.binder.prune(version - self.cfg.trainer.max_lag)
         reread = [False]
 
-        def standing(kid: str) -> bool:
+        def reread_once(kid: str) -> None:
             if not self.gate.established(kid) and not reread[0]:  # enrolled since the roster was last read?
                 reread[0] = True
                 self.gate.refresh(force=True)
+
+        def standing(kid: str) -> bool:
+            reread_once(kid)
             return self.gate.established(kid) and not self.gate.is_banned(kid)
 
-        for kid, where, reason in self.binder.poll(max(0, version - self.cfg.rollout.lag), standing):
+        def held(kid: str, after: int, below: int) -> set[int]:
+            reread_once(kid)  # its worker id is in the roster
+            return self._held(kid, after, below)
+
+        for kid, where, reason in self.binder.poll(max(0, version - self.cfg.rollout.lag), standing, held):
             self.ledger.write(refused_ticket=where, key_id=kid, reason=reason[:500])
             self.event(event="ticket_refused", ticket=where, key_id=kid, reason=reason[:500])
+
+    def _held(self, kid: str, after: int, below: int) -> set[int]:
+        """The numbers in ``(after, below)`` held under ``kid``'s worker id, by anyone's object: in
+        the store now (what the worker's writer skipped), or settled by the reader (their objects
+        may be pruned or deleted since). The binder does not count them against the key's lookahead."""
+        entry, rec = self.gate.roster.enrolled.get(kid), self.gate.records.get(kid)
+        worker = entry.worker_id if entry is not None else rec.worker_id if rec is not None else ""
+        if not worker:
+            return set()
+        held = self.reader.settled_between(worker, after, below)
+        if free_between(after, below, held) < MAX_AHEAD:
+            return held  # what the reader has read is enough: no listing
+        now = time.monotonic()
+        if now - self._held_listed.get(kid, -_HELD_LIST_EVERY_S) < _HELD_LIST_EVERY_S:
+            return held  # one listing a key every few seconds, however many far tickets it writes
+        if len(self._held_listed) > 4096:
+            self._held_listed.clear()
+        self._held_listed[kid] = now
+        try:
+            held |= held_numbers(self.store, self.cfg.name, worker, after, below)
+        except (StoreError, ValueError) as e:
+            log.warning("could not list worker %s's numbers (%s); counting only those already read", worker, e)
+        return held
 
     def _binding_problem(self, batch: Batch) -> str | None:
         """Why a salted ``batch`` is not made under its number's binding, or None (probation

@@ -137,11 +137,15 @@ class WarmstartConfig:
     """``[lo, hi]``: where the habit must leave the policy's propensity to open an episode as
     ``practice_style`` does (for the search tasks: to search first), measured exactly from the
     learner's probabilities on held-out prompts after the habit steps. Up to ``band_steps`` more
-    habit steps, their mix shifted toward or away from the style, bring it inside. The habit's end
+    habit steps, each batch exactly at the band's middle share, at ``band_lr_scale`` of the
+    rate, bring it inside. The habit's end
     point otherwise varies from seed to seed (a short phase at full learning rate), and a policy
     that never opens that way gives RL nothing to reinforce. None: no calibration."""
     band_steps: int = 8
     """At most this many extra habit steps to reach ``habit_band``."""
+    band_lr_scale: float = 0.25
+    """The extra steps' learning rate as a share of ``lr`` (a fresh optimizer): at the habit's own
+    rate a single batch moved SmolLM2-135M's propensity from 10% to 43%."""
     threads: int = 0
     """torch CPU threads during the warm start (workers are idle then); 0 = the trainer's setting."""
 
@@ -156,7 +160,8 @@ class WarmstartConfig:
         check(math.isfinite(self.lr) and self.lr > 0 and self.check_every >= 0, "warmstart.lr > 0 and check_every >= 0")
         check(self.habit_band is None or (len(self.habit_band) == 2 and 0 <= self.habit_band[0] < self.habit_band[1] <= 1),
               "warmstart.habit_band must be [lo, hi] with 0 <= lo < hi <= 1")
-        check(self.band_steps >= 0, "warmstart.band_steps must be >= 0")
+        check(self.band_steps >= 0 and 0 < self.band_lr_scale <= 1,
+              "warmstart.band_steps must be >= 0 and band_lr_scale in (0, 1]")
 
 
 @dataclass(frozen=True)

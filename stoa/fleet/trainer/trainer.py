@@ -243,7 +243,7 @@ class Trainer:
         got = check_trainer(self.model_dir, self.learner, cfg.rollout, self.policies.scorer,
                             self.learner.config.device, cfg.pulse.dtype,
                             cfg.model.prompt_format)  # refuses before anything is published
-        self._log("event", event="parity", **got.metrics())
+        self._log("event", event="parity", scorer=self.policies.scorer, **got.metrics())
         publish_run(self.store, self.run_name, cfg, self.model_dir, self.key)
         extra = self._resume(checkpoint) if checkpoint else self._start()
         self.intake = Intake(cfg, self.store, self.key, vocab_size=self.learner.vocab_size,

@@ -91,11 +91,23 @@ class Demonstrations:
                 return ep
         raise ValueError(f"{type(self.env.unwrapped).__name__} scripted no {style!r} demonstration in {tries} draws")
 
-    def batch(self, size: int, mix: Mapping[str, float], rng: np.random.Generator) -> list[Episode]:
+    def batch(self, size: int, mix: Mapping[str, float], rng: np.random.Generator,
+              exact: bool = False) -> list[Episode]:
         """``size`` demonstrations of random items whose styles are drawn with the weights of ``mix``
-        (an item without a demonstration in its style is replaced by a fresh draw)."""
+        (an item without a demonstration in its style is replaced by a fresh draw). ``exact``: each
+        style's count is its share of ``size``, rounded (largest remainders, ties at random), so
+        the batch itself has the mix's composition."""
         names = list(mix)
-        cum = np.cumsum([mix[n] for n in names], dtype=float)
+        weights = np.array([mix[n] for n in names], dtype=float)
+        if exact:
+            want = weights / weights.sum() * size
+            counts = np.floor(want).astype(int)
+            order = np.lexsort((rng.random(len(names)), -(want - counts)))
+            counts[order[: size - counts.sum()]] += 1
+            styles = [n for n, c in zip(names, counts) for _ in range(c)]
+            return [self.episode(int(i), st, rng) or self.sample(st, rng)
+                    for i, st in zip(rng.integers(len(self), size=size), styles)]
+        cum = np.cumsum(weights)
         idx, u = rng.integers(len(self), size=size), rng.random(size) * cum[-1]
         out = []
         for i, x in zip(idx, u):
@@ -156,10 +168,10 @@ def opening_probability(learner: Any, demos: Demonstrations, style: str, others:
     return final_turn_probability(learner.logprobs(episodes), episodes)
 
 
-def _toward(mix: Mapping[str, float], style: str, p: float, band: Sequence[float]) -> dict[str, float]:
-    """The habit's mix with ``style``'s share moved so that training pulls its propensity ``p``
-    into ``band``: the band's middle mirrored about ``p`` (above the band: less of it; below: more)."""
-    share = float(np.clip(band[0] + band[1] - p, 0.0, 1.0))
+def _toward(mix: Mapping[str, float], style: str, band: Sequence[float]) -> dict[str, float]:
+    """The habit's mix with ``style``'s share at the band's middle, the other styles in their ratio:
+    supervised steps on it pull the propensity toward that share from either side."""
+    share = 0.5 * (band[0] + band[1])
     rest = {k: v for k, v in mix.items() if k != style}
     total = sum(rest.values())
     if not rest or total <= 0:
@@ -212,7 +224,7 @@ def warm_start(cfg: RunConfig, learner: Any, model_dir: Path, make_env: Callable
             batch = [worlds[w].sample(ws.practice_style, rng) for w in rng.integers(len(worlds), size=ws.batch_size)]
         else:
             phase = "habit" if s <= ws.practice_steps + ws.steps else "band"
-            batch = demos.batch(ws.batch_size, mix, rng)
+            batch = demos.batch(ws.batch_size, mix, rng, exact=phase == "band")
             batch += [answer_only(worlds[w].sample(ws.practice_style, rng))
                       for w in rng.integers(len(worlds), size=ws.practice_answer_only)] if worlds else []
         losses.append(learner.sft_step(batch)["loss"])
@@ -221,7 +233,10 @@ def warm_start(cfg: RunConfig, learner: Any, model_dir: Path, make_env: Callable
             p_open = opening_probability(learner, held, style, [o for o in ws.mix if o != style], opening, probe)
             row["warmstart/p_open"] = p_open
             if not band[0] <= p_open <= band[1] and extra < ws.band_steps:
-                mix, extra, total = _toward(ws.mix, style, p_open, band), extra + 1, total + 1
+                if not extra:  # smaller steps: at the habit's rate one batch can carry it across the band
+                    reset_optimizer(lr=ws.lr * ws.band_lr_scale, schedule="constant", warmup_steps=0,
+                                    threads=ws.threads or cfg.trainer.threads)
+                mix, extra, total = _toward(ws.mix, style, band), extra + 1, total + 1
                 row["of"] = total
         if (ws.check_every and s % ws.check_every == 0) or s in (ws.practice_steps, total):
             p = final_turn_probability(learner.logprobs(check), check)

@@ -28,7 +28,12 @@ gap, counted as withheld like any other.
 
 Bounds: a ticket is at most :data:`MAX_TICKET_BYTES`; a key holds at most
 :data:`MAX_BOUND_PER_KEY` live bindings (a ticket past that waits for a later poll) and may not
-ticket more than :data:`MAX_AHEAD` numbers past its highest bound one; keys without standing get
+ticket past :data:`MAX_AHEAD` *free* numbers above its highest bound one, so neither a key nor
+its waiting tickets run far ahead. A number held by an object under the key's worker id (in the
+store now, or settled by the trainer's reader) is not free: the worker's writer skips such
+numbers, so junk someone planted there cannot push an honest worker's next number out of reach,
+and a key that plants its own junk to reach further pays one object per number, as it would
+to skip them anyway (:func:`free_between`). Keys without standing get
 no bindings (their work is probation work, which needs none). A ticket that is malformed, does
 not verify, or comes from a key without standing is moved to ``<run>/quarantine/_tickets/``
 with the reason. A binding whose version is more than ``trainer.max_lag`` behind the trainer is
@@ -59,8 +64,8 @@ from stoa.transport.signing import (
 )
 from stoa.transport.store import KeyNotFound, ObjectStore, ObjectTooLarge, StoreError
 
-__all__ = ["MAX_AHEAD", "MAX_BOUND_PER_KEY", "TICKETS_AHEAD", "Binder", "Bound", "beacon", "passed_over",
-           "read_bindings", "write_ticket"]
+__all__ = ["MAX_AHEAD", "MAX_BOUND_PER_KEY", "TICKETS_AHEAD", "Binder", "Bound", "Held", "Tickets", "beacon",
+           "free_between", "passed_over", "read_bindings", "write_ticket"]
 
 log = logging.getLogger("stoa.trainer")
 
@@ -69,7 +74,8 @@ TICKETS_AHEAD = 2
 MAX_BOUND_PER_KEY = 8
 """Live bindings one key may hold; a further ticket waits for a later poll."""
 MAX_AHEAD = 64
-"""How far past its highest bound number a key may ticket; a ticket beyond is refused."""
+"""How many free numbers (held by no object under the key's worker id) may lie between a key's
+highest bound number and a ticket; a ticket beyond is refused. It also caps a key's waiting tickets."""
 MAX_TICKET_BYTES = 4 << 10
 MAX_BINDINGS_BYTES = 32 << 20
 _TICKET_KIND, _TICKET_FORMAT = "batch-ticket", "stoa.ticket/1"
@@ -100,6 +106,17 @@ def _mac_key(private_key: Any) -> bytes:
 def _beacon(mac_key: bytes, run: str, kid: str, seq: int, version: int) -> str:
     text = f"stoa-binding-beacon\x1f{run}\x1f{kid}\x1f{seq}\x1f{version}"
     return hashlib.blake2b(text.encode(), key=mac_key, digest_size=16).hexdigest()
+
+
+Held = Callable[[str, int, int], set[int]]
+"""``held(key id, after, below)``: the numbers in ``(after, below)`` that objects under the key's
+worker id hold, whoever wrote them (the trainer's intake answers it from the store and its reader)."""
+
+
+def free_between(top: int, seq: int, held: set[int] | frozenset[int]) -> int:
+    """How many numbers strictly between ``top`` and ``seq`` no object holds (``held``): the
+    lookahead a ticket for ``seq`` asks for when ``top`` is its key's highest bound number."""
+    return max(0, seq - top - 1 - sum(1 for n in held if top < n < seq))
 
 
 def _is_int(n: object, low: int = 0) -> bool:
@@ -159,6 +176,38 @@ def passed_over(seq: int, bound: dict[int, Bound], top: int) -> int | None:
     return min([n for n in bound if n > seq] + [top + 1])
 
 
+class Tickets:
+    """A worker's side of the exchange for one key: tickets its due number and the next ones (again
+    after :attr:`retry_s` without a binding) and reads its bindings from the signed document."""
+
+    retry_s = 30.0
+
+    def __init__(self, store: ObjectStore, run: str, private_key: Any, public_key: Any):
+        self.store, self.run, self.private_key, self.public_key = store, run, private_key, public_key
+        self.kid = key_id(load_private_key(private_key).public_key())
+        self.ticketed: dict[int, float] = {}  # number -> when its ticket was written
+        self.bindings: dict[int, Bound] = {}  # this key's live bindings, as last read
+        self.top = -1  # this key's highest number the trainer ever bound, as last read
+
+    def bound(self, seq: int) -> Bound | None:
+        """Number ``seq``'s binding, or None while the trainer has not bound it. Raises
+        :class:`SignatureError` (a document that does not verify) or ``StoreError``."""
+        now = time.time()
+        for s in range(seq, seq + TICKETS_AHEAD):
+            if s not in self.bindings and s > self.top and now - self.ticketed.get(s, 0.0) > self.retry_s:
+                write_ticket(self.store, self.run, s, self.private_key)
+                self.ticketed[s] = now
+        if seq not in self.bindings:
+            bound, top = read_bindings(self.store, self.run, self.public_key)
+            self.bindings, self.top = dict(bound.get(self.kid, {})), top.get(self.kid, -1)
+        self.ticketed = {s: t for s, t in self.ticketed.items() if s >= seq}
+        return self.bindings.get(seq)
+
+    def passed_over(self, seq: int) -> int | None:
+        """:func:`passed_over` for ``seq`` by the bindings last read."""
+        return passed_over(seq, self.bindings, self.top)
+
+
 # -- the trainer's side -------------------------------------------------------------------------
 
 
@@ -195,11 +244,14 @@ class Binder:
         self.bound_total += 1
         return self.bound_to(kid, seq)
 
-    def poll(self, version: int, standing: Callable[[str], bool]) -> list[tuple[str, str, str]]:
+    def poll(self, version: int, standing: Callable[[str], bool],
+             held: Held | None = None) -> list[tuple[str, str, str]]:
         """Read the tickets in the store, bind those of keys with ``standing`` at ``version``, write
         the document if anything changed, then delete the tickets read. Returns the refused ones
-        as ``(key id or "", ticket key, reason)`` (already moved to the quarantine). Store errors
-        are logged; the tickets then stay for the next poll."""
+        as ``(key id or "", ticket key, reason)`` (already moved to the quarantine). ``held``
+        answers which numbers objects under a key's worker id hold (None: none counted); it is
+        asked only for a ticket more than :data:`MAX_AHEAD` numbers past its key's highest bound
+        one. Store errors are logged; the tickets then stay for the next poll."""
         try:
             keys = self.store.list(layout.tickets(self.run))
         except StoreError as e:
@@ -215,22 +267,33 @@ class Binder:
                 continue
             parsed.append((m.group(1), int(m.group(2)), k))
         parsed.sort()
+        last = {kid: seq for kid, seq, _ in parsed}  # each key's highest ticketed number (sorted)
+        occupied: dict[str, set[int]] = {}
+        waiting: dict[str, int] = {}
         for kid, seq, k in parsed:
-            if seq <= self.top.get(kid, -1):  # bound already (the first binding stands), or below one
+            top = self.top.get(kid, -1)
+            if seq <= top:  # bound already (the first binding stands), or below one
                 done.append(k)
                 continue
-            live = self.bound.get(kid, {})
-            if seq > self.top.get(kid, -1) + MAX_AHEAD:
-                refused.append((kid, k, f"number {seq} is more than {MAX_AHEAD} past the key's highest bound number"))
-                continue
-            if len(live) >= MAX_BOUND_PER_KEY:
-                continue  # waits for a later poll
-            why = self._ticket_problem(k, kid, seq)
-            if why is None and not standing(kid):
-                why = "the key has no standing (no accepted batch, not enrolled, or banned): its work is probation work"
+            far = seq > top + MAX_AHEAD
+            why = None
+            if far or len(self.bound.get(kid, {})) < MAX_BOUND_PER_KEY:
+                why = self._ticket_problem(k, kid, seq)
+                if why is None and not standing(kid):
+                    why = "the key has no standing (no accepted batch, not enrolled, or banned): its work is probation work"
+            if why is None and far:  # held numbers are looked up only for a genuine ticket of a key with standing
+                if kid not in occupied:  # once a poll, up to the key's furthest ticket
+                    occupied[kid] = set(held(kid, top, last[kid])) if held is not None else set()
+                if free_between(top, seq, occupied[kid]) >= MAX_AHEAD:
+                    why = f"number {seq} is more than {MAX_AHEAD} free numbers past the key's highest bound number"
             if why is not None:
                 refused.append((kid, k, why))
                 continue
+            if len(self.bound.get(kid, {})) >= MAX_BOUND_PER_KEY:
+                waiting[kid] = waiting.get(kid, 0) + 1
+                if waiting[kid] > MAX_AHEAD:
+                    refused.append((kid, k, f"more than {MAX_AHEAD} of the key's tickets wait for a binding"))
+                continue  # waits for a later poll
             self.bind(kid, seq, version)
             done.append(k)
         if self.dirty and not self.write():

@@ -103,6 +103,9 @@ class TrustGate:
         self.private = roster_copy  # the trainer's own folder: the operator's copy of the report goes there
         self._report_written = 0.0
         self._new_bans: list[str] = []
+        self.untrained: dict[str, set[str]] = {}
+        """Batch key -> ids of the groups of that admitted batch not to train on (they hold an
+        unverifiable episode), as of the last :meth:`review`."""
 
     @property
     def roster(self) -> Roster:
@@ -216,17 +219,21 @@ class TrustGate:
         assigned seed (the sampling check, and with spot-checks) and an accepted probation batch
         is counted as such; None, neither. The checks are the review's
         (:mod:`stoa.fleet.trust.review`); the gate applies what they find (a confirmed forgery
-        bans its key) and binds an accepted batch's unbound key to its worker id (open runs,
-        :meth:`Membership.bind`), which also publishes its assignment salt."""
+        bans its key; the groups of an episode replay can neither confirm nor refute go to
+        :attr:`untrained`, with no strike) and binds an accepted batch's unbound key to its worker
+        id (open runs, :meth:`Membership.bind`), which also publishes its assignment salt."""
         self.version = trainer_version
         work = list(work) if work is not None else [None] * len(batches)
         verdicts: list[Verdict | None] = [None] * len(batches)
+        self.untrained = {}
         for i, b in enumerate(batches):
             self.records.touch(b.key_id, b.worker_id)
             if self.is_banned(b.key_id):
                 verdicts[i] = Verdict("refused", f"key {b.key_id} is banned")
             else:
-                verdicts[i] = self.checks.replay(b)
+                verdicts[i], unverifiable = self.checks.replay(b)
+                if unverifiable:
+                    verdicts[i] = self._unverifiable(b, unverifiable)
         for i, b in enumerate(batches):
             if verdicts[i] is None:
                 verdict, spot_checked = self.checks.check(b, work[i], trainer_version)
@@ -241,11 +248,27 @@ class TrustGate:
                 verdicts[i] = Verdict("refused", why)
             if verdicts[i] is None:
                 probation = bool(b.key_id) and work[i] is not None and work[i].probation
-                self.records.accept(b.key_id, b.worker_id, len(b.episodes), probation)
+                dropped = self.untrained.get(b.key, set())
+                kept = sum(e.group_id not in dropped for e in b.episodes)
+                self.records.accept(b.key_id, b.worker_id, kept, probation)
                 self.members.publish_salt(b.key_id)  # the key has standing: its worker may now compute its work
         for k in self.records.forget_strangers(set(self.roster.enrolled)):
             self.checks.audit.forget(k)
         return verdicts
+
+    def _unverifiable(self, b: Batch, found: list[tuple[int, str]]) -> Verdict | None:
+        """Note ``b``'s unverifiable episodes against its key (no strike) and set their groups
+        apart in :attr:`untrained`; a batch with no other group is refused as ``unverifiable``."""
+        self.records.touch(b.key_id, b.worker_id).unverifiable_episodes += len(found)
+        groups = {b.episodes[i].group_id for i, _ in found}
+        i, why = found[0]
+        detail = (f"{len(found)} of {len(b.episodes)} episodes cannot be verified; episode {i} "
+                  f"(item {b.episodes[i].item_index}): {why}")
+        log.info("batch %s: %s; %d group(s) not trained", b.key, detail, len(groups))
+        if groups >= {e.group_id for e in b.episodes}:
+            return Verdict("unverifiable", f"replay: {detail}")
+        self.untrained[b.key] = groups
+        return None
 
     def calibrate(self, episodes: Sequence[Episode], trainer_logprobs: Sequence[np.ndarray]) -> float:
         """The int8-versus-float floor, from the trainer's own int8 episodes at one version."""

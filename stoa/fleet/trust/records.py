@@ -71,6 +71,10 @@ class WorkerRecord:
     rejected_episodes: int = 0
     rejected: dict[str, int] = field(default_factory=dict)
     """Rejected batches by category (:data:`~stoa.types.Category`)."""
+    unverifiable_episodes: int = 0
+    """Its episodes whose outcome depended on the machine (a scorer's timeout, in its claim or
+    the trainer's replay): not trained, not struck; a key claiming many more than the fleet is
+    worth a look."""
     strikes: int = 0
     """Rejections that count toward a ban (:data:`STRIKE_CATEGORIES`)."""
     spot_checks: int = 0
@@ -231,6 +235,7 @@ class Records(dict[str, WorkerRecord]):
             "trust/withheld_batches": float(sum(r.withheld for r in recs)),
             "trust/withholding_flagged": float(sum(f for _, f in self.withholding(worker_mads).values())),
             "trust/accepted_batches": float(sum(r.accepted_batches for r in recs)),
+            "trust/unverifiable_episodes": float(sum(r.unverifiable_episodes for r in recs)),
             "trust/rejected_batches": float(sum(r.rejected_batches for r in recs)
                                             + sum(sum(d.values()) for d in self.anonymous.values())),
             **{f"trust/rejected/{c}": float(n) for c, n in sorted(cats.items())},
@@ -263,6 +268,7 @@ class WorkerReport:
     rejected_batches: int = 0
     rejected_episodes: int = 0
     rejected: dict[str, int] = field(default_factory=dict)
+    unverifiable_episodes: int = 0
     strikes: int = 0
     spot_checks: int = 0
     spot_check_failures: int = 0

@@ -17,7 +17,10 @@ turns). :class:`Replayer` rebuilds an episode exactly as the rollout engine buil
   rewards) and ``metrics`` (the last step's, plus ``turns``, ``truncated``, ``finish_reason``)
   must equal the worker's claims, value and type.
 
-Any difference is a reason string; nothing here raises for a malformed episode. The text codec
+Any difference is a reason string; nothing here raises for a malformed episode. A difference
+that a machine-dependent outcome explains (``TextEnv.indeterminate_metrics``: a scorer's timeout,
+in the worker's claim or in the replay) is an :class:`Unverifiable` reason: the episode is
+neither confirmed nor a forgery (:meth:`Replayer.triage` sorts the two). The text codec
 (prompt format, observation encoding, turn decoding, EOS and stop-token candidates) is the
 engine's own (``engine.codec``, part of the engine contract in :mod:`stoa.backends.engine`),
 and a turn ends by the same :class:`~stoa.backends.engine.TurnRule` the engine's rollout loop
@@ -35,7 +38,7 @@ from typing import Any
 from stoa.backends.engine import TextCodec
 from stoa.types import Episode
 
-__all__ = ["Replayer", "layout_digest"]
+__all__ = ["Replayer", "Unverifiable", "layout_digest"]
 
 _MAX_SHOWN = 60
 
@@ -50,6 +53,23 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, float) and isinstance(b, float):
         return a == b or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
     return type(a) is type(b) and a == b
+
+
+class Unverifiable(str):
+    """A replay reason that is not the worker's fault: the claim or the replay holds a value of
+    the task's ``indeterminate_metrics`` (its outcome depended on the machine, not on the turns),
+    so the episode can be neither confirmed nor refuted. It is still a reason (a ``str``)."""
+
+
+def _indeterminate(metrics: Any, indeterminate: dict[str, tuple[Any, ...]]) -> str | None:
+    """The first ``key=value`` of ``metrics`` that ``indeterminate`` lists, or None."""
+    if not isinstance(metrics, dict):
+        return None
+    for key, values in indeterminate.items():
+        v = metrics.get(key)
+        if isinstance(v, (str, int, float, bool)) and any(_same(v, w) for w in values):
+            return f"{key}={v!r}"
+    return None
 
 
 class Replayer:
@@ -68,6 +88,8 @@ class Replayer:
         self.env = make_env()
         u = self.env.unwrapped
         self.replayable = bool(getattr(u, "replayable", True))
+        self.indeterminate: dict[str, tuple[Any, ...]] = {
+            str(k): tuple(v) for k, v in (getattr(u, "indeterminate_metrics", None) or {}).items()}
         self.codec = codec
         stops = tuple(stop_strings if stop_strings is not None else getattr(u, "stop_strings", ()) or ())
         self.rule = codec.turn_rule(stops, max_turn_tokens, max_episode_tokens)
@@ -76,13 +98,15 @@ class Replayer:
         self._prompt_cache = prompt_cache
 
     def check(self, ep: Episode) -> str | None:
-        """Why ``ep`` is not what the engine and the environment would have produced, or None."""
-        return _verdict(ep, self._outcome(ep))
+        """Why ``ep`` is not what the engine and the environment would have produced (an
+        :class:`Unverifiable` reason when a machine-dependent outcome stands in the way), or None."""
+        return _verdict(ep, self._outcome(ep), self.indeterminate)
 
     def check_all(self, episodes: Sequence[Episode]) -> list[tuple[int, str]]:
-        """``(index, reason)`` of every episode that does not replay. Episodes with the same item
-        and tokens (a converged policy repeats itself) are played through the environment once;
-        each one's own reward and metrics are compared with that outcome."""
+        """``(index, reason)`` of every episode that does not replay, unverifiable ones included
+        (:meth:`triage` tells them apart). Episodes with the same item and tokens (a converged
+        policy repeats itself) are played through the environment once; each one's own reward and
+        metrics are compared with that outcome."""
         out = []
         seen: dict[tuple[int | None, bytes], str | tuple[dict[str, Any], float]] = {}
         for i, ep in enumerate(episodes):
@@ -90,10 +114,17 @@ class Replayer:
             got = seen.get(key)
             if got is None:
                 got = seen[key] = self._outcome(ep)
-            why = _verdict(ep, got)
+            why = _verdict(ep, got, self.indeterminate)
             if why:
                 out.append((i, why))
         return out
+
+    def triage(self, episodes: Sequence[Episode]) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+        """``(forged, unverifiable)``: :meth:`check_all`'s findings, split into episodes that do
+        not replay (the worker's fault) and :class:`Unverifiable` ones (nobody's)."""
+        bad = self.check_all(episodes)
+        return ([(i, w) for i, w in bad if not isinstance(w, Unverifiable)],
+                [(i, w) for i, w in bad if isinstance(w, Unverifiable)])
 
     def _outcome(self, ep: Episode) -> str | tuple[dict[str, Any], float]:
         """Why ``ep``'s tokens are not the engine's and the environment's, or the metrics and
@@ -161,8 +192,10 @@ class Replayer:
                     return f"segment {j}: the environment's observation is missing"
                 if segs[j].tokens.tolist() != obs_tokens:
                     got = self.codec.decode(segs[j].tokens.tolist())
-                    return (f"segment {j}: the observation differs from the environment's "
-                            f"(claimed {_shown(got)}, replay gives {_shown(obs)})")
+                    why = (f"segment {j}: the observation differs from the environment's "
+                           f"(claimed {_shown(got)}, replay gives {_shown(obs)})")
+                    odd = _indeterminate(metrics, self.indeterminate) or _indeterminate(ep.metrics, self.indeterminate)
+                    return Unverifiable(f"{why}; the outcome depends on the machine ({odd})") if odd else why
                 length += len(obs_tokens)
                 j += 1
         if finish is None:
@@ -182,12 +215,21 @@ def layout_digest(ep: Episode) -> bytes:
     return h.digest()
 
 
-def _verdict(ep: Episode, outcome: str | tuple[dict[str, Any], float]) -> str | None:
+def _verdict(ep: Episode, outcome: str | tuple[dict[str, Any], float],
+             indeterminate: dict[str, tuple[Any, ...]] | None = None) -> str | None:
     """Why ``ep`` fails replay given its tokens' ``outcome`` (a reason, or the replay's metrics
-    and reward to compare its claims with), or None. Never raises."""
+    and reward to compare its claims with), or None. When the claim or the replay holds an
+    ``indeterminate`` metric value, the claims cannot be judged: an :class:`Unverifiable` reason
+    (even when they agree: the reward is the machine's, not the turns'). Never raises."""
     if isinstance(outcome, str):
         return outcome
     try:
+        odd = _indeterminate(outcome[0], indeterminate or {})
+        if odd:
+            return Unverifiable(f"the replay's outcome depends on the machine ({odd})")
+        odd = _indeterminate(ep.metrics, indeterminate or {})
+        if odd:
+            return Unverifiable(f"the claimed outcome depends on the machine ({odd})")
         return _claims(ep, *outcome)
     except Exception as e:  # a malformed claim is the episode's problem
         return f"replay failed: {type(e).__name__}: {str(e)[:200]}"

@@ -6,7 +6,8 @@ the records and the roster.
 In the order a batch meets them:
 
 1. **Replay** (:mod:`stoa.fleet.trust.replay`): every episode re-played through the trainer's
-   own environment (tasks that declare ``replayable``).
+   own environment (tasks that declare ``replayable``). An episode whose outcome depended on
+   the machine (``TextEnv.indeterminate_metrics``) is unverifiable: not a forgery, not trained.
 2. **Every episode checked** (``audit.every_episode``, with assigned work): one int8 forward pass
    per distinct row at the claimed version gives, for every sampled token of every episode, its
    draw margin under the assigned seed (:func:`stoa.backends.sampling.draw_margins`) and its
@@ -139,9 +140,16 @@ class Review:
         ``audit.every_episode``."""
         return bool(key_id) and self.int8 is not None and self.cfg.every_episode
 
-    def replay(self, b: Batch) -> Verdict | None:
-        """Replay's verdict on ``b`` (None also when replay is off)."""
-        return None if self.replayer is None else _guarded(self._replay, b)
+    def replay(self, b: Batch) -> tuple[Verdict | None, list[tuple[int, str]]]:
+        """``(verdict, unverifiable)``: replay's verdict on ``b`` (None also when replay is off)
+        and, when it passes, ``(index, reason)`` of its episodes that replay can neither confirm
+        nor refute (:class:`~stoa.fleet.trust.replay.Unverifiable`: not the worker's fault, and
+        not to be trained on)."""
+        if self.replayer is None:
+            return None, []
+        unverifiable: list[tuple[int, str]] = []
+        verdict = _guarded(self._replay, b, unverifiable)
+        return verdict, unverifiable if verdict is None else []
 
     def check(self, b: Batch, work: Assignment | None, trainer_version: int) -> tuple[Verdict | None, bool]:
         """``(verdict, spot_checked)``: the audit and the sampling check of ``b``, whose assigned
@@ -176,9 +184,9 @@ class Review:
         why = self._sampling(b, eps, seed, [d.margins for d in draws])
         return None if why is None else Verdict("sampling", why, ban=True)
 
-    def _replay(self, b: Batch) -> Verdict | None:
+    def _replay(self, b: Batch, unverifiable: list[tuple[int, str]]) -> Verdict | None:
         t0 = time.perf_counter()
-        bad = self.replayer.check_all(b.episodes)  # type: ignore[union-attr]
+        bad, unverifiable[:] = self.replayer.triage(b.episodes)  # type: ignore[union-attr]
         self.seconds["replay"] += time.perf_counter() - t0
         self.counts["episodes_replayed"] += len(b.episodes)
         if not bad:

@@ -69,7 +69,7 @@ from stoa.fleet.parity import join_check
 from stoa.fleet.run import Heartbeat, fetch_run, write_heartbeat
 from stoa.fleet.task import EnvConfig, import_env_module
 from stoa.fleet.trust.assign import assignment
-from stoa.fleet.trust.binding import TICKETS_AHEAD, Bound, passed_over, read_bindings, write_ticket
+from stoa.fleet.trust.binding import Tickets
 from stoa.fleet.worker.follower import LayoutChanged, LiveWeights
 from stoa.fleet.worker.invite import check_worker_id
 from stoa.fleet.worker.section import RolloutConfig
@@ -206,9 +206,7 @@ class Worker:
         self._signals = 0
         self._salt: str | None = None  # this key's assignment salt, once the run publishes it (trust.assign)
         self._salt_read = 0.0
-        self._ticketed: dict[int, float] = {}  # number -> when its ticket was written
-        self._bindings: dict[int, Bound] = {}  # this key's bindings, as last read
-        self._top = -1  # this key's highest number the trainer ever bound, as last read
+        self._tickets = Tickets(self.store, self.run_name, self.private_key, self.public_key)
         self._max_lag = 0
 
     @property
@@ -604,8 +602,8 @@ class Worker:
         seq = self.writer.next_seq
         salt, bound = self._read_salt(), None
         if salt is not None:
-            bound = self._bound(seq)
-            later = passed_over(seq, self._bindings, self._top) if bound is None else None
+            bound = self._tickets.bound(seq)
+            later = self._tickets.passed_over(seq) if bound is None else None
             if later is not None:
                 log.warning("number %d's binding expired while this worker was away (its version fell behind the "
                             "trainer's window): leaving numbers %d-%d", seq, seq, later - 1)
@@ -627,20 +625,6 @@ class Worker:
                           bound.beacon if bound else None)
         return CohortPlan(seq, [RolloutRequest(i, g, rc.group_size) for i, g in zip(work.items, work.group_ids)],
                           rc.sampling(work.seed))
-
-    def _bound(self, seq: int) -> Bound | None:
-        """Number ``seq``'s binding, or None while the trainer has not bound it: tickets ``seq``
-        and the next numbers (again after 30 s without a binding), then reads the bindings."""
-        now = time.time()
-        for s in range(seq, seq + TICKETS_AHEAD):
-            if s not in self._bindings and s > self._top and now - self._ticketed.get(s, 0.0) > 30.0:
-                write_ticket(self.store, self.run_name, s, self.private_key)
-                self._ticketed[s] = now
-        if seq not in self._bindings:
-            bound, top = read_bindings(self.store, self.run_name, self.public_key)
-            self._bindings, self._top = dict(bound.get(self.key_id, {})), top.get(self.key_id, -1)
-        self._ticketed = {s: t for s, t in self._ticketed.items() if s >= seq}
-        return self._bindings.get(seq)
 
     def _read_salt(self) -> str | None:
         """This key's assignment salt once the run has published it (read at most every 2 s until
