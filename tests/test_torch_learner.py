@@ -333,6 +333,10 @@ def test_lr_schedule_is_applied(qwen2_dir):
     assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 7.5e-4, 5e-4, 2.5e-4, 0.0])
     ln.reset_optimizer(LearnerConfig(lr=2e-4, micro_batch_tokens=96))
     assert ln.step == 0 and ln.version == 7 and ln.sft_step(eps)["lr"] == 2e-4
+    moments = {k: v["exp_avg"].clone() for k, v in enumerate(ln._optimizer.state.values())}
+    ln.reset_optimizer(LearnerConfig(lr=5e-5, micro_batch_tokens=96), keep_state=True)  # a new rate only
+    assert ln.step == 1 and all(torch.equal(moments[k], v["exp_avg"]) for k, v in enumerate(ln._optimizer.state.values()))
+    assert ln.sft_step(eps)["lr"] == 5e-5 and ln.step == 2
 
 
 def test_bad_batches_raise_clear_errors(qwen2_dir):

@@ -94,7 +94,8 @@ def test_extra_habit_steps_bring_the_propensity_into_the_band(model, band_steps,
     rows: list[dict] = []
     with caplog.at_level(logging.WARNING, logger="stoa.trainer"):
         warm_start(cfg, learner, model, lambda split, **over: _env(split, **over),
-                   lambda **over: learner.reset_optimizer(replace(learner.config, **over)), lambda **r: rows.append(r))
+                   lambda keep_state=False, **over: learner.reset_optimizer(replace(learner.config, **over), keep_state),
+                   lambda **r: rows.append(r))
     measured = [r["warmstart/p_open"] for r in rows if "warmstart/p_open" in r]
     assert measured[0] < 0.05  # the habit alone leaves it below the band
     if band_steps:

@@ -408,11 +408,13 @@ class Learner(Protocol):
         """
         ...
 
-    def reset_optimizer(self, config: LearnerConfig | None = None) -> None:
+    def reset_optimizer(self, config: LearnerConfig | None = None, keep_state: bool = False) -> None:
         """Start a fresh optimizer (zero moments, ``step = 0``), optionally with a new config.
 
         For switching phases, e.g. from the supervised warm start to RL with its own learning
-        rate and schedule. Weights and ``version`` are unchanged. ``device``, ``dtype``,
+        rate and schedule. ``keep_state``: keep the moments and ``step``, so only the new
+        config's learning rate and schedule apply from the next step (a fresh Adam's first step
+        moves every weight by the full rate). Weights and ``version`` are unchanged. ``device``, ``dtype``,
         ``packing`` and ``gradient_checkpointing`` cannot change here (:class:`LearnerError`);
         build a new learner for that.
         """

@@ -322,12 +322,14 @@ class MegatronLearner(Counters):
                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=lr_at(c, 0), betas=tuple(c.betas), eps=c.eps)
 
-    def reset_optimizer(self, config: LearnerConfig | None = None) -> None:
+    def reset_optimizer(self, config: LearnerConfig | None = None, keep_state: bool = False) -> None:
         if config is not None:
             keep = ("device", "dtype", "packing", "gradient_checkpointing")
             if any(getattr(config, f) != getattr(self.config, f) for f in keep):
                 raise LearnerError(f"reset_optimizer cannot change {list(keep)}; build a new learner")
             self.config = config
+        if keep_state:
+            return
         self._step = 0
         if self._ddp is not None:
             self._ddp.zero_grad_buffer()

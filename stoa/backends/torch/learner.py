@@ -121,7 +121,7 @@ class TorchLearner(Counters):
         groups = [{"params": decay, "weight_decay": c.weight_decay}, {"params": rest, "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=lr_at(c, 0), betas=tuple(c.betas), eps=c.eps)
 
-    def reset_optimizer(self, config: LearnerConfig | None = None) -> None:
+    def reset_optimizer(self, config: LearnerConfig | None = None, keep_state: bool = False) -> None:
         if config is not None:
             keep = {f: getattr(self.config, f) for f in ("device", "dtype", "packing", "gradient_checkpointing")}
             if any(getattr(config, f) != v for f, v in keep.items()):
@@ -129,6 +129,8 @@ class TorchLearner(Counters):
             if config.threads and config.threads != self.config.threads:
                 torch.set_num_threads(config.threads)
             self.config = config
+        if keep_state:
+            return
         self._step = 0
         self._optimizer = self._make_optimizer()
 

@@ -256,9 +256,9 @@ class LeaderLearner:
         self.ranks.send("load_checkpoint", path=os.path.abspath(path))
         return self.learner.load_checkpoint(path)
 
-    def reset_optimizer(self, config: LearnerConfig | None = None) -> None:
-        self.ranks.send("reset_optimizer", config=None if config is None else _plain(config))
-        self.learner.reset_optimizer(config)
+    def reset_optimizer(self, config: LearnerConfig | None = None, keep_state: bool = False) -> None:
+        self.ranks.send("reset_optimizer", config=None if config is None else _plain(config), keep_state=keep_state)
+        self.learner.reset_optimizer(config, keep_state)
 
     def close(self) -> None:
         """Every rank closes its learner (megatron's parallel state); a new one may be built after."""
@@ -291,7 +291,7 @@ def _apply(learner: Any, msg: Message, objectives: dict[str, Any]) -> None:
     elif msg.op == "load_checkpoint":
         learner.load_checkpoint(Path(f["path"]))
     elif msg.op == "reset_optimizer":
-        learner.reset_optimizer(None if f["config"] is None else _learner_config(f["config"]))
+        learner.reset_optimizer(None if f["config"] is None else _learner_config(f["config"]), bool(f.get("keep_state")))
     elif msg.op == "close":
         learner.close()
     else:

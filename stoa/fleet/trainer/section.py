@@ -144,8 +144,8 @@ class WarmstartConfig:
     band_steps: int = 8
     """At most this many extra habit steps to reach ``habit_band``."""
     band_lr_scale: float = 0.25
-    """The extra steps' learning rate as a share of ``lr`` (a fresh optimizer): at the habit's own
-    rate a single batch moved SmolLM2-135M's propensity from 10% to 43%."""
+    """The extra steps' learning rate as a share of ``lr`` (the habit's optimizer state kept): at the
+    habit's own rate a single batch moved SmolLM2-135M's propensity from 10% to 43%."""
     threads: int = 0
     """torch CPU threads during the warm start (workers are idle then); 0 = the trainer's setting."""
 

@@ -289,7 +289,8 @@ class Trainer:
         self.ledger.cut(None)  # nothing of an earlier attempt survives without a checkpoint
         if self.cfg.warmstart.steps or self.cfg.warmstart.practice_steps:
             warm_start(self.cfg, self.learner, self.model_dir, self._make_env,
-                       lambda **over: self.learner.reset_optimizer(self._learner_config(**over)),
+                       lambda keep_state=False, **over: self.learner.reset_optimizer(self._learner_config(**over),
+                                                                                      keep_state),
                        lambda **row: self._log("warmstart", **row))
         self.learner.reset_optimizer(self._learner_config())
         # --resume without a checkpoint: start over, but never reuse a version

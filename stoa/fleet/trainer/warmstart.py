@@ -184,7 +184,8 @@ def warm_start(cfg: RunConfig, learner: Any, model_dir: Path, make_env: Callable
     """Practice in sibling tasks, then this task's habit (``[warmstart]``, ``WarmstartConfig``).
 
     ``make_env(split, **overrides)`` builds the run's environment; ``reset_optimizer(**over)``
-    resets the learner's optimizer with the run's learner config changed by ``over``; every
+    resets the learner's optimizer with the run's learner config changed by ``over``
+    (``keep_state=True``: only its rate and schedule); every
     progress row goes to ``log_row(**fields)``."""
     from transformers import AutoTokenizer
 
@@ -233,9 +234,9 @@ def warm_start(cfg: RunConfig, learner: Any, model_dir: Path, make_env: Callable
             p_open = opening_probability(learner, held, style, [o for o in ws.mix if o != style], opening, probe)
             row["warmstart/p_open"] = p_open
             if not band[0] <= p_open <= band[1] and extra < ws.band_steps:
-                if not extra:  # smaller steps: at the habit's rate one batch can carry it across the band
+                if not extra:  # smaller steps (same moments): at the habit's rate one batch carries it across
                     reset_optimizer(lr=ws.lr * ws.band_lr_scale, schedule="constant", warmup_steps=0,
-                                    threads=ws.threads or cfg.trainer.threads)
+                                    threads=ws.threads or cfg.trainer.threads, keep_state=True)
                 mix, extra, total = _toward(ws.mix, style, band), extra + 1, total + 1
                 row["of"] = total
         if (ws.check_every and s % ws.check_every == 0) or s in (ws.practice_steps, total):
