@@ -204,6 +204,40 @@ def test_progress_is_signed_bounded_and_typed(store, key):
     assert len(store.get(f"{RUN}/progress.json")) < 1 << 20
 
 
+def test_progress_says_which_numbers_are_settled_within_its_bounds_and_old_documents_still_read(store, key):
+    """Which of a worker's numbers are settled (its floor, the 4 highest above it): what a worker
+    throttles on, so junk under its id that the trainer never settles holds it back not at all."""
+    top = 10**12 - 1
+    ids = [f"{i:04d}" + "x" * 60 for i in range(4096)]  # the longest ids, the largest numbers: the worst case
+    many = Progress({w: top for w in ids}, 1.0, {w: (top - 9, (top - 4, top - 3, top - 2, top - 1)) for w in ids})
+    write_progress(store, RUN, many, key)
+    assert len(store.get(f"{RUN}/progress.json")) < 1 << 20
+    p = read_progress(store, RUN, key.public_key())
+    assert p.settled[ids[0]] == (top - 9, (top - 4, top - 3, top - 2, top - 1))
+
+    reader = RolloutReader(store, RUN)
+    reader._settle("w", 0)
+    for n in (2, 5, 6, 7, 9):  # 1 held by junk nobody reads, 3, 4 and 8 uploaded, not read yet
+        reader._settle("w", n)
+    write_progress(store, RUN, reader.progress(), key)
+    p = read_progress(store, RUN, key.public_key())
+    assert p.settled["w"] == (1, (5, 6, 7, 9)) and p.taken["w"] == 6
+    assert p.unsettled("w", [0, 3, 8, 10]) == [8, 10]  # 3 lies below a full list: read past
+    assert p.unsettled("other", [0, 1]) == [0, 1]
+
+    # A document of an older trainer (counts only) reads, without numbers; an older worker reads
+    # only "taken" from a newer one (its parser ignores what it does not know).
+    write_progress(store, RUN, Progress({"w": 3}), key)
+    p = read_progress(store, RUN, key.public_key())
+    assert p.settled is None and p.taken == {"w": 3}
+
+    for bad in ({"w": [1, [5, 5]]}, {"w": [3, [2]]}, {"w": [0, [1, 2, 3, 4, 5]]}, {"w": [0]}, {"bad id!": [0, []]}):
+        body = Progress({"w": 1}, 1.0).to_body(RUN) | {"settled": bad}
+        store.put(f"{RUN}/progress.json", sign_document("progress", body, key))
+        with pytest.raises(SignatureError, match="settled"):
+            read_progress(store, RUN, key.public_key())
+
+
 def test_finished_marker_counts_only_when_it_verifies(store, key):
     assert not is_finished(store, RUN, key.public_key())
     store.put(f"{RUN}/finished.json", b"{}")  # planted by anyone with write access

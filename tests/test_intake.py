@@ -429,6 +429,22 @@ def test_a_key_cannot_go_back_to_a_version_it_prefers_and_an_honest_stale_batch_
     assert [e["batch"] for e in run.lines() if "behind" in e.get("dropped", {})] == [second]
 
 
+def test_a_keys_salt_costs_trust_probation_batches_accepted_probation_batches(tmp_path):
+    """``trust.probation_batches`` is what each key a grinder tries costs: the salt, and so any
+    trained work, comes only after that many of the key's probation batches are accepted."""
+    from stoa.transport.identity import read_salt
+
+    run = _Run(tmp_path, groups_per_step=64, probation_batches=3)
+    w = RolloutWriter(run.store, RUN, "new", private_key=generate_private_key())
+    for seq in range(3):
+        assert read_salt(run.store, RUN, w.key_id, run.key.public_key()) is None
+        w.upload(_work(run, w, seq, probation=True), 0)
+        run.intake.take(0)
+    rec = run.intake.gate.records[w.key_id]
+    assert rec.probation_batches == 3 and rec.strikes == 0
+    assert read_salt(run.store, RUN, w.key_id, run.key.public_key()) is not None
+
+
 def test_ground_keys_choose_no_trained_items(tmp_path):
     """Attack (key grinding): keys cost nothing, and a key's work was a public function of the key,
     so a Sybil made keys until their first batch fell on items of its choosing (100 keys per usable

@@ -3,7 +3,9 @@ reader and gate) on a real local store, and the worker's own pieces (its remembe
 cache, its tickets). 1,000 objects planted at the worker's next numbers, before its first ticket,
 between its tickets, or before a restart of both sides (the worker's cache then remembers a
 number 1,000 past anything bound): its writer skips them, the trainer binds the number it skipped
-to, and its batches are accepted, with no strike and no gap."""
+to, and its batches are accepted, with no strike and no gap. And its throttle
+(``rollout.max_outstanding``) counts only its own uploads: 3 or 100 objects in ``quarantine/`` or
+``rollouts/``, which the trainer may never settle, hold it back not at all."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 
 from stoa.fleet.config import RunConfig
+from stoa.fleet.worker import Worker
 from stoa.fleet.intake import Intake
 from stoa.fleet.trust.assign import assignment
 from stoa.fleet.trust.binding import MAX_AHEAD, Binder, Tickets, write_ticket
@@ -72,6 +75,16 @@ class _Fleet:
         self.writer = RememberingWriter(self.store, RUN, "w", self.wkey, SequenceFile(self.tmp / "cache/sequence.json"))
         self.tickets = Tickets(self.store, RUN, self.wkey, self.key.public_key())
         self.tickets.retry_s = 0.0  # tickets again at every try (the worker waits 30 s): retrying never helps
+        self.me = Worker(self.store, RUN, self.key.public_key(), "w", self.tmp / "cache", private_key=self.wkey)
+
+    def throttle(self, max_outstanding: int = 2) -> None:
+        """Wait as Worker._ready does while ``max_outstanding`` of its batches wait for the trainer
+        (the trainer polls meanwhile); fails if the wait would never end."""
+        for _ in range(8):
+            if self.me._outstanding(self.writer) < max_outstanding:
+                return
+            self.intake.take(0)
+        raise AssertionError(f"{self.me._outstanding(self.writer)} batches outstanding for good: the worker waits")
 
     def plant(self, first: int) -> None:
         for n in range(first, first + PLANTED):
@@ -159,3 +172,50 @@ def test_planted_numbers_do_not_stretch_a_keys_lookahead_over_free_numbers(tmp_p
     assert sorted(k for _, k, _ in refused) == [layout.ticket(RUN, kid, 500 + MAX_AHEAD), layout.ticket(RUN, kid, 701)]
     assert all("free numbers past" in why for _, _, why in refused) and fresh.bound == {}
     assert Binder(store, RUN, run_key).poll(1, lambda k: True) == []  # nothing left; no held: the plain bound
+
+
+def _plant_at(fleet: _Fleet, where: str, first: int, count: int) -> None:
+    for n in range(first, first + count):
+        key = rollout_key(RUN, "w", n, 0)
+        if where == "quarantine":  # written there directly: the trainer never reads, so never settles, it
+            key = layout.quarantine(RUN, "w") + key.rpartition("/")[2]
+        fleet.store.put(key, b"junk")
+
+
+@pytest.mark.parametrize("count", [3, 100])
+@pytest.mark.parametrize("where", ["quarantine", "rollouts"])
+@pytest.mark.parametrize("when", ["before its first upload", "between its uploads", "before a restart"])
+def test_planted_numbers_never_hold_back_an_honest_workers_throttle(tmp_path, monkeypatch, where, count, when):
+    """The worker's throttle (rollout.max_outstanding = 2) counts only its own uploads the trainer
+    has not settled: objects others wrote under its id, which its writer skips and the trainer may
+    never settle (those put straight into quarantine/), hold nothing back. Before, it counted
+    numbers used less numbers taken, so 3 objects in quarantine/ stalled it for good."""
+    # The trainer lists a key's folder for far tickets at most every 10 s and the worker tickets
+    # again after 30 s, so a second far planting costs one wait; this test does not wait.
+    monkeypatch.setattr("stoa.fleet.intake.intake._HELD_LIST_EVERY_S", 0.0)
+    fleet = _Fleet(tmp_path)
+    made = []
+    if when == "before its first upload":
+        _plant_at(fleet, where, 0, count)
+        fleet.worker()
+    else:
+        for _ in range(2):
+            fleet.throttle()
+            made.append(fleet.batch())
+        _plant_at(fleet, where, fleet.writer.next_seq, count)
+    if when == "before a restart":
+        state = json.loads(json.dumps(fleet.intake.state()))
+        fleet.intake = fleet.trainer()
+        fleet.intake.restore(state)
+        fleet.intake.prune(state)
+        fleet.worker()
+    for i in range(4):  # at most 8 live bindings a key, and versions never move here: 6 batches in all
+        fleet.throttle()
+        made.append(fleet.batch())
+        if i == 1:
+            _plant_at(fleet, where, fleet.writer.next_seq + 1, count)  # more, one past its next number
+    pooled = {b.key for b in fleet.intake.pool.batches()}
+    assert set(made) <= pooled  # every batch the worker made was accepted
+    rec = fleet.intake.gate.records[fleet.kid]
+    assert rec.strikes == 0 and rec.rejected_batches == 0 and not rec.banned, rec
+    assert [e for e in fleet.events if e["event"] == "ticket_refused"] == []

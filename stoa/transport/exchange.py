@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import heapq
 import json
 import logging
 import math
@@ -70,8 +71,10 @@ _NAME_RE = re.compile(r"s(\d{12})-v(\d{12})\.episodes")
 _STATE_FORMAT = "stoa.rollout_reader.v1"
 _PROGRESS_FORMAT = "stoa.progress/1"
 _MAX_PROGRESS_WORKERS = 4096
+_MAX_SETTLED_LISTED = 4  # settled numbers above a worker's floor that progress.json lists (4096 workers fit in 1 MiB)
 _MAX_CONTROL_BYTES = 1 << 20
 _MAX_EXAMPLES = 8
+_MAX_PENDING = 64  # a writer's own uploads it remembers as not yet settled
 _MAX_PROBES = 64  # own-newest search of a sealing writer: objects read at most
 _MAX_UPLOAD_TRIES = 64  # each try lists past every number taken at that moment
 
@@ -266,6 +269,14 @@ class RolloutWriter:
         found = sorted(((int(m.group(1)), k) for where in (self._prefix, self._qprefix) for k in store.list(where)
                         if (m := _NAME_RE.fullmatch(k.rpartition("/")[2].removesuffix(".reason.json")))), reverse=True)
         self.next_seq = self._own_newest(found) + 1
+        self.pending: list[int] = []
+        """Numbers of its own uploads not yet seen settled by the trainer (:meth:`settle`), at most
+        the 64 newest: what the worker throttles on, whatever others hold under its id."""
+
+    def settle(self, progress: Progress) -> int:
+        """Drop from :attr:`pending` what ``progress`` says the trainer settled; returns how many remain."""
+        self.pending = progress.unsettled(self.worker_id, self.pending)
+        return len(self.pending)
 
     def skip_taken(self) -> int:
         """Step :attr:`next_seq` past numbers objects hold now (call it before making a number's work)."""
@@ -318,15 +329,18 @@ class RolloutWriter:
             taken = self.store.list(f"{self._prefix}s{seq:012d}-") or self.store.list(f"{self._qprefix}s{seq:012d}-")
             if not taken:
                 if self.store.put_if_absent(key, blob):  # on an exception, next_seq stays for the retry
-                    self.next_seq = seq + 1
-                    return key
+                    return self._uploaded(key, seq)
                 taken = [key]
             if key in taken and self._is_ours(key, payload, len(blob)):
-                self.next_seq = seq + 1
-                return key  # an earlier attempt of this upload landed
+                return self._uploaded(key, seq)  # an earlier attempt of this upload landed
             self.next_seq = self._next_free(seq)
         raise StoreError(f"worker {self.worker_id!r}: sequence number {self.next_seq} was taken under it "
                          f"{_MAX_UPLOAD_TRIES} times in a row (another process with this worker id?)")
+
+    def _uploaded(self, key: str, seq: int) -> str:
+        self.next_seq = seq + 1
+        self.pending = [n for n in self.pending if n != seq][-(_MAX_PENDING - 1):] + [seq]
+        return key
 
     def _next_free(self, seq: int) -> int:
         """The smallest number above ``seq`` no object holds, from one listing of each prefix."""
@@ -443,9 +457,11 @@ class RolloutReader:
         self.consumed, self.quarantined = int(state.get("consumed", 0)), int(state.get("quarantined", 0))
 
     def progress(self) -> Progress:
-        """Batches taken (consumed or quarantined) per worker, for :func:`write_progress`."""
-        return Progress({w: self._done.get(w, 0) + len(self._extra.get(w, ()))
-                         for w in sorted(set(self._done) | set(self._extra))}, time.time())
+        """Batches taken (consumed or quarantined) per worker, and which, for :func:`write_progress`."""
+        workers = sorted(set(self._done) | set(self._extra))
+        top = {w: tuple(sorted(heapq.nlargest(_MAX_SETTLED_LISTED, self._extra.get(w, ())))) for w in workers}
+        return Progress({w: self._done.get(w, 0) + len(self._extra.get(w, ())) for w in workers}, time.time(),
+                        {w: (self._done.get(w, 0), top[w]) for w in workers})
 
     def settled_between(self, worker: str, after: int, below: int) -> set[int]:
         """The worker's numbers in ``(after, below)`` that this reader settled (consumed or
@@ -700,8 +716,8 @@ class RolloutReader:
 class Progress:
     """What the trainer has taken from each worker (``<run>/progress.json``, signed).
 
-    Workers throttle on it: a worker with ``outstanding(...)`` at its configured maximum
-    waits instead of sampling more.
+    Workers throttle on it: a worker with ``rollout.max_outstanding`` of its own uploads not yet
+    settled waits instead of sampling more.
     """
 
     taken: dict[str, int]
@@ -709,17 +725,30 @@ class Progress:
     quarantined). At most 4096 workers; :func:`write_progress` keeps those with the most."""
     time: float = 0.0
     """When the trainer made it (the trainer's clock)."""
+    settled: dict[str, tuple[int, tuple[int, ...]]] | None = None
+    """Worker id -> ``(floor, above)``: every number below ``floor`` is settled, and so are
+    ``above``, the highest settled numbers at or above it (ascending, at most 4). Which numbers,
+    not how many: a number held by an object someone else planted under the worker's id, which the
+    trainer may never settle, then holds back nobody (:meth:`unsettled`). None in the document of
+    a trainer that predates it (workers then throttle on ``taken``)."""
 
     def outstanding(self, worker_id: str, uploaded: int) -> int:
         """How many of a worker's ``uploaded`` batches (its writer's ``next_seq``) are not taken yet."""
         return max(0, uploaded - self.taken.get(worker_id, 0))
+
+    def unsettled(self, worker_id: str, numbers: Iterable[int]) -> list[int]:
+        """Those of ``numbers`` (a worker's own uploads) the trainer has not settled. A number
+        below a full list of settled ones counts as settled: the trainer has read past it."""
+        floor, above = (self.settled or {}).get(worker_id, (0, ()))
+        full = len(above) >= _MAX_SETTLED_LISTED
+        return [n for n in numbers if not (n < floor or n in above or (full and n < above[0]))]
 
     @classmethod
     def parse(cls, body: Any, *, run: str, where: str) -> Progress:
         """Check a verified progress body for ``run``; raises :class:`SignatureError`."""
         if not isinstance(body, dict) or body.get("format") != _PROGRESS_FORMAT or body.get("run") != run:
             raise SignatureError(f"{where}: not a {_PROGRESS_FORMAT} document for run {run!r}")
-        taken, t = body.get("taken"), body.get("time")
+        taken, t, settled = body.get("taken"), body.get("time"), body.get("settled")
         if not isinstance(taken, dict) or len(taken) > _MAX_PROGRESS_WORKERS:
             raise SignatureError(f"{where}: taken must map at most {_MAX_PROGRESS_WORKERS} workers to counts")
         for w, n in taken.items():
@@ -727,12 +756,28 @@ class Progress:
                 raise SignatureError(f"{where}: bad entry {_shown(w)}: {str(n)[:20]}")
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
             raise SignatureError(f"{where}: time must be a finite number")
-        return cls(dict(taken), float(t))
+        if settled is None:
+            return cls(dict(taken), float(t))
+        if not isinstance(settled, dict) or len(settled) > _MAX_PROGRESS_WORKERS:
+            raise SignatureError(f"{where}: settled must map at most {_MAX_PROGRESS_WORKERS} workers")
+        out = {}
+        for w, e in settled.items():
+            ok = (layout.WORKER_ID.fullmatch(w) and isinstance(e, list) and len(e) == 2
+                  and layout.is_next_seq(e[0]) and isinstance(e[1], list) and len(e[1]) <= _MAX_SETTLED_LISTED
+                  and all(layout.is_seq(n) and n >= e[0] for n in e[1]) and e[1] == sorted(set(e[1])))
+            if not ok:
+                raise SignatureError(f"{where}: bad settled entry {_shown(w)}")
+            out[w] = (e[0], tuple(e[1]))
+        return cls(dict(taken), float(t), out)
 
     def to_body(self, run: str) -> dict[str, Any]:
         """The JSON body the trainer signs (the workers with the most batches, if over the cap)."""
-        top = sorted(self.taken.items(), key=lambda kv: (-kv[1], kv[0]))[:_MAX_PROGRESS_WORKERS]
-        return {"format": _PROGRESS_FORMAT, "run": run, "taken": dict(sorted(top)), "time": self.time}
+        top = dict(sorted(sorted(self.taken.items(), key=lambda kv: (-kv[1], kv[0]))[:_MAX_PROGRESS_WORKERS]))
+        body = {"format": _PROGRESS_FORMAT, "run": run, "taken": top, "time": self.time}
+        if self.settled is not None:
+            body["settled"] = {w: [f, sorted(a)[-_MAX_SETTLED_LISTED:]] for w, (f, a) in sorted(self.settled.items())
+                               if w in top}
+        return body
 
 
 def write_progress(store: ObjectStore, run: str, progress: Progress, private_key: Any) -> None:

@@ -18,11 +18,12 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stoa.transport import layout
-from stoa.transport.exchange import RolloutWriter
+from stoa.transport.exchange import Progress, RolloutWriter
 from stoa.transport.signing import SignatureError, read_signed, sign_document
 
 if TYPE_CHECKING:
@@ -39,8 +40,9 @@ _MAX_BYTES = 1 << 20
 
 
 class SequenceFile:
-    """``path`` holds a worker's next sequence number in one run and how many numbers below it the
-    worker left without uploading (``{"run", "next", "left"}``), replaced atomically."""
+    """``path`` holds a worker's next sequence number in one run, how many numbers below it the
+    worker left without uploading, and its own uploads not yet seen settled (``{"run", "next",
+    "left", "pending"}``), replaced atomically."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -68,13 +70,25 @@ class SequenceFile:
             return 0
         return n if layout.is_next_seq(n) and n <= self.read(run) else 0
 
-    def write(self, run: str, n: int, left: int = 0) -> None:
+    def pending(self, run: str) -> list[int]:
+        """The remembered numbers of the worker's own uploads not yet seen settled (empty when none
+        are recorded, or the file is another run's or damaged; numbers out of range are dropped)."""
+        try:
+            body = json.loads(self.path.read_text())
+            ns = body.get("pending", []) if body.get("run") == run else []
+        except (OSError, ValueError, AttributeError):
+            return []
+        top = self.read(run)
+        return [n for n in ns if layout.is_seq(n) and n < top][-64:] if isinstance(ns, list) else []
+
+    def write(self, run: str, n: int, left: int = 0, pending: Iterable[int] = ()) -> None:
         """Replace the file (a failed write, e.g. a full disk, leaves the old one and no temp file)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
         try:
             with open(tmp, "w") as f:
-                f.write(json.dumps({"run": run, "next": int(n), "left": int(left)}) + "\n")
+                f.write(json.dumps({"run": run, "next": int(n), "left": int(left),
+                                    "pending": [int(s) for s in pending]}) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
@@ -97,6 +111,7 @@ class RememberingWriter(RolloutWriter):
         self.remember = remember
         self.next_seq = max(self.next_seq, remember.read(self.run))
         self.left = remember.left(self.run)
+        self.pending = remember.pending(self.run)
         self.trouble = ""
         """Why the cache file could not be written (e.g. the disk is full), or empty."""
 
@@ -104,6 +119,13 @@ class RememberingWriter(RolloutWriter):
         key = super().upload(*args, **kwargs)
         self._remember()
         return key
+
+    def settle(self, progress: Progress) -> int:
+        n = len(self.pending)
+        left = super().settle(progress)
+        if left != n:
+            self._remember()
+        return left
 
     def skip_to(self, seq: int, *, left: bool = False) -> None:
         """Continue at ``seq`` or above (remembered at once); ``left``: the numbers skipped were
@@ -125,7 +147,7 @@ class RememberingWriter(RolloutWriter):
         # upload look failed (its retry would find the number taken and drop the batch's record).
         # Until the file can be written, numbering rests on the store and the trainer's floor.
         try:
-            self.remember.write(self.run, self.next_seq, self.left)
+            self.remember.write(self.run, self.next_seq, self.left, self.pending)
         except OSError as e:
             if not self.trouble:
                 log.error("cannot record the next sequence number in %s (%s); uploads go on, numbered from the "

@@ -251,7 +251,8 @@ class TrustGate:
                 dropped = self.untrained.get(b.key, set())
                 kept = sum(e.group_id not in dropped for e in b.episodes)
                 self.records.accept(b.key_id, b.worker_id, kept, probation)
-                self.members.publish_salt(b.key_id)  # the key has standing: its worker may now compute its work
+                if not probation or self.records[b.key_id].probation_batches >= self.cfg.probation_batches:
+                    self.members.publish_salt(b.key_id)  # its probation is done: its worker may now compute its work
         for k in self.records.forget_strangers(set(self.roster.enrolled)):
             self.checks.audit.forget(k)
         return verdicts

@@ -95,6 +95,10 @@ class TrustConfig:
     """Batches reviewed per poll from keys with no accepted work yet, one per key, chosen at random
     (the others wait, at most 64 per allowed batch); enrolled keys and keys with accepted work are
     never held back."""
+    probation_batches: int = 1
+    """Accepted probation batches (checked, never trained) a key makes before its assignment salt
+    is published and its work can be trained; enrolled keys have their salt at once. Each key a
+    grinder tries costs this many (``docs/trust.md``, key grinding); an honest newcomer pays it once."""
     idle_expiry_hours: float = 24.0
     """In an open run, a key bound by its work but with no accepted batch for this long loses its
     binding when the roster is full and a newcomer's accepted work needs the room."""
@@ -106,6 +110,7 @@ class TrustConfig:
         check(0 < self.max_worker_share <= 1, "trust.max_worker_share must lie in (0, 1]")
         check(self.max_hashes >= 1, "trust.max_hashes must be >= 1")
         check(self.newcomers_per_poll >= 1, "trust.newcomers_per_poll must be >= 1")
+        check(self.probation_batches >= 1, "trust.probation_batches must be >= 1")
         check(self.idle_expiry_hours > 0, "trust.idle_expiry_hours must be > 0")
         lo, hi = self.reward_range
         check(math.isfinite(lo) and math.isfinite(hi) and lo <= hi and max(abs(lo), abs(hi)) < 1e30,

@@ -202,6 +202,7 @@ class Worker:
         self._failures, self._trouble, self._trouble_since = 0, "", 0.0
         self._last_progress = self._roster_read = 0.0
         self._taken = 0  # the newest count of our batches taken, from a verified progress document
+        self._by_number = False  # the trainer's progress says which numbers it settled: throttle on our own uploads
         self._started = time.time()
         self._signals = 0
         self._salt: str | None = None  # this key's assignment salt, once the run publishes it (trust.assign)
@@ -545,11 +546,14 @@ class Worker:
         return is_finished(self.store, self.run_name, self.public_key)
 
     def _outstanding(self, writer: RolloutWriter) -> int:
-        """Own batches uploaded but not yet taken by the trainer: numbers used, less those this
-        worker left without uploading (``writer.left``: the trainer never settles them), less the
-        count taken. Counted against the newest verified progress document this worker saw: a
-        missing, forged or replayed older one counts as "nothing more taken", so the worker waits
-        (fails closed) instead of racing on."""
+        """Own batches uploaded but not yet taken by the trainer: the numbers of our own uploads
+        that the progress document does not list as settled (``writer.pending``), so objects
+        others put under our id (which the writer skips, and the trainer may never settle) hold
+        nothing back. A trainer whose document lists no numbers gives only counts: then numbers
+        used, less those this worker left without uploading (``writer.left``: the trainer never
+        settles them), less the count taken. Counted against the newest verified progress
+        document this worker saw: a missing, forged or replayed older one counts as "nothing more
+        taken", so the worker waits (fails closed) instead of racing on."""
         try:
             progress = read_progress(self.store, self.run_name, self.public_key)
         except SignatureError as e:
@@ -557,6 +561,11 @@ class Worker:
             progress = None
         if progress is not None:
             self._taken = max(self._taken, progress.taken.get(self.worker_id, 0))
+            if progress.settled is not None:
+                self._by_number = True
+                writer.settle(progress)
+        if self._by_number:
+            return len(writer.pending)
         return max(0, writer.next_seq - getattr(writer, "left", 0) - self._taken)
 
     def _roster_says(self) -> WorkerExit | None:
