@@ -246,7 +246,7 @@ def test_adversaries_are_reached_only_from_the_testing_package():
     graph = _import_graph()
     reach = sorted(m for m, deps in graph.items() if not m.startswith("stoa.testing")
                    and any(d.startswith("stoa.testing") for d in deps))
-    assert reach == ["stoa.cli"], reach
+    assert reach == ["stoa.cli.run"], reach
     assert "stoa.testing.adversaries" not in run_py("import sys, stoa.cli; print(sorted(sys.modules))").stdout
 
 
@@ -282,3 +282,17 @@ def test_the_worker_id_rule_is_written_once():
     holders = [p.relative_to(root).as_posix() for p in root.rglob("*.py") if WORKER_ID.pattern in p.read_text()]
     assert holders == ["transport/layout.py"], holders
     assert WORKER_ID.fullmatch("worker-0") and not WORKER_ID.fullmatch(".hidden") and not WORKER_ID.fullmatch("a/b")
+
+
+def test_the_hex_id_rules_are_written_once():
+    """A key id, a 32-hex hash or salt and a 64-hex key or sha256 are checked with
+    ``stoa.transport.layout``'s ``KEY_ID``, ``HEX32`` and ``HEX64``; each pattern is written once."""
+    from pathlib import Path
+
+    from stoa.transport.layout import HEX32, HEX64, KEY_ID
+
+    root = Path(__file__).resolve().parents[1] / "stoa"
+    for rule in (KEY_ID, HEX32, HEX64):
+        holders = [p.relative_to(root).as_posix() for p in root.rglob("*.py") if rule.pattern in p.read_text()]
+        assert holders == ["transport/layout.py"], (rule.pattern, holders)
+    assert KEY_ID.fullmatch("0123456789abcdef") and not KEY_ID.fullmatch("0123456789ABCDEF")

@@ -121,3 +121,33 @@ def test_the_public_report_publishes_nothing_that_decides_whether_a_batch_is_che
     assert read_trust_report(store, RUN, key.public_key()).floor is None
     own = json.loads((tmp_path / "run" / "roster" / "trust.json").read_text())  # the operator's copy
     assert own["operator"] and own["floor"] == 0.0123 and own["workers"]["h1"]["audit"]["abs_s0"] == 0.0456
+
+
+def test_the_trust_report_round_trips_byte_for_byte():
+    """``TrustReport.parse(body).to_body()`` is ``body`` (same keys, same order, same values), for
+    a report built from live records; the record's own ``floors`` are never reported."""
+    from stoa.fleet.trust.records import Records, TrustReport, build_report
+
+    class Audit:
+        def summary(self, kid):
+            return {"tokens_s0": 12.0, "abs_s0": 0.25}
+
+    records = Records(ban_after=2)
+    records.accept("k1", "w1", episodes=4)
+    records.saw("k1", "w1", 0)
+    records.saw("k1", "w1", 3)
+    records.reject("k2", "w2", "duplicate", "duplicate: repeats a group", episodes=2)
+    records["k1"].floors.append([3, 7])
+    for operator in (False, True):
+        report = build_report(RUN, 5, "audit", 0.5, records, {"k1": (0.5, True)}, Audit(), banned_keys=1,
+                              operator=operator)
+        body = json.loads(json.dumps(report.to_body()))
+        assert list(body["workers"]["k1"]) == [
+            "worker_id", "accepted_batches", "accepted_episodes", "trained_episodes", "rejected_batches",
+            "rejected_episodes", "rejected", "unverifiable_episodes", "strikes", "spot_checks",
+            "spot_check_failures", "probation_batches", "last_reason", "banned", "last_seen", "last_accepted",
+            "batches_seen", "max_seq", "taken_by_others", "late_batches", "withheld", "withheld_rate",
+            "withholding_flagged", "audit"]
+        assert body["workers"]["k1"]["withheld"] == 2 and body["workers"]["k1"]["withholding_flagged"]
+        assert json.dumps(TrustReport.parse(body).to_body()) == json.dumps(body)
+        assert TrustReport.parse(body) == report

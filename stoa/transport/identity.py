@@ -120,12 +120,9 @@ _BAN_FORMAT, _BAN_KIND = "stoa.ban/1", "ban"
 _SALT_FORMAT, _SALT_KIND = "stoa.salt/1", "assignment-salt"
 _MAX_DETAIL = 240
 _CODE_RE = re.compile(r"[a-z][a-z0-9-]{0,23}")
-_HEX32 = re.compile(r"[0-9a-f]{32}")
 _MAX_ROSTER = 4096
 _MAX_ROSTER_BYTES = 4 << 20
 _MAX_NOTE = 256
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-_HEX16 = re.compile(r"[0-9a-f]{16}")
 
 
 class SealError(SignatureError):
@@ -208,7 +205,7 @@ def open_sealed(blob: bytes, where: str = "batch") -> tuple[BatchSeal, bytes]:
         claimed = json.loads(json.loads(header)["body"])["public_key"]
     except Exception:
         raise SealError(f"{where}: seal header does not name a public key") from None
-    if not isinstance(claimed, str) or not _HEX64.fullmatch(claimed):
+    if not isinstance(claimed, str) or not layout.HEX64.fullmatch(claimed):
         raise SealError(f"{where}: seal header's public key is not 64 lower-case hex characters")
     try:
         pub = load_public_key(bytes.fromhex(claimed))
@@ -338,7 +335,7 @@ class Roster:
         for kid, e in enrolled.items():
             try:
                 entry = WorkerEntry(**e)
-                ok = (_HEX16.fullmatch(kid) and _HEX64.fullmatch(entry.public_key)
+                ok = (layout.KEY_ID.fullmatch(kid) and layout.HEX64.fullmatch(entry.public_key)
                       and key_id(load_public_key(bytes.fromhex(entry.public_key))) == kid
                       and layout.WORKER_ID.fullmatch(entry.worker_id) and _finite(entry.time)
                       and entry.source in ("enrolled", "first-use") and isinstance(entry.note, str))
@@ -349,7 +346,7 @@ class Roster:
             out_e[kid] = entry
         for kid, b in banned.items():  # stoa.workers/1: {worker_id, reason, time, version}
             try:
-                ok = bool(_HEX16.fullmatch(kid)) and isinstance(b.get("reason"), str)
+                ok = bool(layout.KEY_ID.fullmatch(kid)) and isinstance(b.get("reason"), str)
                 out_b[kid] = Ban.of(b.get("worker_id", ""), "legacy", b["reason"], b.get("time", 0.0), b.get("version", -1))
             except Exception:
                 ok = False
@@ -442,7 +439,7 @@ def ban_worker(store: ObjectStore, run: str, private_key: Any, who: str, reason:
     key = load_private_key(private_key)
     run = run.strip("/")
     roster = read_roster(store, run, key.public_key())
-    kid = who if _HEX16.fullmatch(who) else roster.key_for(who)
+    kid = who if layout.KEY_ID.fullmatch(who) else roster.key_for(who)
     if kid is None:
         raise KeyError(f"no key is enrolled as {who!r}; ban it by key id")
     wid = roster.enrolled[kid].worker_id if kid in roster.enrolled else ""
@@ -459,7 +456,7 @@ def ban_worker(store: ObjectStore, run: str, private_key: Any, who: str, reason:
 
 def write_ban(store: ObjectStore, run: str, kid: str, ban: Ban, private_key: Any) -> None:
     """Put ``kid``'s ban document (``<run>/bans/<kid>.json``), signed with the run's key."""
-    if not _HEX16.fullmatch(kid) or not ban.ok():
+    if not layout.KEY_ID.fullmatch(kid) or not ban.ok():
         raise ValueError(f"not a ban to write: key {kid[:20]!r}, {ban!r:.200}")
     body = {"format": _BAN_FORMAT, "run": run.strip("/"), "key_id": kid, **vars(ban)}
     store.put(validate_key(layout.ban(run.strip("/"), kid)), sign_document(_BAN_KIND, body, private_key))
@@ -478,7 +475,7 @@ def _ban_of(body: dict[str, Any], where: str) -> Ban:
 def read_ban(store: ObjectStore, run: str, kid: str, public_key: Any) -> Ban | None:
     """``kid``'s ban, or None when it is not banned. Raises :class:`SignatureError` (a ban document
     that does not verify) or ``StoreError``."""
-    if not _HEX16.fullmatch(kid):
+    if not layout.KEY_ID.fullmatch(kid):
         return None
     run = run.strip("/")
     where = layout.ban(run, kid)
@@ -496,7 +493,7 @@ def list_bans(store: ObjectStore, run: str, public_key: Any, known: Any = ()) ->
     problems: list[str] = []
     for k in store.list(prefix):
         kid = k[len(prefix):].removesuffix(".json")
-        if kid in known or not k.endswith(".json") or not _HEX16.fullmatch(kid):
+        if kid in known or not k.endswith(".json") or not layout.KEY_ID.fullmatch(kid):
             continue
         try:
             ban = read_ban(store, run, kid, public_key)
@@ -519,7 +516,7 @@ def assignment_salt(private_key: Any, run: str, kid: str) -> str:
 
 def write_salt(store: ObjectStore, run: str, kid: str, private_key: Any) -> str:
     """Publish ``kid``'s assignment salt (``<run>/salts/<kid>.json``); returns it."""
-    if not _HEX16.fullmatch(kid):
+    if not layout.KEY_ID.fullmatch(kid):
         raise ValueError(f"not a key id: {kid[:20]!r}")
     run = run.strip("/")
     salt = assignment_salt(private_key, run, kid)
@@ -538,6 +535,6 @@ def read_salt(store: ObjectStore, run: str, kid: str, public_key: Any) -> str | 
     if body is None:
         return None
     salt = body.get("salt")
-    if body.get("format") != _SALT_FORMAT or not isinstance(salt, str) or not _HEX32.fullmatch(salt):
+    if body.get("format") != _SALT_FORMAT or not isinstance(salt, str) or not layout.HEX32.fullmatch(salt):
         raise SignatureError(f"{where}: malformed assignment salt")
     return salt

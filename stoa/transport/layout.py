@@ -33,7 +33,7 @@ from __future__ import annotations
 import re
 
 __all__ = [
-    "MAX_SEQ", "WORKER_ID", "is_next_seq", "is_seq", "ban", "bans", "config", "eval_prefix", "evaluation", "finished", "heartbeat", "heartbeats", "misnamed", "model_file",
+    "HEX32", "HEX64", "KEY_ID", "MAX_SEQ", "WORKER_ID", "is_next_seq", "is_seq", "ban", "bans", "config", "eval_prefix", "evaluation", "finished", "heartbeat", "heartbeats", "misnamed", "model_file",
     "pointer", "progress", "quarantine", "quarantined", "roster", "rollouts", "salt", "stage", "stages", "ticket", "tickets", "bindings", "quarantined_ticket", "trust_report",
     "weights",
 ]
@@ -42,6 +42,13 @@ __all__ = [
 WORKER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 """A worker id: 1-64 characters of ``[A-Za-z0-9._-]``, not starting with ``.``, ``_`` or ``-``
 (never a path, never a hidden name); use ``WORKER_ID.fullmatch``."""
+
+KEY_ID = re.compile(r"[0-9a-f]{16}")
+"""A key id (:func:`stoa.transport.signing.key_id`): 16 lowercase hex digits, as in ``bans/<key_id>.json``."""
+HEX32 = re.compile(r"[0-9a-f]{32}")
+"""32 lowercase hex digits: a salt, a beacon, a batch's content hash (16 bytes)."""
+HEX64 = re.compile(r"[0-9a-f]{64}")
+"""64 lowercase hex digits: a sha256, or an ed25519 key's raw 32 bytes."""
 
 
 MAX_SEQ = 10**12 - 1

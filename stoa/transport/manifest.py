@@ -48,7 +48,6 @@ MAX_MANIFEST_BYTES = 1 << 20
 """Largest manifest object a reader accepts (bigger ones are refused unread)."""
 MAX_POINTER_BYTES = 64 << 10
 """Largest pointer object a reader accepts."""
-_SHA_RE = re.compile(r"[0-9a-f]{64}")
 _ENTRY_RE = re.compile(r"(\d{12})/(manifest\.json|anchor\.safetensors|delta\.pulse)")
 
 
@@ -70,7 +69,7 @@ def _opt_version(v: Any, what: str, where: str) -> int | None:
 
 
 def _sha_field(v: Any, what: str, where: str) -> str:
-    if not isinstance(v, str) or not _SHA_RE.fullmatch(v):
+    if not isinstance(v, str) or not layout.HEX64.fullmatch(v):
         raise SignatureError(f"{where}: {what} must be 64 lowercase hex characters")
     return v
 

@@ -22,9 +22,9 @@ own fails the assignment or the sampling check (:mod:`stoa.fleet.trust.review`).
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Callable, Iterable, Sequence
 
+from stoa.transport import layout
 from stoa.transport.exchange import Batch
 from stoa.types import Episode
 
@@ -32,7 +32,6 @@ __all__ = ["Copies", "group_prints"]
 
 MAX_GROUP_PRINTS = 1 << 16
 """(sender, group) prints remembered across polls."""
-_HASH_RE = re.compile(r"[0-9a-f]{32}")
 
 
 def group_prints(episodes: Sequence[Episode]) -> list[str]:
@@ -120,6 +119,6 @@ class Copies:
         return [h for h in self.hashes if h not in again]
 
     def restore(self, hashes: object) -> None:
-        if not isinstance(hashes, list) or not all(isinstance(h, str) and _HASH_RE.fullmatch(h) for h in hashes):
+        if not isinstance(hashes, list) or not all(isinstance(h, str) and layout.HEX32.fullmatch(h) for h in hashes):
             raise ValueError("malformed state: hashes must be a list of 32 hex characters each")
         self.hashes = dict.fromkeys(hashes[-self.max_hashes:])

@@ -80,8 +80,7 @@ MAX_TICKET_BYTES = 4 << 10
 MAX_BINDINGS_BYTES = 32 << 20
 _TICKET_KIND, _TICKET_FORMAT = "batch-ticket", "stoa.ticket/1"
 _BINDINGS_KIND, _BINDINGS_FORMAT = "batch-bindings", "stoa.bindings/1"
-_HEX16, _HEX32, _HEX64 = re.compile(r"[0-9a-f]{16}"), re.compile(r"[0-9a-f]{32}"), re.compile(r"[0-9a-f]{64}")
-_TICKET_NAME = re.compile(r"([0-9a-f]{16})/([0-9]{12})\.json")
+_TICKET_NAME = re.compile(rf"({layout.KEY_ID.pattern})/([0-9]{{12}})\.json")
 
 
 @dataclass(frozen=True)
@@ -153,14 +152,14 @@ def read_bindings(store: ObjectStore, run: str, public_key: Any) -> tuple[dict[s
         raise SignatureError(f"{where}: not a {_BINDINGS_FORMAT} document")
     bound: dict[str, dict[int, Bound]] = {}
     for kid, rows in entries.items():
-        if not _HEX16.fullmatch(kid) or not isinstance(rows, list):
+        if not layout.KEY_ID.fullmatch(kid) or not isinstance(rows, list):
             raise SignatureError(f"{where}: malformed entry for key {kid[:20]!r}")
         for row in rows:
             if not (isinstance(row, list) and len(row) == 3 and _is_int(row[0]) and _is_int(row[1])
-                    and isinstance(row[2], str) and _HEX32.fullmatch(row[2])):
+                    and isinstance(row[2], str) and layout.HEX32.fullmatch(row[2])):
                 raise SignatureError(f"{where}: malformed binding of key {kid}: {str(row)[:80]}")
             bound.setdefault(kid, {})[row[0]] = Bound(row[0], row[1], row[2])
-    if not all(_HEX16.fullmatch(k) and _is_int(v) for k, v in top.items()):
+    if not all(layout.KEY_ID.fullmatch(k) and _is_int(v) for k, v in top.items()):
         raise SignatureError(f"{where}: malformed highest numbers")
     return bound, dict(top)
 

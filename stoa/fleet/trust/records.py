@@ -30,8 +30,8 @@ from stoa.transport.signing import read_signed
 from stoa.transport.store import ObjectStore
 from stoa.types import Category
 
-__all__ = ["STRIKE_CATEGORIES", "REPORT_KIND", "Records", "TrustReport", "WorkerRecord", "WorkerReport",
-           "public_reason", "read_trust_report"]
+__all__ = ["STRIKE_CATEGORIES", "REPORT_KIND", "PublicRecord", "Records", "TrustReport", "WorkerRecord",
+           "WorkerReport", "public_reason", "read_trust_report"]
 
 STRIKE_CATEGORIES: frozenset[Category] = frozenset({"replay", "duplicate", "invalid", "audit", "sampling",
                                                     "assignment"})
@@ -60,10 +60,11 @@ def public_reason(category: str, reason: str) -> str:
 
 
 @dataclass
-class WorkerRecord:
-    """What the trainer knows of one worker key."""
+class PublicRecord:
+    """What the trainer knows of one worker key and publishes: the fields a :class:`WorkerRecord`
+    and its :class:`WorkerReport` line share, in the order the report writes them."""
 
-    worker_id: str
+    worker_id: str = ""
     accepted_batches: int = 0
     accepted_episodes: int = 0
     trained_episodes: int = 0
@@ -98,6 +99,12 @@ class WorkerRecord:
     """Its batches that came more than ``trainer.max_lag`` versions behind, dropped unread: their
     numbers count in :attr:`withheld` (delay is a way to withhold), and this says how many of the
     gaps came late rather than never (a slow or overloaded machine)."""
+
+
+@dataclass
+class WorkerRecord(PublicRecord):
+    """What the trainer knows of one worker key: its :class:`PublicRecord` and what it keeps to itself."""
+
     floors: list[list[int]] = field(default_factory=list)
     """``[seq, version]`` of its most recent batches: each says its later-numbered batches held at
     least that version (:class:`stoa.fleet.intake.Intake`'s version floor). Not reported."""
@@ -256,31 +263,14 @@ class Records(dict[str, WorkerRecord]):
 # -- the report -------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class WorkerReport:
-    """One key's line of the :class:`TrustReport`: its :class:`WorkerRecord`, its withholding and
+_PUBLIC_FIELDS = frozenset(f.name for f in fields(PublicRecord))
+
+
+@dataclass
+class WorkerReport(PublicRecord):
+    """One key's line of the :class:`TrustReport`: its :class:`PublicRecord`, its withholding and
     its audit summary."""
 
-    worker_id: str = ""
-    accepted_batches: int = 0
-    accepted_episodes: int = 0
-    trained_episodes: int = 0
-    rejected_batches: int = 0
-    rejected_episodes: int = 0
-    rejected: dict[str, int] = field(default_factory=dict)
-    unverifiable_episodes: int = 0
-    strikes: int = 0
-    spot_checks: int = 0
-    spot_check_failures: int = 0
-    probation_batches: int = 0
-    last_reason: str = ""
-    banned: str = ""
-    last_seen: float = 0.0
-    last_accepted: float = 0.0
-    batches_seen: int = 0
-    max_seq: int = -1
-    taken_by_others: int = 0
-    late_batches: int = 0
     withheld: int = 0
     withheld_rate: float = 0.0
     withholding_flagged: bool = False
@@ -374,8 +364,8 @@ def build_report(run: str, version: int, mode: str, floor: float | None, records
         summary = audit.summary(kid)
         if not operator:
             summary = {k: v for k, v in summary.items() if k.startswith("tokens_")}
-        fields_ = {k: v for k, v in asdict(r).items() if k != "floors"}
-        workers[kid] = WorkerReport(**fields_, withheld=r.withheld, withheld_rate=round(rate, 4),
+        public = {k: v for k, v in asdict(r).items() if k in _PUBLIC_FIELDS}  # asdict: copies, never the live dicts
+        workers[kid] = WorkerReport(**public, withheld=r.withheld, withheld_rate=round(rate, 4),
                                     withholding_flagged=flagged, audit=summary)
     anonymous = {printable(w, 64): d for w, d in list(records.anonymous.items())[:256]}
     return TrustReport(run, version, time.time(), mode, floor if operator else None, workers, anonymous,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from stoa.fleet.trust.section import TrustConfig
+from stoa.transport import layout
 from stoa.transport.identity import (
     Ban,
     BatchSeal,
@@ -55,7 +55,6 @@ __all__ = ["Admission", "Membership"]
 log = logging.getLogger("stoa.trust")
 
 _ROSTER_REFRESH_S = 2.0
-_KEY_ID = re.compile(r"[0-9a-f]{16}")
 _BANS_REREAD_S = 60.0  # the store's ban documents are listed again at least this often (bans by hand)
 
 
@@ -265,7 +264,7 @@ class Membership:
 
     def publish_salt(self, kid: str) -> None:
         """Publish ``kid``'s assignment salt once (the key has standing). Never raises."""
-        if kid in self.salted or not _KEY_ID.fullmatch(kid or ""):
+        if kid in self.salted or not layout.KEY_ID.fullmatch(kid or ""):
             return
         try:
             write_salt(self.store, self.run, kid, self.key)

@@ -22,7 +22,6 @@ from stoa.fleet.worker.section import RolloutConfig
 
 if TYPE_CHECKING:
     from stoa.fleet.worker.worker import (
-        BANNED_EXIT,
         EXIT_BANNED,
         EXIT_CONFIG,
         EXIT_NO_RUN,
@@ -34,7 +33,7 @@ if TYPE_CHECKING:
         find_runs,
     )
 
-__all__ = ["BANNED_EXIT", "EXIT_BANNED", "EXIT_CONFIG", "EXIT_NO_RUN", "EXIT_OK", "EXIT_UNREACHABLE", "CohortPlan",
+__all__ = ["EXIT_BANNED", "EXIT_CONFIG", "EXIT_NO_RUN", "EXIT_OK", "EXIT_UNREACHABLE", "CohortPlan",
            "RolloutConfig", "Worker", "WorkerExit", "find_runs"]
 
 _PROCESS = set(__all__) - {"RolloutConfig"}

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,6 @@ __all__ = ["Invite", "check_run", "check_worker_id", "default_cache_dir", "defau
 
 INVITE_FORMAT = "stoa.invite/1"
 _MAX_INVITE_BYTES = 64 << 10
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 _FIELDS = {"format", "store", "run", "public_key", "worker_id", "worker_key"}
 
 
@@ -117,14 +115,14 @@ def read_invite(path: str | os.PathLike[str]) -> Invite:
         check_run(body["run"])
     except ValueError as e:
         raise ValueError(f"{p}: the invite's run name is not one: {e}") from None
-    if not _HEX64.fullmatch(body["public_key"]):
+    if not layout.HEX64.fullmatch(body["public_key"]):
         raise ValueError(f"{p}: the invite's public_key is not 64 lower-case hex characters")
     load_public_key(body["public_key"])  # raises ValueError on a bad key
     wkey, wid = body.get("worker_key"), body.get("worker_id")
     if wkey is None and wid is not None:
         raise ValueError(f"{p}: the invite names a worker_id without a worker_key")
     if wkey is not None:
-        if not isinstance(wkey, str) or not _HEX64.fullmatch(wkey):
+        if not isinstance(wkey, str) or not layout.HEX64.fullmatch(wkey):
             raise ValueError(f"{p}: the invite's worker_key is not 64 lower-case hex characters")
         load_private_key(wkey)
         try:

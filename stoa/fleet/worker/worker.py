@@ -90,8 +90,6 @@ __all__ = ["EXIT_BANNED", "EXIT_CONFIG", "EXIT_NO_RUN", "EXIT_OK", "EXIT_UNREACH
 log = logging.getLogger("stoa.worker")
 
 EXIT_OK, EXIT_CONFIG, EXIT_BANNED, EXIT_NO_RUN, EXIT_UNREACHABLE = 0, 2, 3, 4, 5
-BANNED_EXIT = EXIT_BANNED
-"""Exit status of a worker whose key the run's roster bans (kept for older callers)."""
 _ROSTER_EVERY_S = 10.0
 _BACKOFF_MAX_S = 60.0
 _MAX_TRUST_REPORT = 4 << 20
