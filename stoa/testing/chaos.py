@@ -218,6 +218,18 @@ class ChaosRun:
         return path.exists() and any(r.get("event") == event and r.get("worker") == wid
                                      and r.get("time", 0.0) >= since for r in read_metrics(path))
 
+    def _ready(self, f: Fault) -> bool:
+        """A worker is put to sleep only once its heartbeat is in the store: one asleep before it ever
+        beat is unknown to the trainer, which then never calls it silent (a loaded machine's worker
+        can still be loading its model when the trainer's fast first steps come)."""
+        if f.kind != "sleep-worker":
+            return True
+        from stoa.transport import layout
+
+        if getattr(self, "_direct", None) is None:
+            self._direct = self.open_store()
+        return self._direct.exists(layout.heartbeat(self.run_name, f.target))
+
     def _silent_seen(self, wid: str) -> bool:
         """Whether the trainer has logged ``wid`` silent since it was put to sleep."""
         return self._seen("worker_silent", wid, self._asleep_since.get(wid, 0.0))
@@ -291,7 +303,7 @@ class ChaosRun:
                         later.append((now + 0.5, *item[1:]))  # full until the trainer has said so
                         continue
                     self._later(item[1], item[2])
-                while pending and self.steps() >= pending[0].after_step:
+                while pending and self.steps() >= pending[0].after_step and self._ready(pending[0]):
                     self._fire(pending.pop(0), later)
                 if self.procs["trainer"].poll() is not None:  # a killed one was replaced in _fire
                     break
