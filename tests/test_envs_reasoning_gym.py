@@ -230,3 +230,38 @@ def test_stoa_envs_list_shows_passing_and_refused_datasets_with_the_reason():
     assert "stoa/SyntheticSearch-v0" in r.output
     assert "passing check_env (1 of 3): leg_counting" in r.output and "refused (2):" in r.output
     assert "reasoning_gym:composite: a weighted mix" in r.output
+
+
+def test_the_scoring_child_ends_when_its_parent_is_killed():
+    """The sandbox child reads its work from the parent's pipe: a parent SIGKILLed mid-run leaves
+    no scorer process behind (it sees end-of-file and exits)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    if not os.path.isdir("/proc"):
+        pytest.skip("reads child processes from /proc (Linux)")
+    code = ("import stoa.envs, time\n"
+            "env = stoa.envs.make('reasoning_gym:basic_arithmetic', seed=0, train_size=4, test_size=4)\n"
+            "env.reset(options={'index': 0}); env.step('<answer>1</answer>')\n"
+            "print('scored', flush=True); time.sleep(120)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline().strip() == "scored"
+        kids = subprocess.run(["pgrep", "-P", str(parent.pid)], capture_output=True, text=True).stdout.split()
+        assert kids, "the score ran in no child process"
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+
+    def alive(pid: str) -> bool:
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.time() + 10
+    while any(alive(k) for k in kids) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(k) for k in kids), kids
