@@ -105,15 +105,12 @@ class Demonstrations:
             order = np.lexsort((rng.random(len(names)), -(want - counts)))
             counts[order[: size - counts.sum()]] += 1
             styles = [n for n, c in zip(names, counts) for _ in range(c)]
-            return [self.episode(int(i), st, rng) or self.sample(st, rng)
-                    for i, st in zip(rng.integers(len(self), size=size), styles)]
-        cum = np.cumsum(weights)
-        idx, u = rng.integers(len(self), size=size), rng.random(size) * cum[-1]
-        out = []
-        for i, x in zip(idx, u):
-            style = names[min(int(np.searchsorted(cum, x, side="right")), len(names) - 1)]
-            out.append(self.episode(int(i), style, rng) or self.sample(style, rng))
-        return out
+            idx = rng.integers(len(self), size=size)
+        else:
+            cum = np.cumsum(weights)
+            idx, u = rng.integers(len(self), size=size), rng.random(size) * cum[-1]
+            styles = [names[min(int(np.searchsorted(cum, x, side="right")), len(names) - 1)] for x in u]
+        return [self.episode(int(i), st, rng) or self.sample(st, rng) for i, st in zip(idx, styles)]
 
 
 def answer_only(episode: Episode) -> Episode:
