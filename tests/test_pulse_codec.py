@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stoa.transport import pulse
+from stoa.transport import pulse, pulse_codec, pulse_state
 from stoa.transport.pulse import (
     DTYPES,
     PulseError,
@@ -238,8 +238,8 @@ def test_forged_deltas_with_a_valid_crc_raise_pulse_error_only():
 
 def test_forged_sizes_do_not_allocate():
     prev, _ = small_pair()
-    fp = pulse._layout(prev)[1]
-    uv = pulse._uv
+    fp = pulse_state.fingerprint(prev)[1]
+    uv = pulse_codec.varint
     w = uv(sorted(prev).index("w"))
     gaps = w + b"\x01\x03"  # entry for "w", byte kind, Golomb-coded change mask
     forgeries = [
@@ -357,6 +357,6 @@ def test_fixed_width_fields_round_trip_at_every_width():
     rng = np.random.default_rng(9)
     for width in range(1, 64):
         v = rng.integers(0, 1 << min(width, 62), 257, dtype=np.int64)
-        packed = pulse._pack_fixed(v, width)
+        packed = pulse_codec.pack_fixed(v, width)
         assert len(packed) == (257 * width + 7) // 8
-        assert np.array_equal(pulse._unpack_fixed(memoryview(packed), 257, width), v)
+        assert np.array_equal(pulse_codec.unpack_fixed(memoryview(packed), 257, width), v)

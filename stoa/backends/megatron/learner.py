@@ -30,11 +30,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -45,7 +43,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
-from safetensors import safe_open
 
 from stoa.algos import Objective
 from stoa.backends.learner import Counters, LearnerConfig, LearnerError, check_episodes, lr_at
@@ -55,11 +52,12 @@ from stoa.backends.torch.weights import host_arrays
 from stoa.types import Episode
 
 from . import checkpoint
-from .convert import Arch, ConversionError, hf_shapes, hf_to_megatron, megatron_to_hf, renumber
-from .masters import master_state, owned
+from . import weights
+from .convert import Arch, ConversionError
 from .model import build_gpt, resolve_attention, transformer_config
 from .ops import vocab_parallel_logprobs
 from .options import MegatronOptions
+from .parallel import all_sum, init_parallel, mark_tensor_parallel
 
 __all__ = ["MegatronLearner", "MegatronOptions", "make"]
 
@@ -71,46 +69,6 @@ def make(hf_dir: Path, config: LearnerConfig, **options: Any) -> MegatronLearner
     except (TypeError, ValueError) as e:
         raise LearnerError(f"bad Megatron learner option: {e}") from None
     return MegatronLearner(hf_dir, config, opts)
-
-
-# -- process groups -----------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _sum_(t: torch.Tensor, group=None) -> torch.Tensor:
-    """In-place all-reduce (sum) over ``group`` (default: every rank); a no-op alone."""
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(t, group=group)
-    return t
-
-
-class _HFFolder(Mapping):
-    """Lazy ``{name: tensor}`` over the ``*.safetensors`` files of an HF folder."""
-
-    def __init__(self, folder: Path) -> None:
-        files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise LearnerError(f"{folder} holds no *.safetensors weights (other formats are not read)")
-        self._where: dict[str, Path] = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as h:
-                for k in h.keys():
-                    self._where[k] = f
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        with safe_open(str(self._where[name]), framework="pt") as h:
-            return h.get_tensor(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
 
 
 # -- micro-batches ------------------------------------------------------------------------------
@@ -179,7 +137,7 @@ class MegatronLearner(Counters):
             self.arch.check_tp(options.tensor_parallel)
         except ConversionError as e:
             raise LearnerError(str(e)) from None
-        self._owns_dist, self._owns_mpu = self._init_parallel()
+        self._owns_dist, self._owns_mpu = init_parallel(options, self.on_cuda)
         try:
             self._build(hf_config)
         except BaseException:
@@ -201,7 +159,8 @@ class MegatronLearner(Counters):
         self.dp, self.dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
         self.pre, self.post = mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage()
         per_stage = self.arch.num_layers // self.pp
-        self._layers = range(self.pp_rank * per_stage, (self.pp_rank + 1) * per_stage)
+        self.layers = range(self.pp_rank * per_stage, (self.pp_rank + 1) * per_stage)
+        """The decoder layers (global numbers) of this rank's pipeline stage."""
         torch.manual_seed(config.seed)
         if self.on_cuda:
             tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
@@ -211,12 +170,12 @@ class MegatronLearner(Counters):
         except ValueError as e:
             raise LearnerError(str(e)) from None
         self.model = build_gpt(self.arch, self.tf_config, self.attention, pre_process=self.pre, post_process=self.post)
-        _mark_tensor_parallel(self.model)
+        mark_tensor_parallel(self.model)
         self.model.to(self.device)
         pad = hf_config.get("pad_token_id")
         if self.pre and isinstance(pad, int) and 0 <= pad < self.arch.vocab_size:
             self.model.embedding.word_embeddings.register_forward_hook(partial(_no_grad_at, pad))
-        self._load_hf()
+        weights.load_hf(self)
         self._step = 0
         self._version = 0
         self._ddp = None
@@ -235,34 +194,6 @@ class MegatronLearner(Counters):
         self.optimizer = self.make_optimizer()
 
     # -- setup ---------------------------------------------------------------------------------
-    def _init_parallel(self) -> tuple[bool, bool]:
-        owns_dist = owns_mpu = False
-        opts = self.options
-        timeout = timedelta(seconds=opts.timeout_s)
-        if not dist.is_initialized():
-            backend = "nccl" if self.on_cuda else "gloo"
-            if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:  # launched by torchrun
-                dist.init_process_group(backend, timeout=timeout)
-            else:
-                dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-                                        timeout=timeout)
-            owns_dist = True
-        world, model = dist.get_world_size(), opts.tensor_parallel * opts.pipeline_parallel
-        if world % model:
-            raise LearnerError(f"{world} ranks cannot hold tensor_parallel * pipeline_parallel = {model}-way "
-                               "model replicas: the world size must be a multiple of it")
-        if mpu.model_parallel_is_initialized():
-            have = (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size())
-            if have != (opts.tensor_parallel, opts.pipeline_parallel):
-                raise LearnerError(f"megatron is already initialized with (tp, pp) = {have}, "
-                                   f"not {(opts.tensor_parallel, opts.pipeline_parallel)}")
-        else:
-            mpu.initialize_model_parallel(tensor_model_parallel_size=opts.tensor_parallel,
-                                          pipeline_model_parallel_size=opts.pipeline_parallel,
-                                          distributed_timeout_minutes=max(1, math.ceil(opts.timeout_s / 60)))
-            owns_mpu = True
-        return owns_dist, owns_mpu
-
     def close(self) -> None:
         """Tear down the process groups this learner created (none if the caller made them)."""
         if self._owns_mpu:
@@ -271,25 +202,6 @@ class MegatronLearner(Counters):
         if self._owns_dist and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_dist = False
-
-    def _stage_state(self, hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's Megatron tensors (stage-local layer numbers) from HF tensors."""
-        tied = self.arch.tie_word_embeddings
-        state = hf_to_megatron(hf, self.arch, tp_rank=self.tp_rank, tp_size=self.tp,
-                               fused_norms=self.attention == "te", layers=self._layers,
-                               embedding=self.pre or (self.post and tied), head=self.post)
-        if self.post and tied and not self.pre:  # the last stage keeps its own copy of a tied head
-            state["output_layer.weight"] = state["embedding.word_embeddings.weight"]
-        if not self.pre:
-            state.pop("embedding.word_embeddings.weight", None)
-        return renumber(state, -self._layers.start)
-
-    def _load_hf(self) -> None:
-        try:
-            state = self._stage_state(_HFFolder(self.hf_dir))
-        except (ConversionError, KeyError) as e:
-            raise LearnerError(f"{self.hf_dir}: {e}") from None
-        self.load_local(state, f"{self.hf_dir}")
 
     def load_local(self, state: Mapping[str, torch.Tensor], where: str) -> None:
         params = dict(self.model.named_parameters())
@@ -440,7 +352,7 @@ class MegatronLearner(Counters):
         if self.post and self.tp_rank == 0:
             for i, lp in per_episode.items():
                 buf[offsets[i] + 1 : offsets[i + 1]] = lp.detach().float()
-        host = _sum_(buf).cpu().numpy()
+        host = all_sum(buf).cpu().numpy()
         return [host[offsets[i] : offsets[i + 1]].copy() for i in range(len(lengths))]
 
     # -- scoring -------------------------------------------------------------------------------
@@ -521,12 +433,12 @@ class MegatronLearner(Counters):
         params = list(self.model.parameters())
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         if self.dp > 1:  # one flat buffer: one collective, the same order on every rank
-            flat = _sum_(torch.cat([g.reshape(-1) for g in grads]), mpu.get_data_parallel_group())
+            flat = all_sum(torch.cat([g.reshape(-1) for g in grads]), mpu.get_data_parallel_group())
             grads = [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)]
         counted = [g for p, g in zip(params, grads) if tensor_parallel.param_is_not_tensor_parallel_duplicate(p)]
         squares = torch.stack([torch.linalg.vector_norm(g).square() for g in counted]).sum() if counted else \
             torch.zeros((), device=self.device)
-        norm = _sum_(squares, mpu.get_model_parallel_group()).sqrt()
+        norm = all_sum(squares, mpu.get_model_parallel_group()).sqrt()
         coef = torch.clamp((self.config.grad_clip or math.inf) / (norm + 1e-6), max=1.0)
         for p, g in zip(params, grads):
             p.grad = g.mul_(coef)
@@ -611,7 +523,7 @@ class MegatronLearner(Counters):
         local = {n: (p.main_grad if self.on_cuda else p.grad) for n, p in params.items()}
         local = {n: (g.detach().float() if g is not None else torch.zeros_like(params[n], dtype=torch.float32))
                  for n, g in local.items()}
-        grads = self._gather_hf(local)
+        grads = weights.gather_hf(self, local)
         self._zero_grad()
         return finish(), {k: v.cpu() for k, v in grads.items()}
 
@@ -626,59 +538,6 @@ class MegatronLearner(Counters):
     def chained_optimizers(self) -> list:
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
-    def _master(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters (stage-local Megatron names) in float32, from the master copy."""
-        params = dict(self.model.named_parameters())
-        if not self.on_cuda:
-            return {n: p.detach() for n, p in params.items()}
-        # The distributed optimizer holds each parameter's float32 master in slices over the
-        # data-parallel ranks; every rank writes its slice and a sum assembles the whole.
-        out = {}
-        dp_group = mpu.get_data_parallel_group()
-        full = {name: torch.zeros(p.numel(), dtype=torch.float32, device=self.device) for name, p in params.items()}
-        for opt in self.chained_optimizers():
-            for name, p, r in owned(opt, params):
-                full[name][r.start : r.stop] = master_state(opt, p, r)["param"].detach().view(-1)
-        for name, p in params.items():
-            out[name] = _sum_(full[name], dp_group).view(p.shape)
-        return out
-
-    def _gather_hf(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """HF tensors of the whole model on global rank 0 (empty elsewhere)."""
-        tp_group = mpu.get_tensor_model_parallel_group()
-        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp)]
-        for name in sorted(local):
-            t = local[name].contiguous()
-            parts = [torch.empty_like(t) for _ in range(self.tp)]
-            if self.tp > 1:
-                dist.all_gather(parts, t, group=tp_group)
-            else:
-                parts = [t]
-            for r in range(self.tp):
-                shards[r][name] = parts[r]
-        shards = [renumber(s, self._layers.start) for s in shards]
-        part = megatron_to_hf(shards, self.arch, fused_norms=self.attention == "te", layers=self._layers,
-                              embedding=self.pre, head=self.post)
-        if self.pp == 1:
-            return part if dist.get_rank() == 0 else {}
-        if self.tp_rank != 0 or self.dp_rank != 0:
-            return {}
-        # Every stage sends its tensors to stage 0 over the pipeline group, in a fixed order.
-        pp_group = mpu.get_pipeline_model_parallel_group()
-        ranks = dist.get_process_group_ranks(pp_group)
-        shapes = hf_shapes(self.arch)
-        per_stage = self.arch.num_layers // self.pp
-        out = dict(part) if self.pp_rank == 0 else {}
-        for stage in range(1, self.pp):
-            names = [k for k in shapes if _stage_of(k, per_stage, self.pp) == stage]
-            for k in names:
-                buf = part[k].to(self.device) if self.pp_rank == stage else torch.empty(
-                    shapes[k], dtype=torch.float32, device=self.device)
-                dist.broadcast(buf, src=ranks[stage], group=pp_group)
-                if self.pp_rank == 0:
-                    out[k] = buf.cpu()
-        return out if dist.get_rank() == 0 else {}
-
     def export_weights(self, dtype: Literal["float32", "bfloat16"] = "float32") -> dict[str, np.ndarray]:
         return dict(self.iter_weights(dtype))
 
@@ -686,7 +545,7 @@ class MegatronLearner(Counters):
         if dtype not in ("float32", "bfloat16"):
             raise LearnerError(f"dtype must be float32 or bfloat16, got {dtype!r}")
         # The gather is collective: it runs now, on every rank; only the host copies are lazy.
-        return host_arrays(self._gather_hf(self._master()), dtype)
+        return host_arrays(weights.gather_hf(self, weights.master(self)), dtype)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
@@ -700,37 +559,7 @@ class MegatronLearner(Counters):
         self._step, self._version = step, version
 
 
-def _mark_tensor_parallel(model: torch.nn.Module) -> None:
-    """Tag sharded parameters as megatron's initializers would (``perform_initialization=False``
-    skips them); gradient-norm code (ours, and Megatron's optimizer) counts untagged ones once."""
-    from megatron.core.tensor_parallel.layers import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-        set_tensor_model_parallel_attributes,
-    )
-
-    for module in model.modules():
-        mode = getattr(module, "parallel_mode", None)  # Transformer Engine's linears say "column" / "row"
-        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) or mode == "column":
-            dim, names = 0, ("weight", "bias")
-        elif isinstance(module, RowParallelLinear) or mode == "row":
-            dim, names = 1, ("weight",)  # a row-parallel bias is added after the reduce: replicated
-        else:
-            continue
-        for name in names:
-            p = getattr(module, name, None)
-            if isinstance(p, torch.nn.Parameter) and not hasattr(p, "tensor_model_parallel"):
-                set_tensor_model_parallel_attributes(p, True, dim, 1)
-
-
 def _no_grad_at(pad_id: int, module, inputs, output):
     # HF builds its embedding with padding_idx=pad_token_id: that row gets no gradient from the input side.
     at = (inputs[0] == pad_id)[..., None]
     return torch.where(at, output.detach(), output)
-
-
-def _stage_of(hf_name: str, per_stage: int, pp: int) -> int:
-    if hf_name.startswith("model.layers."):
-        return int(hf_name.split(".")[2]) // per_stage
-    return 0 if hf_name == "model.embed_tokens.weight" else pp - 1
