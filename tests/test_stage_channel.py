@@ -137,15 +137,24 @@ def serve(service, srv: socket.socket, stop: threading.Event) -> None:
 
 
 class Link:
+    """A TCP channel to one stage that counts what came back: per ``want``, the rows asked for
+    and the array bytes answered."""
+
     def __init__(self, port: int) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port))
+        self.rows: dict[str, int] = {}
+        self.down: dict[str, int] = {}
 
     def send(self, f: Frame) -> None:
         write_frame(self.sock, f)
 
     def request(self, f: Frame) -> Frame:
         self.send(f)
-        return read_frame(self.sock, 1 << 26)
+        out = read_frame(self.sock, 1 << 26)
+        want = str(f.meta.get("want"))
+        self.rows[want] = self.rows.get(want, 0) + (f.arrays[0].shape[0] if f.arrays else 0)
+        self.down[want] = self.down.get(want, 0) + sum(a.nbytes for a in out.arrays)
+        return out
 
 
 @pytest.mark.parametrize("parts", [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]])
@@ -168,6 +177,19 @@ def test_a_remote_pipeline_plays_the_single_engines_episodes(tiny, single, parts
     got = pipe.rollout(make_env, requests(), SAMPLING)
     assert_same_episodes(got, want)
     assert any(len(e.segments) > 2 for e in got)
+    # The last stage draws: no logits cross a link, 12 bytes a drawn row come back (id and log-prob).
+    last = remote[-1].channel
+    assert "logits" not in last.rows and last.rows["draw"] >= sum(e.num_model_tokens for e in got) > 0
+    assert last.down["draw"] == 12 * last.rows["draw"]
+    # A draw with sampling settings out of bounds is refused before it touches a tensor.
+    service = StageService(Stage(tiny, parts[-1], single.state), CONFIG.max_batch, 1024)
+    service.handle(Frame("slots", {"slots": 2}))
+    draw = {"longest": 1, "want": "draw", "temperature": 1.0, "top_p": 1.0, "top_k": 0, "sampler": "auto"}
+    arrays = (np.zeros((1, 1, 128), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int64))
+    assert service.handle(Frame("forward", draw, arrays)).arrays[0].shape == (1,)
+    for key, value in (("temperature", 0.0), ("top_p", 1.5), ("top_k", -1), ("sampler", "gpu!")):
+        with pytest.raises(FrameError, match=key):
+            service.handle(Frame("forward", {**draw, key: value}, arrays))
     # A frame outside the stage's bounds is refused and closes the connection.
     out = remote[0].channel.request(Frame("forward", {"longest": 5, "want": "hidden"},
                                           (np.zeros((99, 1, 128), np.float32), np.zeros(99, np.int64))))
@@ -194,7 +216,7 @@ def test_a_stage_that_leaves_because_the_run_finished_drops_no_cohort(tmp_path):
 
     w.engine = SimpleNamespace(rollout=broken)
     cohort = SimpleNamespace(seq=3, requests=[], sampling=None)
-    assert w._generate(None, cohort)[0] == [] and w.dropped_cohorts == 1 and not w._stop  # a failed stage
+    assert w._generate(None, cohort)[0] == [] and w.rig.dropped_cohorts == 1 and not w._stop  # a failed stage
     mark_finished(st, "run", key, 4)
-    assert w._generate(None, cohort)[0] == [] and w.dropped_cohorts == 1 and w._stop
+    assert w._generate(None, cohort)[0] == [] and w.rig.dropped_cohorts == 1 and w._stop
     assert w._stop_reason == "the run finished" and w.weights.damaged

@@ -18,23 +18,14 @@ from typing import Any, Protocol
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
-from stoa.backends import episodes
-from stoa.backends.engine import EngineConfig, RolloutRequest, RolloutStats, SamplingConfig, TextCodec
+from stoa.backends import cohort
+from stoa.backends.engine import RolloutRequest, SamplingConfig
 from stoa.backends.episodes import DECODE, PREFILL, RESTART, Play
 from stoa.types import Episode
 
 
-class CohortHost(Protocol):
+class CohortHost(cohort.CohortHost, Protocol):
     """What a cohort reads of the engine that plays it (:class:`stoa.backends.mlx.engine.MLXEngine`)."""
-
-    config: EngineConfig
-    version: int
-
-    @property
-    def worker_id(self) -> str: ...
-
-    @property
-    def codec(self) -> TextCodec: ...
 
     @property
     def mlx_model(self) -> Any: ...
@@ -55,28 +46,20 @@ def _take(cache: list[BatchKVCache], idx: list[int]) -> list[BatchKVCache]:
     return out
 
 
-class Cohort:
+class Cohort(cohort.CohortLoop):
     """Plays one cohort of requests to completion (see :meth:`stoa.backends.mlx.engine.MLXEngine.rollout`); the episodes
     themselves are :class:`stoa.backends.episodes.Cohort`'s."""
 
+    e: CohortHost
+
     def __init__(self, engine: CohortHost, make_env: Callable[[], Any], requests: Sequence[RolloutRequest],
                  sampling: SamplingConfig, envs: list[Any]) -> None:
-        self.e, self.s, self.cfg = engine, sampling, engine.config
-        self.book = episodes.Cohort(engine.codec, make_env, requests, sampling, envs, version=engine.version,
-                                    worker_id=engine.worker_id, kv_reuse=engine.config.kv_reuse)
+        super().__init__(engine, make_env, requests, sampling, envs)
         self.rows: list[Play] = []
         self.cache: list[BatchKVCache] | None = None
         self.moving: list[Play] = []
         self.moving_cache: list[BatchKVCache] | None = None
         self.fresh: list[Play] = []  # need a prefill from an empty cache
-
-    @property
-    def stats(self) -> RolloutStats:
-        return self.book.stats
-
-    @property
-    def free_envs(self) -> list[Any]:
-        return self.book.free_envs
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> list[Episode]:

@@ -30,7 +30,6 @@ re-score uses), in one of these modes:
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,21 +37,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from stoa.backends.engine import (
-    EngineBusyError, EngineConfig, EngineError, RolloutRequest, RolloutStats, SamplingConfig, TextCodec,
-)
-from stoa.backends.packing import by_length
+from stoa.backends.engine import EngineConfig, EngineError, RolloutRequest, SamplingConfig, SingleEngineBase
 from stoa.backends.sampling import Draws, HostSampler
 from stoa.backends.text import TokenizerText, config_eos_ids
 from stoa.backends.torch import csample as C
 from stoa.backends.torch import decoder as D
 from stoa.backends.torch import sample as S
 from stoa.backends.torch import scoring
-from stoa.backends.torch.int8 import to_torch, dequantize_torch
+from stoa.backends.torch.int8 import dequantize_torch, to_torch
+from stoa.backends.torch.rollout import Cohort
+from stoa.models.hfconfig import ModelSpec
 from stoa.types import Episode
 
-__all__ = ["ENGINE_DTYPES", "KERNEL_MODES", "MODES", "TorchEngine", "check_state", "draw", "exact_matmuls", "make", "pretrained_state", "rebuild",
-           "state_layout"]
+__all__ = ["ENGINE_DTYPES", "KERNEL_MODES", "MODES", "TorchEngine", "built_fields", "check_state", "draw",
+           "exact_matmuls", "make", "pretrained_state", "rebuild", "state_layout"]
 
 MODES = ("auto", "int24", "int16", "quantized", "dequantized", "bfloat16")
 ENGINE_DTYPES = {"int24": torch.float32, "int16": torch.float32, "quantized": torch.float32,
@@ -193,11 +191,20 @@ def draw(logits: torch.Tensor, seeds: np.ndarray, s: SamplingConfig, where: str,
     return S.sample(logits, seeds, s.temperature, s.top_k, s.top_p)
 
 
-class TorchEngine:
+def built_fields(spec: ModelSpec, cfg: Any) -> dict[str, Any]:
+    """What the decoder of ``spec`` builds (``built_config``), in :class:`ModelSpec`'s terms; the
+    RoPE base is the full-attention layers' of the transformers config ``cfg``."""
+    rope = cfg.rope_parameters or {}
+    return {**{k: v for k, v in spec.to_dict().items() if k not in ("rope_theta", "max_position_embeddings",
+                                                                   "hidden_act")},
+            "rope_theta": float(rope.get("full_attention", rope).get("rope_theta", spec.rope_theta))}
+
+
+class TorchEngine(SingleEngineBase):
     """A :class:`stoa.backends.engine.RolloutEngine` on torch. Build with :func:`make`;
-    attributes and methods are documented on the protocol. Also: ``config`` (an
-    :class:`EngineConfig`, replaceable between cohorts), ``device``, ``decoder`` (the model),
-    ``eos_ids``."""
+    attributes and methods are documented on the protocol, and those of every engine on
+    :class:`~stoa.backends.engine.EngineBase`. Also: ``device``, ``decoder`` (the model),
+    ``state_layout``."""
 
     def __init__(self, hf_dir: Path, state: dict[str, np.ndarray], version: int, mode: str = "auto",
                  config: EngineConfig = EngineConfig(), worker_id: str = "", device: str = "auto") -> None:
@@ -205,67 +212,25 @@ class TorchEngine:
 
         from stoa.backends.torch import families
 
-        self.hf_dir, self.config, self.version, self._worker_id = Path(hf_dir), config, int(version), str(worker_id)
+        path = Path(hf_dir)
         self.device = resolve_device(device)
-        self._mode = resolve_mode(mode, self.device)
-        spec = families.read_spec(self.hf_dir, "torch", EngineError)
-        cfg = AutoConfig.from_pretrained(self.hf_dir)
-        self.decoder = D.Decoder(spec, cfg, self.device, ENGINE_DTYPES[self._mode],
+        mode = resolve_mode(mode, self.device)
+        spec = families.read_spec(path, "torch", EngineError)
+        cfg = AutoConfig.from_pretrained(path)
+        self.decoder = D.Decoder(spec, cfg, self.device, ENGINE_DTYPES[mode],
                                  attention_bias=bool(getattr(cfg, "attention_bias", False)),
                                  mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-                                 quantized=self._mode in KERNEL_MODES, digits=DIGITS.get(self._mode, 0))
+                                 quantized=mode in KERNEL_MODES, digits=DIGITS.get(mode, 0))
         self.state_layout = state_layout(self.decoder)
         check_state(state, self.state_layout, None)
         self._state = {k: np.array(v, copy=True, order="C") for k, v in state.items()}
         self._rebuild(list(self.decoder.views))
-        rope = cfg.rope_parameters or {}
-        self._built = {**{k: v for k, v in spec.to_dict().items() if k not in ("rope_theta", "max_position_embeddings",
-                                                                             "hidden_act")},
-                       "rope_theta": float(rope.get("full_attention", rope).get("rope_theta", spec.rope_theta))}
-        self._vocab = spec.vocab_size
-        tok = AutoTokenizer.from_pretrained(self.hf_dir)
-        self._text = TokenizerText(tok, config_eos_ids(self.hf_dir), self._vocab, str(self.hf_dir),
-                                   config.prompt_format)
-        self.prompt_format = self._text.prompt_format
-        self.eos_ids = self._text.eos_ids
-        self._tok = tok
-        self._lock = threading.Lock()
-        self._stats = RolloutStats()
-        self._envs: tuple[Any, list[Any]] = (None, [])  # (factory, idle instances) kept across cohorts
+        tok = AutoTokenizer.from_pretrained(path)
+        text = TokenizerText(tok, config_eos_ids(path), spec.vocab_size, str(path), config.prompt_format)
+        super().__init__(path, config, version, worker_id, mode=mode, vocab_size=spec.vocab_size, tokenizer=tok,
+                         codec=text.codec, built=built_fields(spec, cfg))
         self._cache: D.KVCache | None = None
         self._host_sampler = HostSampler()
-
-    # -- attributes -----------------------------------------------------------------------------
-    @property
-    def mode(self) -> str:
-        return self._mode
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab
-
-    @property
-    def worker_id(self) -> str:
-        return self._worker_id
-
-    @property
-    def built_config(self) -> dict[str, Any]:
-        return dict(self._built)
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._tok
-
-    @property
-    def state(self) -> dict[str, np.ndarray]:
-        return self._state
-
-    @property
-    def codec(self) -> TextCodec:
-        return self._text.codec
-
-    def last_stats(self) -> RolloutStats:
-        return self._stats
 
     def kv_cache(self, slots: int) -> D.KVCache:
         """The engine's KV cache with ``slots`` rows (kept across cohorts while the batch size holds)."""
@@ -277,45 +242,16 @@ class TorchEngine:
         return c
 
     # -- weights --------------------------------------------------------------------------------
-    def _exclusive(self, what: str) -> None:
-        if not self._lock.acquire(blocking=False):
-            raise EngineBusyError(f"{what} while a rollout is running: weights change only between cohorts")
+    def _check_state(self, state: dict[str, np.ndarray]) -> None:
+        check_state(state, self.state_layout, {k: v.dtype for k, v in self._state.items()})
 
     def _rebuild(self, names: Sequence[str]) -> None:
         rebuild(self.decoder, self.state_layout, self._state, names)
 
-    def load_state(self, version: int, state: dict[str, np.ndarray]) -> None:
-        self._exclusive("load_state")
-        try:
-            check_state(state, self.state_layout, {k: v.dtype for k, v in self._state.items()})
-            for k, v in state.items():
-                np.copyto(self._state[k], v)
-            self._rebuild(list(self._state))
-            self.version = int(version)
-        finally:
-            self._lock.release()
-
-    def apply_delta(self, version: int, blob: bytes) -> list[str]:
-        from stoa.transport import pulse
-
-        return self.update_inplace(lambda state: (version, pulse.apply_delta_inplace(state, blob)))
-
-    def update_inplace(self, write: Callable[[dict[str, np.ndarray]], tuple[int, Sequence[str]]]) -> list[str]:
-        self._exclusive("update_inplace")
-        try:
-            version, changed = write(self._state)
-            changed = list(changed)
-            if changed:
-                self._rebuild(changed)
-            self.version = int(version)
-            return changed
-        finally:
-            self._lock.release()
-
-    def state_hash(self) -> str:
-        from stoa.transport import pulse
-
-        return pulse.state_hash(self._state)
+    @contextlib.contextmanager
+    def _computing(self) -> Iterator[None]:
+        with exact_matmuls(self.device), torch.no_grad():
+            yield
 
     # -- generation -----------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, seeds: np.ndarray, s: SamplingConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -336,29 +272,9 @@ class TorchEngine:
         hidden = self.decoder.forward(ids, start, longest, cache)
         return self.sample(self.decoder.logits(hidden[:, 0]), seeds, s)
 
-    def rollout(self, make_env: Callable[[], Any], requests: Sequence[RolloutRequest],
-                sampling: SamplingConfig = SamplingConfig()) -> list[Episode]:
-        from stoa.backends.torch.rollout import Cohort
-
-        if not callable(make_env):
-            raise EngineError("make_env must be a zero-argument callable returning an environment")
-        for r in requests:
-            if not isinstance(r, RolloutRequest):
-                raise EngineError(f"requests must be RolloutRequest objects, got {type(r).__name__}")
-        if not isinstance(sampling, SamplingConfig):
-            raise EngineError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
-        self._exclusive("rollout")
-        try:
-            factory, idle = self._envs
-            cohort = Cohort(self, make_env, requests, sampling, idle if factory is make_env else [])
-            try:
-                with exact_matmuls(self.device), torch.no_grad():
-                    return cohort.run()
-            finally:
-                self._stats = cohort.stats
-                self._envs = (make_env, cohort.free_envs)
-        finally:
-            self._lock.release()
+    def _cohort(self, make_env: Callable[[], Any], requests: Sequence[RolloutRequest], sampling: SamplingConfig,
+                envs: list[Any]) -> Cohort:
+        return Cohort(self, make_env, requests, sampling, envs)
 
     # -- scoring --------------------------------------------------------------------------------
     def _hidden(self, x: torch.Tensor) -> torch.Tensor:
@@ -374,38 +290,13 @@ class TorchEngine:
             out.append(self.decoder.forward(x[:, a:b], torch.full((n,), a, device=self.device), b, cache))
         return torch.cat(out, dim=1) if len(out) > 1 else out[0]
 
-    def score(self, episodes: Sequence[Episode], temperature: float | None = None,
-              max_tokens: int = 8192) -> list[np.ndarray]:
-        """See the protocol. ``max_tokens`` bounds the tokens of one batched forward pass."""
-        if temperature is not None and not temperature > 0:
-            raise EngineError(f"temperature={temperature} must be > 0")
-        self._exclusive("score")
-        try:
-            with exact_matmuls(self.device), torch.no_grad():
-                return by_length([len(e) for e in episodes], max_tokens, lambda b: scoring.score_batch(
-                    [episodes[i] for i in b], temperature, self._vocab, self.device, self._hidden,
-                    self.decoder.logits, EngineError))
-        finally:
-            self._lock.release()
+    def _score_batch(self, eps: Sequence[Episode], temperature: float | None) -> list[np.ndarray]:
+        return scoring.score_batch(eps, temperature, self._vocab, self.device, self._hidden, self.decoder.logits,
+                                   EngineError)
 
-    def sampling_margins(self, episodes: Sequence[Episode], seeds: Sequence[int], top_k: int = 0,
-                         drift: float = 0.0, max_tokens: int = 8192) -> list[np.ndarray]:
-        """See the protocol. ``max_tokens`` bounds the tokens of one batched forward pass."""
-        return [d.margins for d in self.check_draws(episodes, seeds, top_k, drift, max_tokens)]
-
-    def check_draws(self, episodes: Sequence[Episode], seeds: Sequence[int], top_k: int = 0,
-                    drift: float = 0.0, max_tokens: int = 8192) -> list[Draws]:
-        """See the protocol. ``max_tokens`` bounds the tokens of one batched forward pass."""
-        if len(seeds) != len(episodes):
-            raise EngineError("one seed per episode")
-        self._exclusive("check_draws")
-        try:
-            with exact_matmuls(self.device), torch.no_grad():
-                return by_length([len(e) for e in episodes], max_tokens, lambda b: scoring.draws_batch(
-                    [episodes[i] for i in b], [int(seeds[i]) for i in b], top_k, drift, self._vocab, self.device,
-                    self._hidden, self.decoder.logits, EngineError))
-        finally:
-            self._lock.release()
+    def _draws_batch(self, eps: Sequence[Episode], seeds: Sequence[int], top_k: int, drift: float) -> list[Draws]:
+        return scoring.draws_batch(eps, seeds, top_k, drift, self._vocab, self.device, self._hidden,
+                                   self.decoder.logits, EngineError)
 
 
 def pretrained_state(hf_dir: Path) -> dict[str, np.ndarray]:

@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from stoa.backends.engine import EngineConfig, EngineError, RolloutRequest, RolloutStats, SamplingConfig, TextCodec
+from stoa.backends.engine import EngineBase, EngineConfig, EngineError, RolloutRequest, SamplingConfig
 from stoa.backends.sampling import HostSampler
 from stoa.backends.torch import decoder as D
 from stoa.backends.torch.engine import ENGINE_DTYPES, check_state, exact_matmuls, state_layout, draw, rebuild
-from stoa.backends.torch.engine import DIGITS, KERNEL_MODES, resolve_device, resolve_mode
+from stoa.backends.torch.engine import DIGITS, KERNEL_MODES, built_fields, resolve_device, resolve_mode
 from stoa.types import Episode
 
 __all__ = ["Pipeline", "Stage", "StageMemory", "make", "read_share", "split_layers", "stage_names"]
@@ -214,51 +214,39 @@ class _ChainCache:
             c.move(src, dst, length)
 
 
-class Pipeline:
+class Pipeline(EngineBase):
     """Stages that cover the model's layers in order, played as one rollout engine in this process.
 
     ``rollout`` follows :meth:`stoa.backends.engine.RolloutEngine.rollout` (episodes, seeds,
     stats); weights are the stages' own (:meth:`Stage.apply_delta` updates one stage's share).
-    ``version`` is stamped on every episode."""
+    ``version`` is stamped on every episode; ``mode`` is the first stage's. The other members
+    every engine has are :class:`~stoa.backends.engine.EngineBase`'s."""
 
     def __init__(self, hf_dir: str | Path, stages: Sequence[Stage], version: int = 0,
                  config: EngineConfig = EngineConfig(), worker_id: str = "") -> None:
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         from stoa.backends.text import TokenizerText, config_eos_ids
 
         if not stages:
             raise EngineError("a pipeline needs at least one stage")
-        layers = stages[0].decoder.spec.num_hidden_layers
+        spec = stages[0].decoder.spec
         at = 0
         for st in stages:
             if st.part[0] != at:
                 raise EngineError(f"stage {st.part} does not start where the previous ended ({at})")
             at = st.part[1]
-        if at != layers:
-            raise EngineError(f"the stages end at layer {at}; the model has {layers}")
-        self.hf_dir, self.stages, self.version, self.config = Path(hf_dir), list(stages), int(version), config
+        if at != spec.num_hidden_layers:
+            raise EngineError(f"the stages end at layer {at}; the model has {spec.num_hidden_layers}")
+        path = Path(hf_dir)
+        self.stages = list(stages)
         self.device = stages[-1].device
-        self._worker_id = str(worker_id)
-        self._vocab = stages[0].decoder.spec.vocab_size
-        self._tok = AutoTokenizer.from_pretrained(self.hf_dir)
-        self._text = TokenizerText(self._tok, config_eos_ids(self.hf_dir), self._vocab, str(self.hf_dir),
-                                   config.prompt_format)
+        tok = AutoTokenizer.from_pretrained(path)
+        text = TokenizerText(tok, config_eos_ids(path), spec.vocab_size, str(path), config.prompt_format)
+        super().__init__(path, config, version, worker_id, mode=stages[0].mode, vocab_size=spec.vocab_size,
+                         tokenizer=tok, codec=text.codec, built=built_fields(spec, AutoConfig.from_pretrained(path)))
         self._host_sampler = HostSampler()
         self._cache: _ChainCache | None = None
-        self._stats = RolloutStats()
-
-    @property
-    def worker_id(self) -> str:
-        return self._worker_id
-
-    @property
-    def codec(self) -> TextCodec:
-        return self._text.codec
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._tok
 
     @property
     def state(self) -> dict[str, np.ndarray]:
@@ -267,14 +255,6 @@ class Pipeline:
         for st in self.stages:
             out.update(st.state)
         return out
-
-    def state_hash(self) -> str:
-        from stoa.transport import pulse
-
-        return pulse.state_hash(self.state)
-
-    def last_stats(self) -> RolloutStats:
-        return self._stats
 
     def kv_cache(self, slots: int) -> _ChainCache:
         if self._cache is None or self._cache.shape[0] != slots:

@@ -5,8 +5,11 @@ a JSON header; this module converts to and from torch and never sees a socket):
 
 * :class:`StageService`: what a stage process does with each frame it receives (its KV cache's
   ``slots`` / ``ensure`` / ``copy_rows`` / ``move``, and ``forward``: hidden states in, hidden
-  states out, or on the last stage the logits the driver draws from). Every field of every frame
-  is checked against the stage's bounds (rows, positions, hidden size) before it touches a tensor.
+  states out; on the last stage, ``want="draw"``: the next token of each row drawn there by the
+  engine's own seeded rule, :func:`~stoa.backends.torch.engine.draw`, from the row seeds the
+  driver sends, and only the token ids and behaviour log-probs sent back, 12 bytes a row where
+  the logits were ``4 x vocab``). Every field of every frame is checked against the stage's
+  bounds (rows, positions, hidden size, sampling settings) before it touches a tensor.
 * :class:`RemoteStage`: the driver's stand-in for such a stage inside a :class:`RemotePipeline`,
   forwarding through a *channel* (``request(frame) -> frame`` and ``send(frame)``, e.g.
   :class:`stoa.fleet.stages.driver.StageLink`).
@@ -29,13 +32,15 @@ import numpy as np
 import torch
 
 from stoa.backends.engine import EngineConfig, EngineError, SamplingConfig
+from stoa.backends.sampling import HostSampler
 from stoa.backends.torch.engine import draw, exact_matmuls
 from stoa.backends.torch.pipeline import Pipeline, Stage, split_layers
 from stoa.transport.frames import Frame, FrameError, check_array, meta_int, meta_ints
 
 __all__ = ["Channel", "RemotePipeline", "RemoteStage", "Stage", "StageService", "split_layers"]
 
-WANTS = ("hidden", "logits", "none")
+WANTS = ("hidden", "logits", "draw", "none")
+SAMPLERS = ("auto", "host", "device")
 
 
 class Channel(Protocol):
@@ -60,7 +65,9 @@ class StageService:
     def __init__(self, stage: Stage, max_slots: int, max_positions: int) -> None:
         self.stage, self.max_slots, self.max_positions = stage, int(max_slots), int(max_positions)
         self.hidden = stage.decoder.spec.hidden_size
+        self.vocab = stage.decoder.spec.vocab_size
         self.slots = 0
+        self._host_sampler = HostSampler()
 
     def handle(self, f: Frame) -> Frame | None:
         """The answer to ``f`` (None for the cache ops, which answer nothing).
@@ -94,8 +101,9 @@ class StageService:
 
     def _forward(self, f: Frame) -> Frame:
         want = f.meta.get("want")
-        if want not in WANTS or (want == "logits" and not self.stage.last):
-            raise FrameError(f"want must be one of {WANTS} (logits on the last stage only), not {str(want)[:40]}")
+        if want not in WANTS or (want in ("logits", "draw") and not self.stage.last):
+            raise FrameError(f"want must be one of {WANTS} (logits and draws on the last stage only), "
+                             f"not {str(want)[:40]}")
         x = check_array(f.arrays, 0, "float32", (None, None, self.hidden))
         n, m = x.shape[0], x.shape[1]
         if not (1 <= n <= self.slots and 1 <= m <= self.max_positions):
@@ -106,6 +114,8 @@ class StageService:
         longest = meta_int(f.meta, "longest", 1, self.max_positions)
         if longest != int(start.max()) + m:
             raise FrameError(f"longest {longest} is not max(start) + {m}")
+        if want == "draw":
+            return self._draw(f, x, start, longest)
         rows = None
         if len(f.arrays) > 2:
             r = check_array(f.arrays, 2, "int64", (n,))
@@ -119,6 +129,34 @@ class StageService:
         if want == "logits":
             y = self.stage.decoder.logits(y[:, 0])
         return Frame("out", {}, (y.float().cpu().numpy(),))
+
+    def _draw(self, f: Frame, x: np.ndarray, start: np.ndarray, longest: int) -> Frame:
+        """The next token of each row (one position each): the stage's logits drawn from with the
+        row seeds (array 2, uint64 as int64) under the frame's sampling settings."""
+        n = x.shape[0]
+        if x.shape[1] != 1:
+            raise FrameError(f"a draw takes one position a row, not {x.shape[1]}")
+        seeds = check_array(f.arrays, 2, "int64", (n,)).copy().view(np.uint64)
+        s, sampler = _sampling(f.meta, self.vocab)
+        dev = self.stage.device
+        y = self.stage.forward(torch.from_numpy(x.copy()).to(dev), torch.from_numpy(start.copy()).to(dev), longest, None)
+        tokens, lps = draw(self.stage.decoder.logits(y[:, 0]), seeds, s, sampler, self._host_sampler)
+        return Frame("out", {}, (np.asarray(tokens, np.int64), np.asarray(lps, np.float32)))
+
+
+def _sampling(meta: dict[str, Any], vocab: int) -> tuple[SamplingConfig, str]:
+    """The sampling settings of a draw frame, checked: temperature > 0 and finite, top_k in
+    ``[0, vocab]``, top_p in ``(0, 1]``, a known sampler."""
+    t, p, k, where = meta.get("temperature"), meta.get("top_p"), meta.get("top_k"), meta.get("sampler")
+    if not (isinstance(t, float) and np.isfinite(t) and 0.0 < t < 1e6):
+        raise FrameError(f"temperature must be a finite float > 0, not {str(t)[:40]}")
+    if not (isinstance(p, float) and 0.0 < p <= 1.0):
+        raise FrameError(f"top_p must be a float in (0, 1], not {str(p)[:40]}")
+    if not (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= vocab):
+        raise FrameError(f"top_k must be an integer in [0, {vocab}], not {str(k)[:40]}")
+    if where not in SAMPLERS:
+        raise FrameError(f"sampler must be one of {SAMPLERS}, not {str(where)[:40]}")
+    return SamplingConfig(temperature=t, top_p=p, top_k=k), where
 
 
 class _RemoteKV:
@@ -165,12 +203,30 @@ class RemoteStage:
         y = check_array(out.arrays, 0, "float32", (n, self.vocab) if want == "logits" else (n, x.shape[1], self.hidden))
         return torch.from_numpy(y.copy())
 
+    def draw(self, x: torch.Tensor, start: torch.Tensor, longest: int, seeds: np.ndarray, s: SamplingConfig,
+             sampler: str) -> tuple[np.ndarray, np.ndarray]:
+        """The last stage's draw of each row's next token (see :class:`StageService`): token ids
+        (int64, each below the vocabulary size, checked) and behaviour log-probs (float32)."""
+        arrays = (x.float().cpu().numpy(), start.cpu().numpy().astype(np.int64),
+                  np.ascontiguousarray(seeds, np.uint64).view(np.int64))
+        meta = {"longest": int(longest), "want": "draw", "temperature": float(s.temperature),
+                "top_p": float(s.top_p), "top_k": int(s.top_k), "sampler": sampler}
+        out = self.channel.request(Frame("forward", meta, arrays))
+        if out.op != "out":
+            raise FrameError(f"the stage of layers {self.part} answered {out.op!r}: {str(out.meta)[:300]}")
+        n = x.shape[0]
+        tokens = check_array(out.arrays, 0, "int64", (n,))
+        lps = check_array(out.arrays, 1, "float32", (n,))
+        if n and (tokens.min() < 0 or tokens.max() >= self.vocab):
+            raise FrameError(f"the stage of layers {self.part} drew a token outside the vocabulary")
+        return tokens.copy(), lps.copy()
+
 
 class RemotePipeline(Pipeline):
     """A :class:`Pipeline` of one local first stage and :class:`RemoteStage` s after it: a rollout
-    engine (``rollout``, ``version``, ``codec``...) for the fleet worker. ``state`` and
-    ``state_hash`` cover the local stage's share only; the remote stages' shares are checked by
-    their hashes (the driver's job, before each cohort)."""
+    engine (``rollout``, ``version``, ``codec``...) for the fleet worker, whose ``mode`` is the one
+    given. ``state`` and ``state_hash`` cover the local stage's share only; the remote stages'
+    shares are checked by their hashes (the driver's job, before each cohort)."""
 
     def __init__(self, hf_dir: Any, first: Stage, remote: Sequence[RemoteStage], version: int = 0,
                  config: EngineConfig = EngineConfig(), worker_id: str = "", mode: str = "dequantized") -> None:
@@ -178,14 +234,6 @@ class RemotePipeline(Pipeline):
             raise EngineError("a remote pipeline is a local first stage and one or more remote stages")
         super().__init__(hf_dir, [first, *remote], version, config, worker_id)  # type: ignore[list-item]
         self._mode = mode
-
-    @property
-    def mode(self) -> str:
-        return self._mode
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab
 
     @property
     def state(self) -> dict[str, np.ndarray]:
@@ -211,9 +259,16 @@ class RemotePipeline(Pipeline):
 
     def next_tokens(self, ids: torch.Tensor, start: torch.Tensor, longest: int, cache: Any, seeds: np.ndarray,
                     s: SamplingConfig) -> tuple[np.ndarray, np.ndarray]:
-        logits = self._through(ids, start, longest, None, "logits")
-        assert logits is not None
-        return draw(logits, seeds, s, self.config.sampler, self._host_sampler)
+        """Each row's next token, drawn on the last stage (:meth:`RemoteStage.draw`): no logits
+        cross a link."""
+        *through, last = self.stages
+        y: torch.Tensor | None = ids
+        for st in through:
+            assert y is not None
+            y = st.forward(y, start, longest, None, "hidden") if isinstance(st, RemoteStage) else \
+                st.forward(y, start, longest, None)
+        assert y is not None and isinstance(last, RemoteStage)
+        return last.draw(y, start, longest, seeds, s, self.config.sampler)
 
     def rollout(self, make_env: Callable[[], Any], requests: Sequence[Any], sampling: SamplingConfig = SamplingConfig()
                 ) -> list[Any]:

@@ -18,25 +18,17 @@ from typing import Any, Protocol
 
 import torch
 
-from stoa.backends import episodes
-from stoa.backends.engine import EngineConfig, RolloutRequest, RolloutStats, SamplingConfig, TextCodec
+from stoa.backends import cohort
+from stoa.backends.engine import RolloutRequest, SamplingConfig
 from stoa.backends.episodes import DONE, Play
 from stoa.backends.torch.decoder import KVCache
 from stoa.types import Episode
 
 
-class CohortHost(Protocol):
+class CohortHost(cohort.CohortHost, Protocol):
     """What a cohort reads of the engine that plays it (:class:`stoa.backends.torch.engine.TorchEngine`)."""
 
-    config: EngineConfig
-    version: int
     device: torch.device
-
-    @property
-    def worker_id(self) -> str: ...
-
-    @property
-    def codec(self) -> TextCodec: ...
 
     def kv_cache(self, slots: int) -> KVCache: ...
 
@@ -56,24 +48,16 @@ def _cached(p: Play) -> int:
     return p.length - len(p.feed) - 1
 
 
-class Cohort:
+class Cohort(cohort.CohortLoop):
     """Plays one cohort of requests to completion (see :meth:`stoa.backends.torch.engine.TorchEngine.rollout`)."""
+
+    e: CohortHost
 
     def __init__(self, engine: CohortHost, make_env: Callable[[], Any], requests: Sequence[RolloutRequest],
                  sampling: SamplingConfig, envs: list[Any]) -> None:
-        self.e, self.s, self.cfg = engine, sampling, engine.config
-        self.book = episodes.Cohort(engine.codec, make_env, requests, sampling, envs, version=engine.version,
-                                    worker_id=engine.worker_id, kv_reuse=engine.config.kv_reuse)
+        super().__init__(engine, make_env, requests, sampling, envs)
         self.cache = engine.kv_cache(self.cfg.max_batch)
         self.rows: list[Play] = []
-
-    @property
-    def stats(self) -> RolloutStats:
-        return self.book.stats
-
-    @property
-    def free_envs(self) -> list[Any]:
-        return self.book.free_envs
 
     def run(self) -> list[Episode]:
         book = self.book
