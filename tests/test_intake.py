@@ -84,8 +84,8 @@ def _work(run: _Run, writer: RolloutWriter, seq: int, version: int = 0, tag: int
     if probation:
         a = assignment(run.cfg.seed, writer.key_id, seq, run.intake.n_items, run.cfg.rollout.groups_per_cohort)
     else:
-        run.intake.binder.bind(writer.key_id, seq, version)
-        a = run.intake.assigned(Batch("", writer.worker_id, version, [], seq, writer.key_id))
+        run.intake.gate.binder.bind(writer.key_id, seq, version)
+        a = run.intake.gate.bounds.assigned(Batch("", writer.worker_id, version, [], seq, writer.key_id))
     rng = np.random.default_rng(1000 * seq + tag)
     out = []
     for gid, item in zip(a.group_ids, a.items):
@@ -131,7 +131,7 @@ def test_every_refusal_kind_is_quarantined_ledgered_and_an_event_row(tmp_path):
     w = RolloutWriter(run.store, RUN, "w", private_key=generate_private_key())
     w.upload(_work(run, w, 0), 0)
     intake.take(0)
-    assert intake.gate.established(w.key_id)  # w's key is bound to "w" by its accepted work
+    assert intake.gate.members.established(w.key_id)  # w's key is bound to "w" by its accepted work
     expect: dict[str, str] = {}  # store key -> category
 
     def put(key: str, blob: bytes, category: str) -> None:
@@ -297,7 +297,7 @@ def test_a_copy_of_another_keys_batch_is_not_the_copiers_assigned_work(tmp_path)
     for e in relabelled:
         e.worker_id, e.group_id = "c2", f"c2-copy-{e.group_id}"
     for c in (c1, c2):  # each copier's number is bound: the copy still is not its work
-        run.intake.binder.bind(c.key_id, 0, 0)
+        run.intake.gate.binder.bind(c.key_id, 0, 0)
     keys = [c1.upload(as_is, 0), c2.upload(relabelled, 0)]
     run.intake.take(0)
     assert [b.worker_id for b, _ in run.intake.pool.entries] == ["h"]
@@ -325,7 +325,7 @@ def test_junk_planted_at_a_workers_next_numbers_is_not_counted_as_its_gaps(tmp_p
         run.intake.take(0)
     rec = run.intake.gate.records[w.key_id]
     assert wasted == 7 and rec.batches_seen == 8 and rec.max_seq == 14 and rec.rejected_batches == 0
-    assert rec.withheld == 0 and run.intake.gate.withholding()[w.key_id] == (0.0, False)
+    assert rec.withheld == 0 and run.intake.gate.records.withholding(run.cfg.trust.audit.worker_mads)[w.key_id] == (0.0, False)
     assert rec.taken_by_others == 7  # reported as what it is
     assert sorted(line["category"] for line in run.lines() if "rejected" in line) == ["unsigned"] * 7
 
@@ -356,7 +356,7 @@ def test_stale_junk_at_withheld_numbers_counts_as_withheld(tmp_path):
             elif name == "launder":
                 w.upload(_junk(w, 0, token=seq), 0, seq=seq)
         run.intake.take(version)
-    flags = run.intake.gate.withholding()
+    flags = run.intake.gate.records.withholding(run.cfg.trust.audit.worker_mads)
     recs = run.intake.gate.records
     assert recs[writers["gaps"].key_id].withheld == 12 and flags[writers["gaps"].key_id][1]  # the control
     assert recs[writers["launder"].key_id].withheld == 12 and flags[writers["launder"].key_id][1]
@@ -483,7 +483,7 @@ def test_ground_keys_choose_no_trained_items(tmp_path):
     salt = read_salt(run.store, RUN, newcomer.key_id, run.key.public_key())  # published once it had accepted work
     assert salt is not None
     ids = assignment(run.cfg.seed, newcomer.key_id, 1, n, groups, salt).group_ids
-    assert ids == run.intake.assigned(Batch("", "new", 0, [], 1, newcomer.key_id)).group_ids
+    assert ids == run.intake.gate.bounds.assigned(Batch("", "new", 0, [], 1, newcomer.key_id)).group_ids
     newcomer.upload(_work(run, newcomer, 1), 0)
     taken = run.intake.take(0)
     assert taken is not None and {g[0].group_id.split("/")[0] for g in taken.groups} == {newcomer.key_id}
@@ -524,7 +524,7 @@ def test_numbers_planted_ahead_of_a_new_worker_are_never_its_gaps_in_any_order(t
         run.intake.take(0)
     rec = run.intake.gate.records[w.key_id]
     assert rec.batches_seen == 8 and rec.max_seq == 14 and rec.taken_by_others == 7
-    assert rec.withheld == 0 and run.intake.gate.withholding()[w.key_id] == (0.0, False)
+    assert rec.withheld == 0 and run.intake.gate.records.withholding(run.cfg.trust.audit.worker_mads)[w.key_id] == (0.0, False)
     # The count survives the trainer's checkpoint.
     state = run.intake.gate.records.state()
     again = type(run.intake.gate.records)(0)
@@ -566,7 +566,7 @@ def test_a_number_is_made_under_its_bound_version_only_and_its_work_is_unknown_b
     for seq in (0, 1):
         write_ticket(run.store, RUN, seq, keys["shopper"])
     intake.take(3)  # binds every ticket to version 3
-    assert intake.binder.bound[shopper.key_id] == {0: 3, 1: 3} == intake.binder.bound[honest.key_id]
+    assert intake.gate.binder.bound[shopper.key_id] == {0: 3, 1: 3} == intake.gate.binder.bound[honest.key_id]
     assert read_salt(run.store, RUN, shopper.key_id, run.key.public_key()) is not None
     rerolled = shopper.upload(work(shopper, 0, 1), 1)  # made under version 1, which it held: within max_lag
     predicted = shopper.upload(work(shopper, 1, 3, predicted=True), 3)  # the salt-only work, at the bound version

@@ -30,6 +30,16 @@ from stoa.types import Episode, Segment
 
 from helpers import TINY_FLEET
 
+
+class _AnyKey:
+    """Every key has standing (the binder's own tests)."""
+
+    def __contains__(self, kid: object) -> bool:
+        return True
+
+
+ANY_KEY = _AnyKey()
+
 RUN = "planted"
 ENV = TINY_FLEET["env"]
 PLANTED = 1000
@@ -164,14 +174,14 @@ def test_planted_numbers_do_not_stretch_a_keys_lookahead_over_free_numbers(tmp_p
         return {n for n in held if after < n < below}
 
     write_ticket(store, RUN, 500 + MAX_AHEAD - 1, w)  # 63 free numbers (500..562) in between: bound
-    assert binder.poll(1, lambda k: True, ask) == [] and binder.top[kid] == 500 + MAX_AHEAD - 1
+    assert binder.poll(1, ANY_KEY, ask) == [] and binder.top[kid] == 500 + MAX_AHEAD - 1
     fresh = Binder(store, RUN, run_key)
     write_ticket(store, RUN, 500 + MAX_AHEAD, w)  # 64 free numbers in between: refused
     write_ticket(store, RUN, 701, w)  # a lone far object buys one number, not the range below it
-    refused = fresh.poll(1, lambda k: True, ask)
+    refused = fresh.poll(1, ANY_KEY, ask)
     assert sorted(k for _, k, _ in refused) == [layout.ticket(RUN, kid, 500 + MAX_AHEAD), layout.ticket(RUN, kid, 701)]
     assert all("free numbers past" in why for _, _, why in refused) and fresh.bound == {}
-    assert Binder(store, RUN, run_key).poll(1, lambda k: True) == []  # nothing left; no held: the plain bound
+    assert Binder(store, RUN, run_key).poll(1, ANY_KEY) == []  # nothing left; no held: the plain bound
 
 
 def _plant_at(fleet: _Fleet, where: str, first: int, count: int) -> None:
@@ -192,7 +202,7 @@ def test_planted_numbers_never_hold_back_an_honest_workers_throttle(tmp_path, mo
     numbers used less numbers taken, so 3 objects in quarantine/ stalled it for good."""
     # The trainer lists a key's folder for far tickets at most every 10 s and the worker tickets
     # again after 30 s, so a second far planting costs one wait; this test does not wait.
-    monkeypatch.setattr("stoa.fleet.intake.intake._HELD_LIST_EVERY_S", 0.0)
+    monkeypatch.setattr("stoa.fleet.trust.gate._HELD_LIST_EVERY_S", 0.0)
     fleet = _Fleet(tmp_path)
     made = []
     if when == "before its first upload":

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from stoa.fleet.intake.copies import group_prints
-from stoa.fleet.trust.gate import TrustGate, scoped
+from stoa.fleet.trust.gate import TrustGate, max_groups, scoped
 from stoa.fleet.trust.records import read_trust_report
 from stoa.fleet.trust.review import Verdict
 from stoa.fleet.trust.section import TrustConfig
@@ -24,11 +24,11 @@ def test_strikes_ban_a_key_and_the_ban_survives_a_checkpoint(tmp_path):
     honest = [episodes("h", group=f"h{i}", seed=i) for i in range(3)]
     assert gate.review([batch_of("hk", "h", honest[0]), batch_of("hk", "h", honest[1], 1)], 0) == [None, None]
     copy_reason = "duplicate: repeats a group this key uploaded in an earlier batch"
-    gate.reject("ck", "c", "duplicate", copy_reason, episodes=2)  # what the intake does with a copy
-    assert not gate.is_banned("ck") and gate.records["ck"].strikes == 1
-    gate.reject("ck", "c", "duplicate", copy_reason, episodes=2)
-    assert gate.is_banned("ck") and gate.take_new_bans() == [("ck", "c", gate.records["ck"].banned)]
-    assert ledger[-1]["banned"] == "ck" and gate.take_new_bans() == []
+    gate.refused(None, "ck", "c", "duplicate", copy_reason, episodes=2)  # what the intake does with a copy
+    assert not gate.members.is_banned("ck") and gate.records["ck"].strikes == 1
+    gate.refused(None, "ck", "c", "duplicate", copy_reason, episodes=2)
+    assert gate.members.is_banned("ck") and gate.new_bans() == [("ck", "c", gate.records["ck"].banned)]
+    assert ledger[-1]["banned"] == "ck" and gate.new_bans() == []
     assert gate.review([batch_of("ck", "c", honest[2], 2)], 0) == [Verdict("refused", "key ck is banned")]
     assert gate.records["hk"].accepted_batches == 2 and gate.records["hk"].rejected_batches == 0
     gate.write_report(3, force=True)
@@ -38,7 +38,7 @@ def test_strikes_ban_a_key_and_the_ban_survives_a_checkpoint(tmp_path):
     state = json.loads(json.dumps(gate.state()))
     fresh = TrustGate(TrustConfig(), gate.store, RUN, gate.key)
     fresh.restore(state)
-    assert fresh.is_banned("ck") and fresh.records["hk"].accepted_batches == 2
+    assert fresh.members.is_banned("ck") and fresh.records["hk"].accepted_batches == 2
 
 
 def test_identical_samples_are_no_copy_and_groups_live_in_their_senders_namespace():
@@ -46,8 +46,8 @@ def test_identical_samples_are_no_copy_and_groups_live_in_their_senders_namespac
     assert group_prints(same) == []  # a near-deterministic group may repeat itself
     assert group_prints(episodes("a")) == group_prints(episodes("b", group="other"))
     assert scoped("k1", "g") != scoped("k2", "g") and scoped("", "g") == "g"
-    gate = TrustGate(TrustConfig(max_worker_share=0.5), None, RUN, generate_private_key())
-    assert gate.max_groups(8) == 4 and gate.max_groups(1) == 1
+    cfg = TrustConfig(max_worker_share=0.5)
+    assert max_groups(cfg, 8) == 4 and max_groups(cfg, 1) == 1
 
 
 def test_groups_whose_draws_are_rederived_get_no_print():
@@ -65,20 +65,20 @@ def test_groups_whose_draws_are_rederived_get_no_print():
     b = replace(b, sha256="ab" * 32)
     fresh, dups = Copies(16).sift([b])
     assert not fresh and "repeats a group" in dups[0][1]  # without the draws check: a copy
-    fresh, dups = Copies(16).sift([b], drawn=lambda _: True)
+    fresh, dups = Copies(16).sift([b], redraws=True)
     assert fresh == [b] and not dups
     gate = TrustGate(TrustConfig(), None, RUN, generate_private_key())
-    assert not gate.checks.draws_every_episode("k")  # no int8 re-score: the prints stand
+    assert not gate.admission().redraws  # no int8 re-score: the prints stand
 
 
 def test_gaps_in_a_keys_sequence_numbers_are_counted_and_a_withholder_flagged():
     gate = TrustGate(TrustConfig(), None, RUN, generate_private_key())
     for kid in ("h1", "h2", "h3"):
         for seq in range(20):
-            gate.saw(kid, kid, seq)
+            gate.records.saw(kid, kid, seq)
     for seq in range(0, 20, 3):  # uploads one number in three
-        gate.saw("sel", "sel", seq)
-    held = gate.withholding()
+        gate.records.saw("sel", "sel", seq)
+    held = gate.records.withholding(gate.cfg.audit.worker_mads)
     assert gate.records["sel"].withheld == 12 and held["sel"][1]
     assert all(gate.records[k].withheld == 0 and not held[k][1] for k in ("h1", "h2", "h3"))
     assert gate.metrics()["trust/withheld_batches"] == 12 and gate.metrics()["trust/withholding_flagged"] == 1
@@ -87,9 +87,9 @@ def test_gaps_in_a_keys_sequence_numbers_are_counted_and_a_withholder_flagged():
     # gaps (they upload only when they find a batch to copy) once hid the withholder.
     for kid in ("c1", "c2", "c3"):
         for seq in (0, 19):
-            gate.saw(kid, kid, seq)
+            gate.records.saw(kid, kid, seq)
         gate.ban(kid, "strikes")
-    held = gate.withholding()
+    held = gate.records.withholding(gate.cfg.audit.worker_mads)
     assert held["sel"][1] and not any(held[k][1] for k in ("h1", "h2", "h3"))
 
 
@@ -104,13 +104,13 @@ def test_the_public_report_publishes_nothing_that_decides_whether_a_batch_is_che
 
     store, key = LocalStore(tmp_path / "store"), generate_private_key()
     gate = TrustGate(TrustConfig(), store, RUN, key, roster_copy=tmp_path / "run" / "roster")
-    gate.audit.floor = 0.0123
+    gate.checks.audit.floor = 0.0123
     for kid in ("h1", "h2", "h3"):
         gate.records.touch(kid, kid)
-        gate.audit.observe(kid, 0, TokenStats(tokens=500, abs_sum=500 * 0.0456, implausible=1))
+        gate.checks.audit.observe(kid, 0, TokenStats(tokens=500, abs_sum=500 * 0.0456, implausible=1))
     suspicion = ("log-prob audit: running mean |log pi - log mu| 0.300 at staleness 0 leaves the fleet's honest range "
                  "(median 0.046, limit 0.120); spot-check: episode 2: 3 of 10 model tokens off the int8 re-score")
-    gate.reject("h3", "h3", "audit", suspicion)
+    gate.refused(None, "h3", "h3", "audit", suspicion)
     gate.write_report(4, force=True)
     public = json.loads(json.loads(store.get(f"{RUN}/trust.json"))["body"])
     text = json.dumps(public)

@@ -129,16 +129,16 @@ def test_the_gate_bans_forged_log_probs_before_any_is_trained(engine_and_episode
 
     gate = TrustGate(TrustConfig(audit=AuditConfig(fraction=0.5, random_spot_check=0.0)), LocalStore(tmp_path), RUN,
                      generate_private_key(), float_scorer=learner, int8=Version0())
-    floor = gate.calibrate(eps, learner.logprobs(eps, temperature=None))
+    floor = gate.calibrate(eps)  # scored by the learner it was given
     assert 0 < floor < 0.05  # int8 rounding only: the same weights, float and int8
     for kid, how, part in (("zk", "zero", eps[:8]), ("sk", "shuffle", eps[8:])):
         (verdict,) = gate.review([batch_of(kid, kid, forge_logprobs(part, how), 2)], 0)
-        assert verdict.category == "audit" and "spot-check" in verdict.reason and gate.is_banned(kid), (how, verdict)
+        assert verdict.category == "audit" and "spot-check" in verdict.reason and gate.members.is_banned(kid), (how, verdict)
     honest = [batch_of("hk", "w", eps[:8]), batch_of("hk2", "v", eps[8:], 1)]
     assert gate.review(honest, 0) == [None, None]
     stats = episode_stats(learner.logprobs([eps[0]], temperature=None)[0], eps[0])
     assert stats.tokens == eps[0].num_model_tokens and stats.implausible == 0
-    assert not gate.is_banned("hk") and gate.records["zk"].spot_check_failures == 1
+    assert not gate.members.is_banned("hk") and gate.records["zk"].spot_check_failures == 1
     assert gate.metrics()["trust/banned_workers"] == 2.0
 
 
@@ -178,8 +178,8 @@ def test_after_a_restart_a_claimed_version_is_rebuilt_from_the_chain_or_the_batc
                      generate_private_key(), float_scorer=Echo(), int8=restarted)
     (verdict,) = gate.review([batch_of("fk", "f", forged, 1)], 3)
     assert verdict is not None and verdict.category == "unverifiable" and not verdict.ban, verdict
-    gate.reject("fk", "f", verdict.category, verdict.reason, episodes=len(forged))  # what the intake does with a verdict
-    assert not gate.is_banned("fk") and gate.records["fk"].strikes == 0  # refused, not struck: maybe not its fault
+    gate.refused(None, "fk", "f", verdict.category, verdict.reason, episodes=len(forged))  # what the intake does with a verdict
+    assert not gate.members.is_banned("fk") and gate.records["fk"].strikes == 0  # refused, not struck: maybe not its fault
 
 
 def test_every_batch_has_its_draws_rederived_and_a_cold_sampler_is_banned(engine_and_episodes, tmp_path):
@@ -209,8 +209,8 @@ def test_every_batch_has_its_draws_rederived_and_a_cold_sampler_is_banned(engine
                      generate_private_key(), float_scorer=Echo(), int8=AtVersion(engine))
     assert gate.review([batch_of("hk", "h", honest)], 0, [assigned(1)]) == [None]
     (verdict,) = gate.review([batch_of("ck", "c", cold, 1)], 0, [assigned(1)])
-    assert verdict.category == "sampling" and "sampling rule does not draw" in verdict.reason and gate.is_banned("ck"), verdict
-    assert gate.counts["sampled_tokens_checked"] > 0 and gate.metrics()["trust/sampling_s"] >= 0
+    assert verdict.category == "sampling" and "sampling rule does not draw" in verdict.reason and gate.members.is_banned("ck"), verdict
+    assert gate.checks.counts["sampled_tokens_checked"] > 0 and gate.metrics()["trust/sampling_s"] >= 0
 
 
 def test_a_variant_copy_is_caught_by_its_repeated_tokens(engine_and_episodes, tmp_path):
@@ -228,7 +228,7 @@ def test_a_variant_copy_is_caught_by_its_repeated_tokens(engine_and_episodes, tm
                      RUN, generate_private_key(), float_scorer=Echo(), int8=AtVersion(engine))
     assert gate.review([batch_of("hk", "h", honest[4:8])], 0, [assigned(1)]) == [None]  # nothing repeated: nothing re-derived
     (verdict,) = gate.review([batch_of("vk", "v", variant, 1)], 0, [assigned(1)])
-    assert verdict.category == "sampling" and gate.is_banned("vk"), verdict
+    assert verdict.category == "sampling" and gate.members.is_banned("vk"), verdict
 
 
 def test_two_keys_whose_converged_policy_plays_alike_are_not_struck_for_copying(engine_and_episodes, tmp_path):

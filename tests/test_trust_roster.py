@@ -25,23 +25,23 @@ def test_the_gate_admits_by_mode_roster_and_first_use(tmp_path):
     enroll_worker(store, RUN, run_key, alice, "alice")
     closed = TrustGate(TrustConfig(mode="enrolled"), store, RUN, run_key)
     closed.refresh(force=True)
-    assert closed.admit(seal_of(alice, "alice")) is None
-    assert "not enrolled" in closed.admit(seal_of(bob, "bob"))
-    assert "impersonation" in closed.admit(seal_of(eve, "alice"))
-    assert "bound to worker id 'alice'" in closed.admit(seal_of(alice, "mallory"))
-    assert "--id alice" in closed.admit(seal_of(alice, "mallory"))  # the way out, in the refusal itself
+    assert closed.admission().refusal(seal_of(alice, "alice")) is None
+    assert "not enrolled" in closed.admission().refusal(seal_of(bob, "bob"))
+    assert "impersonation" in closed.admission().refusal(seal_of(eve, "alice"))
+    assert "bound to worker id 'alice'" in closed.admission().refusal(seal_of(alice, "mallory"))
+    assert "--id alice" in closed.admission().refusal(seal_of(alice, "mallory"))  # the way out, in the refusal itself
     opened = TrustGate(TrustConfig(mode="open"), store, RUN, run_key)
     opened.refresh(force=True)
-    assert opened.admit(seal_of(bob, "bob")) is None  # reviewed ...
-    assert opened.admit(seal_of(eve, "bob")) is None  # ... and so is a second key under the same id,
+    assert opened.admission().refusal(seal_of(bob, "bob")) is None  # reviewed ...
+    assert opened.admission().refusal(seal_of(eve, "bob")) is None  # ... and so is a second key under the same id,
     assert opened.review([sealed_batch(bob, "bob", episodes("bob"))], 0) == [None]  # until one is accepted:
-    assert "impersonation" in opened.admit(seal_of(eve, "bob"))  # then nobody else can be bob
+    assert "impersonation" in opened.admission().refusal(seal_of(eve, "bob"))  # then nobody else can be bob
     opened.refresh(force=True)  # the binding is written to the signed roster
     roster = read_roster(store, RUN, run_key.public_key())
     assert roster.enrolled[key_id(bob.public_key())].source == "first-use"
     ban_worker(store, RUN, run_key, "bob", "by hand")  # `stoa ban` while the run is live
     opened.refresh(force=True)
-    assert "banned" in opened.admit(seal_of(bob, "bob"))
+    assert "banned" in opened.admission().refusal(seal_of(bob, "bob"))
 
 
 def test_an_id_is_bound_only_by_accepted_work_so_junk_squats_nothing(tmp_path):
@@ -53,9 +53,9 @@ def test_an_id_is_bound_only_by_accepted_work_so_junk_squats_nothing(tmp_path):
     squatter, owner = generate_private_key(), generate_private_key()
     gate = TrustGate(TrustConfig(), store, RUN, run_key)
     gate.refresh(force=True)
-    assert gate.admit(seal_of(squatter, "alice")) is None
+    assert gate.admission().refusal(seal_of(squatter, "alice")) is None
     junk = sealed_batch(squatter, "alice", episodes("alice"))
-    gate.reject(junk.key_id, "alice", "invalid", "junk")  # what the intake does with a batch failing its checks
+    gate.refused(None, junk.key_id, "alice", "invalid", "junk")  # what the intake does with a batch failing its checks
     honest = episodes("alice", group="own", seed=3)
     copied = sealed_batch(squatter, "alice", honest, 1)
     mine = sealed_batch(owner, "alice", copy.deepcopy(honest), 1)
@@ -65,7 +65,7 @@ def test_an_id_is_bound_only_by_accepted_work_so_junk_squats_nothing(tmp_path):
     gate.refresh(force=True)
     roster = read_roster(store, RUN, run_key.public_key())
     assert roster.key_for("alice") == key_id(owner.public_key()) and key_id(squatter.public_key()) not in roster.enrolled
-    assert "impersonation" in gate.admit(seal_of(squatter, "alice"))  # ... and the squatter is shut out of it
+    assert "impersonation" in gate.admission().refusal(seal_of(squatter, "alice"))  # ... and the squatter is shut out of it
 
 
 def test_a_stale_roster_put_back_while_the_trainer_is_down_undoes_no_ban_or_binding(tmp_path):
@@ -79,7 +79,7 @@ def test_a_stale_roster_put_back_while_the_trainer_is_down_undoes_no_ban_or_bind
     kid = key_id(cheat.public_key())
     first = TrustGate(TrustConfig(), store, RUN, run_key, roster_copy=kept)
     first.refresh(force=True)
-    assert first.admit(seal_of(cheat, "cheat")) is None
+    assert first.admission().refusal(seal_of(cheat, "cheat")) is None
     assert first.review([sealed_batch(cheat, "cheat", episodes("cheat"))], 0) == [None]  # bound by accepted work
     first.refresh(force=True)
     stale = store.get(roster_key(RUN))  # a signed roster from before the ban
@@ -92,8 +92,8 @@ def test_a_stale_roster_put_back_while_the_trainer_is_down_undoes_no_ban_or_bind
     store.delete(f"{RUN}/bans/{kid}.json")
     restarted = TrustGate(TrustConfig(), store, RUN, run_key, roster_copy=kept)  # no checkpoint state
     restarted.refresh(force=True)
-    assert "banned" in restarted.admit(seal_of(cheat, "cheat"))
-    assert "impersonation" in restarted.admit(seal_of(generate_private_key(), "owner"))
+    assert "banned" in restarted.admission().refusal(seal_of(cheat, "cheat"))
+    assert "impersonation" in restarted.admission().refusal(seal_of(generate_private_key(), "owner"))
     now = read_roster(store, RUN, run_key.public_key())
     assert now.key_for("owner") == key_id(owner.public_key()) and now.revision > bound_rev  # revisions never go back
 
@@ -138,10 +138,10 @@ def test_bans_are_compact_and_one_small_write_each_whatever_their_number(tmp_pat
     for i in range(300):  # what the intake does with two junk batches of a throwaway key
         before = store.put_bytes
         kid = f"{i:016x}"
-        gate.reject(kid, f"x{i}", "invalid", why)
-        gate.reject(kid, f"x{i}", "invalid", why)
+        gate.refused(None, kid, f"x{i}", "invalid", why)
+        gate.refused(None, kid, f"x{i}", "invalid", why)
         costs.append(store.put_bytes - before)
-        assert gate.is_banned(kid)
+        assert gate.members.is_banned(kid)
     assert max(costs) < 1024 and max(costs[-10:]) <= max(costs[:10]) + 64, (costs[:3], costs[-3:])  # flat
     assert len(store.get(roster_key(RUN))) == roster_size  # the roster holds no ban
     doc = store.get(f"{RUN}/bans/{299:016x}.json")
@@ -154,8 +154,8 @@ def test_bans_are_compact_and_one_small_write_each_whatever_their_number(tmp_pat
     enroll_worker(store, RUN, run_key, generate_private_key(), "bob")  # the roster stays readable and editable
     restarted = TrustGate(TrustConfig(), store, RUN, run_key, roster_copy=tmp_path / "run" / "roster")
     restarted.refresh(force=True)
-    assert restarted.admit(seal_of(alice, "alice")) is None  # alice's binding read back, her key admitted
-    assert "impersonation" in restarted.admit(seal_of(generate_private_key(), "alice"))
+    assert restarted.admission().refusal(seal_of(alice, "alice")) is None  # alice's binding read back, her key admitted
+    assert "impersonation" in restarted.admission().refusal(seal_of(generate_private_key(), "alice"))
 
 
 def test_bans_past_the_rosters_cap_survive_a_restart_from_an_earlier_checkpoint(tmp_path, monkeypatch):
@@ -176,11 +176,11 @@ def test_bans_past_the_rosters_cap_survive_a_restart_from_an_earlier_checkpoint(
     cheat = generate_private_key()
     kid = key_id(cheat.public_key())
     gate.ban(kid, "forged log-probs")  # raised ValueError("the ban list is full") out of the trainer before
-    assert gate.is_banned(kid) and "banned" in gate.admit(seal_of(cheat, "cheat"))
+    assert gate.members.is_banned(kid) and "banned" in gate.admission().refusal(seal_of(cheat, "cheat"))
     restarted = TrustGate(TrustConfig(), store, RUN, run_key, roster_copy=kept)
     restarted.restore(early)
-    assert restarted.is_banned(kid) and "banned" in restarted.admit(seal_of(cheat, "cheat"))
-    assert all(restarted.is_banned(f"{i:016x}") for i in range(100))
+    assert restarted.members.is_banned(kid) and "banned" in restarted.admission().refusal(seal_of(cheat, "cheat"))
+    assert all(restarted.members.is_banned(f"{i:016x}") for i in range(100))
     assert restarted.metrics()["trust/banned_workers"] == 101
     from stoa.transport.identity import read_ban
 
@@ -190,7 +190,7 @@ def test_bans_past_the_rosters_cap_survive_a_restart_from_an_earlier_checkpoint(
         store.delete(k)
     again = TrustGate(TrustConfig(), store, RUN, run_key, roster_copy=kept)
     again.refresh(force=True)
-    assert again.is_banned(kid)  # the trainer's own log keeps it
+    assert again.members.is_banned(kid)  # the trainer's own log keeps it
 
 
 def test_a_flood_of_throwaway_keys_neither_fills_the_roster_nor_locks_a_newcomer_out(tmp_path, monkeypatch):
@@ -217,17 +217,17 @@ def test_a_flood_of_throwaway_keys_neither_fills_the_roster_nor_locks_a_newcomer
         polls += 1
         vet = sealed_batch(veteran, "vet", episodes("vet", group=f"v{polls}", seed=10_000 + polls), polls)
         fresh = min(4, len(waiting))  # the newcomer drawn last meets only itself in the final poll
-        now, waiting = gate.pace_newcomers([vet, *waiting])
+        now, waiting = gate.members.pace_newcomers([vet, *waiting])
         assert vet in now and len(now) == 1 + fresh and len({b.key_id for b in now}) == 1 + fresh
         junk = [b for b in now if b.worker_id.startswith("x")]
         for b in junk:
-            gate.reject(b.key_id, b.worker_id, "replay", "junk")
+            gate.refused(None, b.key_id, b.worker_id, "replay", "junk")
         verdicts = gate.review([b for b in now if b not in junk], polls)
         assert all(v is None for v in verdicts)
         if any(b.worker_id == "new" for b in now):
             break
     assert polls <= len(flood) // 4 + 1  # never locked out: its turn comes before the flood is through
-    assert gate.established(key_id(newcomer.public_key()))
+    assert gate.members.established(key_id(newcomer.public_key()))
     gate.refresh(force=True)
     assert set(read_roster(store, RUN, run_key.public_key()).enrolled) == {key_id(veteran.public_key()),
                                                                            key_id(newcomer.public_key())}
@@ -247,4 +247,4 @@ def test_a_flood_of_throwaway_keys_neither_fills_the_roster_nor_locks_a_newcomer
         gate.records.touch(k, "old").last_accepted = time.time()
     later = generate_private_key()
     assert gate.review([sealed_batch(later, "later", episodes("later", group="m", seed=6))], 99) == [None]
-    assert key_id(later.public_key()) not in gate.roster.enrolled and gate.established(key_id(later.public_key()))
+    assert key_id(later.public_key()) not in gate.roster.enrolled and gate.members.established(key_id(later.public_key()))

@@ -68,8 +68,9 @@ def test_a_worker_whose_scorer_timed_out_is_not_struck_and_that_group_is_not_tra
     assert bad == [] and [i for i, _ in unverifiable] == [0, 1]
     assert all(isinstance(w, Unverifiable) and "score_error='timeout'" in w for _, w in unverifiable)
     batch = batch_of("k", "w", copy.deepcopy(a + b))
-    assert gate.review([batch], 0) == [None]  # the rest of the batch is verified and admitted
-    assert gate.untrained == {batch.key: {"a"}}  # the intake pools only group b
+    untrained: dict[str, set[str]] = {}
+    assert gate.review([batch], 0, untrained=untrained) == [None]  # the rest of the batch is verified and admitted
+    assert untrained == {batch.key: {"a"}}  # the intake pools only group b
     rec = gate.records["k"]
     assert (rec.strikes, rec.rejected_batches, rec.unverifiable_episodes, rec.accepted_episodes) == (0, 0, 2, 2)
     assert gate.metrics()["trust/unverifiable_episodes"] == 2.0
@@ -78,8 +79,8 @@ def test_a_worker_whose_scorer_timed_out_is_not_struck_and_that_group_is_not_tra
     (verdict,) = gate.review([batch_of("k", "w", copy.deepcopy(a), seq=1)], 0)
     assert verdict is not None and verdict.category == "unverifiable" and not verdict.ban
     assert "cannot be verified" in verdict.reason
-    gate.reject("k", "w", verdict.category, verdict.reason, 2)
-    assert gate.records["k"].strikes == 0 and not gate.is_banned("k")
+    gate.refused(None, "k", "w", verdict.category, verdict.reason, 2)
+    assert gate.records["k"].strikes == 0 and not gate.members.is_banned("k")
 
 
 def test_a_trainer_whose_scorer_timed_out_strikes_no_honest_worker(played):
@@ -97,8 +98,8 @@ def test_a_forged_reward_still_strikes(played):
     forged[2].reward = 1.0  # group b: its scorer gave 0
     (verdict,) = gate.review([batch_of("k", "w", forged)], 0)
     assert verdict is not None and verdict.category == "replay" and "reward" in verdict.reason
-    gate.reject("k", "w", verdict.category, verdict.reason, len(forged))
-    assert gate.records["k"].strikes == 1 and gate.is_banned("k")  # ban_after = 1
+    gate.refused(None, "k", "w", verdict.category, verdict.reason, len(forged))
+    assert gate.records["k"].strikes == 1 and gate.members.is_banned("k")  # ban_after = 1
     # Claiming a timeout hides nothing: such an episode is never trained either.
     claimed = copy.deepcopy(b)
     for e in claimed:

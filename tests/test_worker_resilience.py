@@ -262,7 +262,8 @@ def test_a_worker_with_its_salt_makes_each_number_under_the_version_bound_to_it(
 
     def trainer() -> None:  # the trainer's polls: every new ticket is bound to version 2
         while not stop.is_set():
-            binder.poll(2, lambda kid: True)
+            listing = binder.listing()
+            binder.poll(2, listing.keys(), listing=listing)
             stop.wait(0.05)
 
     polls = threading.Thread(target=trainer, daemon=True)

@@ -8,9 +8,9 @@ Two prints, both remembered across polls and bounded:
   that repeats a group its sender's key uploaded before, in this poll or among the last 65,536
   groups, is a duplicate, and so is the other copy in the same poll (neither is known to be the
   original). A group whose samples are all alike has no print: a near-deterministic policy
-  repeats such a group honestly, and it carries no advantage to train on anyway. Batches whose
-  every token is re-derived from their assigned seed (``drawn``; the trainer's check of every
-  episode) get no print either: a converged policy also repeats mixed groups honestly (the same
+  repeats such a group honestly, and it carries no advantage to train on anyway. Sealed batches
+  whose every token is re-derived from their assigned seed (``redraws``; the trainer's check of
+  every episode) get no print either: a converged policy also repeats mixed groups honestly (the same
   item drawn twice, 7 samples of one answer and 1 of another in both: seen in the addition
   example), and a repeated group under another number's seed is not its draws, which that check
   refuses unless the draws coincide, which is honest work.
@@ -22,7 +22,7 @@ own fails the assignment or the sampling check (:mod:`stoa.fleet.trust.review`).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from stoa.transport import layout
 from stoa.transport.exchange import Batch
@@ -64,11 +64,11 @@ class Copies:
         self.hashes: dict[str, None] = {}  # accepted payload sha256 (32 hex), oldest first
         self.groups: dict[str, None] = {}  # sender:group prints of batches read, oldest first
 
-    def sift(self, batches: Sequence[Batch], drawn: Callable[[Batch], bool] = lambda b: False
-             ) -> tuple[list[Batch], list[tuple[Batch, str]]]:
+    def sift(self, batches: Sequence[Batch], redraws: bool = False) -> tuple[list[Batch], list[tuple[Batch, str]]]:
         """``(fresh, duplicates)``: ``batches`` (one poll's, in order) less the copies, and each
-        copy with its reason. ``drawn(b)``: ``b``'s every token will be re-derived from its
-        assigned seed, so its groups get no print (the module docstring)."""
+        copy with its reason. ``redraws``: every token of a sealed batch will be re-derived from
+        its assigned seed, so its groups get no print (the module docstring;
+        :attr:`stoa.fleet.trust.roster.Admission.redraws`)."""
         dups: list[tuple[Batch, str]] = []
         loaded = []
         for b in batches:
@@ -86,7 +86,7 @@ class Copies:
         prints = []
         for i, b in enumerate(loaded):
             sender = b.key_id or f"worker:{b.worker_id}"
-            mine = [] if drawn(b) else [f"{sender}:{fp}" for fp in group_prints(b.episodes)]
+            mine = [] if redraws and b.key_id else [f"{sender}:{fp}" for fp in group_prints(b.episodes)]
             prints.append(mine)
             for fp in mine:
                 if fp in self.groups:

@@ -1,18 +1,14 @@
-"""The :class:`Intake`: polls the store, checks what came, pools it, and refuses in one way.
+"""The :class:`Intake`: polls the store, asks the trust gate what each batch is worth, pools it.
 
-Every refusal, the reader's included, goes through :meth:`Intake.reject`, which quarantines the
-object in the store (so a restart never retries it), counts it against its sender's key
-(strikes, bans), writes the ledger and emits an event row, together.
-
-**A batch's version is bound.** A worker holding several versions' weights could make its
-assigned batch under each and upload the one it prefers. So a salted batch is accepted only under
-the version (and with the beacon) the trainer bound to its number when the worker ticketed it
-(:mod:`stoa.fleet.trust.binding`); every poll binds the new tickets first. A probation batch,
-never trained, keeps the older rule: it must claim at least (a) every version its key's
-lower-numbered batches claimed, and (b) the trainer's version at the last listing of the store
-before any of those batches appeared in it, less ``rollout.lag``. A batch below that floor is
-dropped unread (``behind``), like a stale one, and both count as withheld numbers, never as
-delivered work.
+The intake does the store's side of a batch's way: it reads (the reader applies the gate's
+:meth:`~stoa.fleet.trust.gate.TrustGate.admission` to each seal before decoding), sifts copies
+out, hands what is left to :meth:`~stoa.fleet.trust.gate.TrustGate.judge`, and acts on each
+:class:`~stoa.fleet.trust.bounds.Judgement`: pool the batch, credit probation work, drop it
+(``stale``, ``behind``: no strike) or refuse it. Every refusal goes through
+:meth:`Intake.reject`, which quarantines the object in the store (so a restart never retries
+it), writes the ledger and emits an event row, together; the gate counts it against its
+sender's key (strikes, bans). The version rules a batch must keep are the gate's
+(:mod:`stoa.fleet.trust.bounds`).
 """
 
 from __future__ import annotations
@@ -30,15 +26,12 @@ import numpy as np
 from stoa.fleet.config import RunConfig
 from stoa.fleet.intake.copies import Copies
 from stoa.fleet.intake.pool import Pool, Taken
-from stoa.fleet.trust.admission import batch_problem
-from stoa.fleet.trust.assign import Assignment, assignment, assignment_problem, is_probation
-from stoa.fleet.trust.binding import MAX_AHEAD, Binder, free_between
-from stoa.fleet.trust.gate import TrustGate, scoped
+from stoa.fleet.trust.bounds import Judgement, RunBounds, scoped
+from stoa.fleet.trust.gate import TrustGate, max_groups
 from stoa.fleet.trust.ledger import Ledger
 from stoa.fleet.trust.records import public_reason
 from stoa.fleet.trust.review import FloatScorer
-from stoa.transport.exchange import Batch, Rejection, RolloutReader, held_numbers, write_progress
-from stoa.transport.identity import assignment_salt
+from stoa.transport.exchange import Batch, Rejection, RolloutReader, write_progress
 from stoa.transport.sequence import write_floors
 from stoa.transport.store import StoreError
 
@@ -52,10 +45,6 @@ __all__ = ["Intake", "IntakeCounters"]
 log = logging.getLogger("stoa.trainer")
 
 _PROGRESS_EVERY_S = 5.0
-_HELD_LIST_EVERY_S = 10.0
-"""How often a key's far ticket may make the trainer list its worker id's objects (a worker re-tickets every 30 s)."""
-_NEWCOMER_BACKLOG = 64
-"""Newcomers' batches kept waiting per allowed batch (``trust.newcomers_per_poll``)."""
 
 
 @dataclass
@@ -64,7 +53,7 @@ class IntakeCounters:
     dropped_reused_groups: int = 0
     dropped_malformed_groups: int = 0
     dropped_behind_groups: int = 0
-    """Groups of batches below their key's version floor (see the module docstring)."""
+    """Groups of batches below their key's version floor (:mod:`stoa.fleet.trust.bounds`)."""
     probation_batches: int = 0
     """Accepted batches of probation work (checked, never trained: :mod:`stoa.fleet.trust.assign`)."""
     future_version_batches: int = 0
@@ -102,15 +91,12 @@ class Intake:
         replayer = (Replayer(make_env, int8.codec, max_turn_tokens=rc.max_turn_tokens,
                              max_episode_tokens=rc.max_episode_tokens) if cfg.trust.replay and int8 else None)
         self.n_items = len(make_env().unwrapped)
-        self.gate = TrustGate(cfg.trust, store, cfg.name, private_key, ledger=ledger, replayer=replayer,
-                              float_scorer=float_scorer, int8=int8, roster_copy=roster_copy)
+        self.gate = TrustGate(cfg.trust, store, cfg.name, private_key, bounds=RunBounds.of(cfg, self.n_items, metric_types),
+                              ledger=ledger, replayer=replayer, float_scorer=float_scorer, int8=int8,
+                              roster_copy=roster_copy)
         self.gate.refresh(force=True)
         self.listed: dict[str, int] = {}  # object key -> the trainer's version at the listing before it appeared
         self._list_version = -1  # the trainer's version at the last listing (-1: none yet)
-        self._salts: dict[str, str] = {}
-        self._held_listed: dict[str, float] = {}  # key id -> when its worker id's objects were last listed
-        self.binder = Binder(store, cfg.name, private_key)
-        self.binder.recover()  # a restart keeps every binding a worker may have seen
         self.reader = RolloutReader(store, cfg.name, vocab_size=vocab_size, hand_back=True)
         self.copies = Copies(cfg.trust.max_hashes)
         self.pool = Pool()
@@ -126,7 +112,7 @@ class Intake:
         self._poll(version)
         tc = self.cfg.trainer
         taken, dropped = self.pool.choose(version, tc.groups_per_step, self.cfg.rollout.group_size, tc.max_lag,
-                                          self.gate.max_groups(tc.groups_per_step), self.used_groups)
+                                          max_groups(self.cfg.trust, tc.groups_per_step), self.used_groups)
         self.counters.dropped_reused_groups += len(dropped["reused"])
         self.counters.dropped_stale_groups += len(dropped["stale"])
         self.counters.dropped_malformed_groups += len(dropped["malformed"])
@@ -173,136 +159,85 @@ class Intake:
             kid, worker, episodes = item.key_id or "", item.worker_id or "", 0
         else:
             kid, worker, episodes = item.key_id, item.worker_id, len(item.episodes)
+        self.gate.refused(item, kid, worker, category, reason, episodes)  # once per object, however often met
+        self._refuse(item, reason, category)
+
+    def _refuse(self, item: Batch | Rejection, reason: str, category: Category) -> None:
+        """:meth:`reject`'s store side, for a refusal the gate has counted already."""
+        if isinstance(item, Rejection):
+            worker, kid = item.worker_id or "", item.key_id or ""
+        else:
+            worker, kid = item.worker_id, item.key_id
         if not self.reader.quarantine(item, public_reason(category, reason)):  # the store's copy is public
             return  # it stays in the store; the next poll meets it again
         if isinstance(item, Batch):
             self.counters.rejected_batches += 1
-        self.gate.reject(kid, worker, category, reason, episodes)
         self.ledger.write(rejected=item.key, category=category, reason=reason[:500])
         self.event(event="rejected", batch=item.key, worker=worker, key_id=kid, category=category,
                    reason=reason[:500])
         log.warning("quarantined %s: %s", item.key, reason)
 
-    def assigned(self, batch: Batch) -> Assignment:
-        """The work ``batch`` owes: its sealing key's assignment for its sequence number, salted
-        with the key's secret salt, or its probation work when it presents itself as such
-        (:mod:`stoa.fleet.trust.assign`)."""
-        rc = self.cfg.rollout
-        salt = beacon = None
-        if not is_probation(batch.episodes, batch.key_id, batch.seq):
-            salt = self._salts.get(batch.key_id)
-            if salt is None:
-                if len(self._salts) > 16384:
-                    self._salts.clear()
-                salt = self._salts[batch.key_id] = assignment_salt(self.key, self.cfg.name, batch.key_id)
-            bound = self.binder.bound_to(batch.key_id, batch.seq)
-            beacon = bound.beacon if bound is not None else None
-        return assignment(self.cfg.seed, batch.key_id, batch.seq, self.n_items, rc.groups_per_cohort, salt, beacon)
-
     def calibrate(self, episodes: list[Episode]) -> float | None:
-        """Set the audit's int8-versus-float floor from the trainer's own int8 ``episodes`` (scored
-        here by the learner they were quantized from) when the audit needs one; returns it, or
-        None when nothing was set."""
-        if not self.cfg.trust.audit.enabled or self.gate.audit.floor is not None:
-            return None
-        return self.gate.calibrate(episodes, self.float_scorer.logprobs(episodes, temperature=None))
+        """Set the audit's int8-versus-float floor from the trainer's own int8 ``episodes`` when
+        the audit needs one (:meth:`TrustGate.calibrate`); returns it, or None."""
+        return self.gate.calibrate(episodes)
 
     # -- polling and checks ------------------------------------------------------------------------
     def _poll(self, version: int) -> None:
         self.gate.refresh()
-        self._bind(version)
-        batches = self.reader.poll(admission=self.gate.admission())  # unsealed and refused keys: never decoded
+        for kid, where, reason in self.gate.bind(version, self.reader):
+            self.ledger.write(refused_ticket=where, key_id=kid, reason=reason[:500])
+            self.event(event="ticket_refused", ticket=where, key_id=kid, reason=reason[:500])
+        admission = self.gate.admission()
+        batches = self.reader.poll(admission=admission)  # unsealed and refused keys: never decoded
         self._listed(self.reader.last_report.listed, version)
         for refused in self.reader.last_report.rejected:
             self.reject(refused)
-        self.gate.planted(self.reader.last_report.rejected)
-        batches, copies = self.copies.sift(batches, drawn=lambda b: self.gate.checks.draws_every_episode(b.key_id))
+        batches, copies = self.copies.sift(batches, redraws=admission.redraws)
         for batch, why in copies:
             self.reject(batch, why, "duplicate")
         self._write_progress(bool(batches))
-        kept = {b.key for b in sorted(batches, key=lambda b: (b.key_id, b.seq)) if self._bounded(b, version)}
-        admitted = self._newcomers([b for b in batches if b.key in kept], version)
-        work = [self.assigned(b) for b in admitted]
-        for batch, owed, verdict in zip(admitted, work, self.gate.review(admitted, version, work)):
-            if verdict is not None:
-                self.reject(batch, verdict.reason, verdict.category)
-            elif owed.probation:  # checked and credited, never trained on
-                self.counters.probation_batches += 1
-                self.ledger.write(probation=batch.key)
-            else:
-                skip = self.gate.untrained.get(batch.key)  # groups holding an unverifiable episode
-                self.pool.add(dataclasses.replace(batch, episodes=[e for e in batch.episodes if e.group_id not in skip])
-                              if skip else batch)
-        for kid, worker, reason in self.gate.take_new_bans():  # a banned key's queued batches are never trained on
+        judged = self.gate.judge(batches, version, listed=self.listed, pooled=[b for b, _ in self.pool.entries],
+                                 waiting=self.waiting)
+        for b in batches:
+            self.listed.pop(b.key, None)
+        self.waiting = judged.waiting
+        for j in judged.judgements:
+            self._act(j)
+        for kid, worker, reason in judged.bans:
             self.event(event="banned", key_id=kid, worker=worker, reason=reason[:500])
-            for batch in self.pool.of_key(kid):
-                self.pool.remove(batch.key)
-                self.reject(batch, f"worker key {kid} was banned: {reason[:300]}", "banned")
 
-    def _bind(self, version: int) -> None:
-        """Bind the new tickets of keys with standing to ``version`` (less ``rollout.lag``) and
-        their fresh beacons (:mod:`stoa.fleet.trust.binding`); drop the bindings that can only
-        make stale batches. Refused tickets are quarantined by the binder, and noted here."""
-        self.binder.prune(version - self.cfg.trainer.max_lag)
-        reread = [False]
-
-        def reread_once(kid: str) -> None:
-            if not self.gate.established(kid) and not reread[0]:  # enrolled since the roster was last read?
-                reread[0] = True
-                self.gate.refresh(force=True)
-
-        def standing(kid: str) -> bool:
-            reread_once(kid)
-            return self.gate.established(kid) and not self.gate.is_banned(kid)
-
-        def held(kid: str, after: int, below: int) -> set[int]:
-            reread_once(kid)  # its worker id is in the roster
-            return self._held(kid, after, below)
-
-        for kid, where, reason in self.binder.poll(max(0, version - self.cfg.rollout.lag), standing, held):
-            self.ledger.write(refused_ticket=where, key_id=kid, reason=reason[:500])
-            self.event(event="ticket_refused", ticket=where, key_id=kid, reason=reason[:500])
-
-    def _held(self, kid: str, after: int, below: int) -> set[int]:
-        """The numbers in ``(after, below)`` held under ``kid``'s worker id, by anyone's object: in
-        the store now (what the worker's writer skipped), or settled by the reader (their objects
-        may be pruned or deleted since). The binder does not count them against the key's lookahead."""
-        entry, rec = self.gate.roster.enrolled.get(kid), self.gate.records.get(kid)
-        worker = entry.worker_id if entry is not None else rec.worker_id if rec is not None else ""
-        if not worker:
-            return set()
-        held = self.reader.settled_between(worker, after, below)
-        if free_between(after, below, held) < MAX_AHEAD:
-            return held  # what the reader has read is enough: no listing
-        now = time.monotonic()
-        if now - self._held_listed.get(kid, -_HELD_LIST_EVERY_S) < _HELD_LIST_EVERY_S:
-            return held  # one listing a key every few seconds, however many far tickets it writes
-        if len(self._held_listed) > 4096:
-            self._held_listed.clear()
-        self._held_listed[kid] = now
-        try:
-            held |= held_numbers(self.store, self.cfg.name, worker, after, below)
-        except (StoreError, ValueError) as e:
-            log.warning("could not list worker %s's numbers (%s); counting only those already read", worker, e)
-        return held
-
-    def _binding_problem(self, batch: Batch) -> str | None:
-        """Why a salted ``batch`` is not made under its number's binding, or None (probation
-        work needs no binding)."""
-        if not batch.key_id or is_probation(batch.episodes, batch.key_id, batch.seq):
-            return None
-        bound = self.binder.bound_to(batch.key_id, batch.seq)
-        if bound is None:
-            return (f"number {batch.seq} of key {batch.key_id} was never bound to a version (a worker tickets a "
-                    "number and makes it only once the trainer's bindings name it)")
-        if batch.version != bound.version:
-            return f"it claims version {batch.version}, but its number was bound to version {bound.version}"
-        return None
+    def _act(self, j: Judgement) -> None:
+        """Do what the gate judged one batch worth (its refusal is counted by the gate already)."""
+        batch = j.batch
+        if j.action == "reject":
+            assert j.verdict is not None
+            if j.verdict.category == "future":
+                self.counters.future_version_batches += 1
+            self.pool.remove(batch.key)  # a pooled batch of a key banned now, or nothing
+            self._refuse(batch, j.verdict.reason, j.verdict.category)
+        elif j.action == "drop":
+            self.pool.remove(batch.key)  # a pooled batch taken back, or nothing
+            groups = j.groups()
+            if j.dropped == "stale":
+                self.counters.dropped_stale_groups += len(groups)
+                self.ledger.write(dropped={"stale": groups})
+            else:
+                self.counters.dropped_behind_groups += len(groups)
+                self.ledger.write(dropped={j.dropped: groups}, batch=batch.key, reason=j.detail)
+                log.info("dropped %s (%s): %s", batch.key, j.dropped, j.detail)
+        elif j.action == "probation":  # checked and credited, never trained on
+            self.counters.probation_batches += 1
+            self.ledger.write(probation=batch.key)
+        else:
+            skip = j.untrained  # groups holding an unverifiable episode
+            self.pool.add(dataclasses.replace(batch, episodes=[e for e in batch.episodes if e.group_id not in skip])
+                          if skip else batch)
 
     def _listed(self, keys: list[str], version: int) -> None:
         """The reader's listing of the rollouts at the trainer's ``version``: every object new since
         the previous listing was uploaded after it, when the version of that listing was already
-        published (the floor of its key's later batches, :meth:`_floor`)."""
+        published (a probation batch's version floor, :mod:`stoa.fleet.trust.bounds`)."""
         present = set(keys)
         self.listed = {k: v for k, v in self.listed.items() if k in present}
         for k in keys:
@@ -320,89 +255,6 @@ class Intake:
             except StoreError as e:
                 log.warning("could not write the progress document (%s); will retry", e)
 
-    def _bounded(self, batch: Batch, version: int) -> bool:
-        """Whether ``batch`` keeps to the run's own bounds (version, staleness, its key's version
-        floor, sampling settings, rewards, metrics, task, assigned work); a batch that does not is
-        refused or dropped here. Only a batch that passes the version checks counts as delivered
-        for withholding: a stale, future or behind one leaves its number a gap."""
-        cfg = self.cfg
-        if batch.version > version:  # not a strike: a tampered store can show a label the trainer never reached
-            self.reject(batch, f"policy version {batch.version} is newer than the trainer's "
-                               f"{version}: not produced by this run's weights", "future")
-            self.counters.future_version_batches += 1
-            return False
-        floor = self._floor(batch)
-        if self._stale(batch, version):  # never trained: dropped before any check
-            return False
-        if batch.version < floor:
-            self._drop(batch, "behind", f"version {batch.version} is below {floor}, which its key held already")
-            return False
-        self.gate.saw(batch.key_id, batch.worker_id, batch.seq)  # a number delivered in time, whatever its fate
-        category: Category = "invalid"
-        try:
-            why = batch_problem(batch.episodes, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                group_size=cfg.rollout.group_size, reward_range=cfg.trust.reward_range,
-                                env_id=cfg.env.id, metric_types=self.metric_types)
-            if why is None and batch.key_id:
-                category = "assignment"
-                why = self._binding_problem(batch) or assignment_problem(batch.episodes, self.assigned(batch),
-                                                                          cfg.rollout.group_size)
-        except Exception as e:  # whatever a stranger's batch breaks, it is the batch's fault
-            why, category = f"checking the batch failed: {type(e).__name__}: {e}", "invalid"
-        if why:
-            self.reject(batch, why if category == "invalid" else f"not the assigned work: {why}", category)
-            return False
-        return True
-
-    def _floor(self, batch: Batch) -> int:
-        """The lowest version ``batch`` may claim (see the module docstring), after noting what
-        ``batch`` itself says of its key's later batches; a pooled later batch of the key below
-        the new floor (read first, under a poll's caps) is dropped now."""
-        if not batch.key_id:
-            return -1
-        listed = self.listed.pop(batch.key, -1)
-        if not is_probation(batch.episodes, batch.key_id, batch.seq):
-            listed = -1  # bound work: its version was fixed by the trainer when its number was due
-        mine = max(batch.version, listed - self.cfg.rollout.lag if listed >= 0 else -1)
-        floor = self.gate.version_floor(batch.key_id, batch.worker_id, batch.seq, mine)
-        for later in self.pool.of_key(batch.key_id):
-            if later.seq > batch.seq and later.version < mine:
-                self.pool.remove(later.key)
-                self.gate.unsaw(batch.key_id)  # it was counted as delivered: now a gap
-                self._drop(later, "behind", f"version {later.version} is below {mine}, which its key held already")
-        return floor
-
-    def _drop(self, batch: Batch, why: str, detail: str) -> None:
-        """Drop ``batch`` without a strike (its groups counted and in the ledger under ``why``)."""
-        groups = sorted({scoped(batch.key_id, e.group_id) for e in batch.episodes})
-        self.counters.dropped_behind_groups += len(groups)
-        self.ledger.write(dropped={why: groups}, batch=batch.key, reason=detail)
-        log.info("dropped %s (%s): %s", batch.key, why, detail)
-
-    def _newcomers(self, batches: list[Batch], version: int) -> list[Batch]:
-        """``batches`` and the waiting ones, less the newcomers' batches past this poll's quota
-        (:meth:`TrustGate.pace_newcomers`), which wait for a later poll: at most 64 per allowed
-        batch, the newest versions kept (the others are refused, not struck)."""
-        now, wait = self.gate.pace_newcomers([b for b in self.waiting if not self._stale(b, version)] + batches)
-        cap = _NEWCOMER_BACKLOG * self.cfg.trust.newcomers_per_poll
-        wait.sort(key=lambda b: b.version)
-        for b in wait[:-cap] if len(wait) > cap else []:
-            self.reject(b, f"more than {cap} batches from keys without accepted work are waiting; this one is "
-                           "refused (trust.newcomers_per_poll)", "refused")
-        self.waiting = wait[-cap:]
-        return now
-
-    def _stale(self, batch: Batch, version: int) -> bool:
-        """Whether ``batch`` is more than ``trainer.max_lag`` versions behind ``version``; if so its
-        groups are counted and written to the ledger as dropped (stale)."""
-        if version - batch.version <= self.cfg.trainer.max_lag:
-            return False
-        stale = sorted({scoped(batch.key_id, e.group_id) for e in batch.episodes})
-        self.counters.dropped_stale_groups += len(stale)
-        self.gate.late(batch.key_id, batch.worker_id)
-        self.ledger.write(dropped={"stale": stale})
-        return True
-
     # -- reports -----------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         """``dropped/...`` and ``trust/...`` figures for the trainer's rows (cumulative)."""
@@ -410,7 +262,6 @@ class Intake:
         return {"dropped/stale_groups": c.dropped_stale_groups, "dropped/reused_groups": c.dropped_reused_groups,
                 "dropped/behind_groups": c.dropped_behind_groups, "trust/probation_batches": c.probation_batches,
                 "dropped/quarantined_batches": self.reader.quarantined, "dropped/rejected_batches": c.rejected_batches,
-                "trust/bound_numbers": self.binder.bound_total, "trust/refused_tickets": self.binder.tickets_refused,
                 **self.gate.metrics()}
 
     def report(self, version: int, force: bool = False) -> None:
@@ -428,17 +279,18 @@ class Intake:
                                                                            for e in b.episodes}
                               if gid in self.used_groups and gid not in waiting_groups)
         return {"reader": self.reader.state(pending=pending), "hashes": self.copies.state(pending),
-                "used_groups": pending_used, "counters": asdict(self.counters), "trust": self.gate.state(),
-                "bindings": self.binder.state()}
+                "used_groups": pending_used, "counters": asdict(self.counters), "trust": self.gate.state()}
 
     def restore(self, state: dict[str, Any]) -> None:
         self.reader.restore(state["reader"])
         self.copies.restore(state.get("hashes", state["reader"].get("hashes", [])))  # older states keep them there
         self.used_groups = set(state["used_groups"])
         self.counters = IntakeCounters(**state["counters"])
-        if state.get("trust"):
-            self.gate.restore(state["trust"])
-        self.binder.restore(state.get("bindings", {}))
+        trust = dict(state.get("trust") or {})
+        if "bindings" in state:  # older states keep them beside the trust state
+            trust.setdefault("bindings", state["bindings"])
+        if trust:
+            self.gate.restore(trust)
 
     def prune(self, state: dict[str, Any]) -> None:
         """Delete consumed batches that ``state`` (a checkpoint's) no longer needs from the store."""

@@ -1,7 +1,8 @@
 """The driver of a pipeline: ``stoa worker --stages N --pipeline ID``.
 
 A :class:`PipelineWorker` is a fleet :class:`~stoa.fleet.worker.worker.Worker` (the same loop,
-key, numbers, bindings, uploads) whose engine is a
+key, numbers, bindings, uploads) built with a :class:`PipelineRig` (its one seam,
+:mod:`stoa.fleet.worker.rig`), whose engine is a
 :class:`~stoa.backends.torch.remote.RemotePipeline`: it holds stage 0 (the embeddings and the
 first layers) and plays each cohort through stages 1 .. N-1, other processes found through the
 store (:mod:`stoa.fleet.stages.discovery`). What changes against a whole-model worker:
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +34,10 @@ from stoa.transport.frames import Frame, FrameError, read_frame, write_frame
 from stoa.fleet.stages.server import model_shape, peak_rss_mb
 from stoa.fleet.worker.worker import EXIT_CONFIG, Worker, WorkerExit
 from stoa.transport import shares
-from stoa.transport.chain import SYNC_ERRORS, SyncResult
+from stoa.transport.chain import SyncResult
 from stoa.transport.store import ObjectStore, StoreError
 
-__all__ = ["PipelineWorker", "StageLink", "StageRefused", "StageRing", "StageWeights"]
+__all__ = ["PipelineRig", "PipelineWorker", "StageLink", "StageRefused", "StageRing", "StageWeights"]
 
 log = logging.getLogger("stoa.worker")
 
@@ -240,58 +240,36 @@ class StageWeights:
         return ""
 
 
-class PipelineWorker(Worker):
-    """A :class:`Worker` that holds stage 0 of ``stages`` and drives pipeline ``pipeline``.
+class PipelineRig:
+    """The :class:`~stoa.fleet.worker.rig.Rig` of a pipeline's driver: it holds stage 0 of
+    ``stages`` and plays each cohort through pipeline ``pipeline``'s other stages.
 
-    Args (beyond :class:`Worker`'s):
+    Args:
         pipeline: the pipeline's id (its stages announce under it).
         stages: how many stages (>= 2): this process and ``stages - 1`` stage processes.
         max_memory_mb: refuse to start when stage 0's need (share + float weights + a full KV
             cache of ``rollout.max_batch`` rows of ``rollout.max_episode_tokens``) is over this.
     """
 
-    def __init__(self, *args: Any, pipeline: str, stages: int, max_memory_mb: float | None = None, **kwargs: Any):
-        kwargs.setdefault("keep_weights", False)
-        super().__init__(*args, **kwargs)
+    def __init__(self, pipeline: str, stages: int, max_memory_mb: float | None = None):
         if stages < 2:
             raise ValueError("a pipeline has at least 2 stages")
         self.pipeline, self.stages, self.max_memory_mb = discovery.check_pipeline_id(pipeline), stages, max_memory_mb
         self.need_mb = 0.0
         self.dropped_cohorts = 0
         self._stage_waits = 0
-        self._model: tuple[Any, Path] | None = None
 
-    def _fetch_run(self) -> Any:
-        got = super()._fetch_run()
-        self._model = got
-        return got
-
-    def _first_weights(self, lag: int) -> SyncResult | None:
-        assert self._model is not None
-        cfg, model_dir = self._model
+    def weights(self, worker: Worker, cfg: Any, model_dir: Path) -> Any:
         layers, tied, hidden, vocab = model_shape(model_dir)
         parts = stage_backend().split_layers(layers, self.stages)
         rc = cfg.rollout
         max_payload = rc.max_batch * (2 * rc.max_episode_tokens + 64) * max(hidden, vocab) * 4 + (1 << 16)
-        ring = StageRing(self.store, self.run_name, self.pipeline, parts, layers, tied, hidden, vocab, max_payload)
-        self.weights = StageWeights(self.store, self.run_name, self.public_key, parts[0], layers, tied, ring)  # type: ignore[assignment]
-        while not self._stop:
-            try:
-                head = self.weights.head()
-                if head is None:
-                    if self._finished():
-                        self._stop_for("the run finished before publishing weights")
-                        return None
-                    self._sleep(0.5)
-                    continue
-                return self.weights.join(max(0, head - lag) if lag else None)
-            except (*SYNC_ERRORS, OSError) as e:  # store trouble: retried as a worker does
-                self._backoff("joining the weight chain (stage 0's share)", e)
-        return None
+        ring = StageRing(worker.store, worker.run_name, self.pipeline, parts, layers, tied, hidden, vocab, max_payload)
+        return StageWeights(worker.store, worker.run_name, worker.public_key, parts[0], layers, tied, ring)
 
-    def _start_engine(self, model_dir: Path, first: SyncResult, cfg: Any) -> Any:
+    def engine(self, worker: Worker, cfg: Any, model_dir: Path, first: SyncResult) -> Any:
         sb = stage_backend()
-        w = self.weights
+        w = worker.weights
         assert isinstance(w, StageWeights)
         rc = cfg.rollout
         stage = sb.Stage(model_dir, w.sub.part, first.state, rc.engine_mode)
@@ -301,82 +279,80 @@ class PipelineWorker(Worker):
             raise WorkerExit(EXIT_CONFIG, f"stage 0 of {self.stages} needs {self.need_mb:.1f} MiB (weights + KV for "
                                           f"{rc.max_batch} rows of {rc.max_episode_tokens} positions), over "
                                           f"--max-memory-mb {self.max_memory_mb:.1f}: use more stages")
-        while not self._stop:
+        while not worker.stopped:
             try:
                 w.bring_stages(first.version)
                 break
             except (OSError, FrameError) as e:
-                if self._finished():  # its stages stop with the run: nothing to wait for
+                if worker.finished():  # its stages stop with the run: nothing to wait for
                     raise WorkerExit(0, "the run finished while waiting for the pipeline's stages") from None
-                self._backoff(f"waiting for the stages of pipeline {self.pipeline}", e)
+                worker.backoff(f"waiting for the stages of pipeline {self.pipeline}", e)
         else:
             raise WorkerExit(0, "stopped while waiting for the pipeline's stages")
-        engine = sb.RemotePipeline(model_dir, stage, w.ring.remote, first.version,
-                                rc.engine_config(cfg.model.prompt_format), self.worker_id, stage.mode)
-        if self.wrap_engine is not None:
-            engine = self.wrap_engine(engine, self)
-        w.live = engine
-        self._recovered()
         log.info("worker %s (key %s) drives pipeline %s: stage 0 of %d (layers %s, needs %.1f MiB) at version %d",
-                 self.worker_id, self.key_id, self.pipeline, self.stages, stage.part, self.need_mb, first.version)
-        return engine
+                 worker.worker_id, worker.key_id, self.pipeline, self.stages, stage.part, self.need_mb, first.version)
+        return sb.RemotePipeline(model_dir, stage, w.ring.remote, first.version,
+                                 rc.engine_config(cfg.model.prompt_format), worker.worker_id, stage.mode)
 
-    def _ready(self, rc: Any) -> bool:
-        """As a worker's, once every stage is connected (a missing one is waited for, backing off
-        up to 10 s, until the run finishes; a reconnected one is brought to the version before
-        the next cohort)."""
-        w = self.weights
+    def ready(self, worker: Worker) -> bool:
+        """Whether every stage is connected (a missing one is waited for, backing off up to 10 s,
+        until the run finishes; a reconnected one is brought to the version before the next
+        cohort)."""
+        w = worker.weights
         assert isinstance(w, StageWeights)
-        if not w.ring.ready():
-            if self._finished():  # the stages stop when the run finishes: do not wait for them
-                self._stop_for("the run finished")
-                return False
-            try:
-                if w.ring.connect():
-                    w.live.reset()
-                    w.damaged = True  # the next cohort's catch-up brings the new stage to its version
-                self._stage_waits = 0
-            except StageRefused as e:
-                self._stage_waits += 1
-                delay = min(10.0, 0.5 * 2 ** min(self._stage_waits - 1, 5))
-                if self._stage_waits in (1, 5) or self._stage_waits % 20 == 0:
-                    log.warning("waiting for the stages of pipeline %s (%s); retrying in %.1fs", self.pipeline, e, delay)
-                self._beat("waiting")
-                self._sleep(delay)
-                return False
-        return super()._ready(rc)
-
-    def _generate(self, make_env: Any, cohort: Any) -> tuple[list[Any], float]:
-        """The cohort's episodes; none when a stage failed on the way (the cohort is void). A
-        stage that left because the run finished (its marker appeared mid-cohort) is no failure:
-        the driver stops too."""
+        if w.ring.ready():
+            return True
+        if worker.finished():  # the stages stop when the run finishes: do not wait for them
+            worker.stop_for("the run finished")
+            return False
         try:
-            return super()._generate(make_env, cohort)
-        except OSError as e:  # a lost stage, a broken frame, a timeout
-            assert isinstance(self.weights, StageWeights)
-            self.weights.ring.drop()
-            self.weights.damaged = True
-            try:
-                finished = self._finished()
-            except StoreError:
-                finished = False
-            if finished:
-                log.info("the run finished during the cohort of number %d (its stages stop with it): nothing of it "
-                         "is uploaded", cohort.seq)
-                self._stop_for("the run finished")
-                return [], 1e-9
-            self.dropped_cohorts += 1
-            log.warning("a stage failed during the cohort of number %d (%s: %s): nothing of it is uploaded; it is "
-                        "made again once every stage is back", cohort.seq, type(e).__name__, str(e)[:300])
-            self._sleep(1.0)
-            return [], 1e-9
+            if w.ring.connect():
+                w.live.reset()
+                w.damaged = True  # the next cohort's catch-up brings the new stage to its version
+            self._stage_waits = 0
+            return True
+        except StageRefused as e:
+            self._stage_waits += 1
+            delay = min(10.0, 0.5 * 2 ** min(self._stage_waits - 1, 5))
+            if self._stage_waits in (1, 5) or self._stage_waits % 20 == 0:
+                log.warning("waiting for the stages of pipeline %s (%s); retrying in %.1fs", self.pipeline, e, delay)
+            worker.beat("waiting")
+            worker.sleep(delay)
+            return False
 
-    def _leave(self) -> str:
-        kept = super()._leave()
-        rss = self.weights.stage_rss if isinstance(self.weights, StageWeights) else {}
+    def failed(self, worker: Worker, seq: int, error: OSError) -> bool:
+        """A lost stage, a broken frame, a timeout: the cohort is void. A stage that left because
+        the run finished (its marker appeared mid-cohort) is no failure: the driver stops too."""
+        assert isinstance(worker.weights, StageWeights)
+        worker.weights.ring.drop()
+        worker.weights.damaged = True
+        try:
+            finished = worker.finished()
+        except StoreError:
+            finished = False
+        if finished:
+            log.info("the run finished during the cohort of number %d (its stages stop with it): nothing of it "
+                     "is uploaded", seq)
+            worker.stop_for("the run finished")
+            return True
+        self.dropped_cohorts += 1
+        log.warning("a stage failed during the cohort of number %d (%s: %s): nothing of it is uploaded; it is "
+                    "made again once every stage is back", seq, type(error).__name__, str(error)[:300])
+        worker.sleep(1.0)
+        return True
+
+    def leave(self, worker: Worker) -> None:
+        rss = worker.weights.stage_rss if isinstance(worker.weights, StageWeights) else {}
         log.info("driver: peak RSS %.1f MiB (stage 0's weights and KV need %.1f MiB); stages' peak RSS at their last "
                  "sync: %s MiB; %d cohorts dropped for a failed stage", peak_rss_mb(), self.need_mb,
                  ", ".join(f"{i}: {v:.1f}" for i, v in sorted(rss.items())) or "-", self.dropped_cohorts)
-        if isinstance(self.weights, StageWeights):
-            self.weights.ring.drop()
-        return kept
+        if isinstance(worker.weights, StageWeights):
+            worker.weights.ring.drop()
+
+
+def PipelineWorker(*args: Any, pipeline: str, stages: int, max_memory_mb: float | None = None,  # noqa: N802
+                   **kwargs: Any) -> Worker:
+    """A :class:`Worker` (same arguments) that drives pipeline ``pipeline`` of ``stages`` stages
+    through its :class:`PipelineRig`; it keeps no weights between sessions unless asked."""
+    kwargs.setdefault("keep_weights", False)
+    return Worker(*args, rig=PipelineRig(pipeline, stages, max_memory_mb), **kwargs)

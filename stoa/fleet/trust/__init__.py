@@ -7,8 +7,10 @@
   work before the key's salt is published);
 * :mod:`~stoa.fleet.trust.binding`: the version and beacon the trainer binds to a key's number
   when the worker tickets it (tickets, the signed bindings document);
-* :mod:`~stoa.fleet.trust.gate`: the :class:`~stoa.fleet.trust.gate.TrustGate` over three kinds of
-  state: :mod:`~stoa.fleet.trust.roster` (who may upload, bans, assignment salts),
+* :mod:`~stoa.fleet.trust.bounds`: a batch's version (future, stale, its key's version floor), its
+  number's binding and its assigned work, before review; the typed ``Judgement``;
+* :mod:`~stoa.fleet.trust.gate`: the :class:`~stoa.fleet.trust.gate.TrustGate`, the one object the
+  intake asks (a few verbs with typed results), over three kinds of state: :mod:`~stoa.fleet.trust.roster` (who may upload, bans, assignment salts),
   :mod:`~stoa.fleet.trust.records` (per-key accounting, bans, the signed ``TrustReport``) and
   :mod:`~stoa.fleet.trust.review` (replay, audit, spot-checks, the sampling check, as typed
   :class:`~stoa.types.Verdict` values);

@@ -48,7 +48,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +64,7 @@ from stoa.transport.signing import (
 )
 from stoa.transport.store import KeyNotFound, ObjectStore, ObjectTooLarge, StoreError
 
-__all__ = ["MAX_AHEAD", "MAX_BOUND_PER_KEY", "TICKETS_AHEAD", "Binder", "Bound", "Held", "Tickets", "beacon",
+__all__ = ["MAX_AHEAD", "MAX_BOUND_PER_KEY", "TICKETS_AHEAD", "Binder", "Bound", "Held", "TicketListing", "Tickets", "beacon",
            "free_between", "passed_over", "read_bindings", "write_ticket"]
 
 log = logging.getLogger("stoa.trainer")
@@ -81,6 +81,20 @@ MAX_BINDINGS_BYTES = 32 << 20
 _TICKET_KIND, _TICKET_FORMAT = "batch-ticket", "stoa.ticket/1"
 _BINDINGS_KIND, _BINDINGS_FORMAT = "batch-bindings", "stoa.bindings/1"
 _TICKET_NAME = re.compile(rf"({layout.KEY_ID.pattern})/([0-9]{{12}})\.json")
+
+
+@dataclass(frozen=True)
+class TicketListing:
+    """The tickets in the store at one listing (:meth:`Binder.listing`)."""
+
+    parsed: list[tuple[str, int, str]]
+    """``(key id, number, object key)``, sorted."""
+    malformed: list[str]
+    """Object keys that are not a ticket's name."""
+
+    def keys(self) -> set[str]:
+        """The key ids that wrote a ticket."""
+        return {kid for kid, _, _ in self.parsed}
 
 
 @dataclass(frozen=True)
@@ -243,29 +257,38 @@ class Binder:
         self.bound_total += 1
         return self.bound_to(kid, seq)
 
-    def poll(self, version: int, standing: Callable[[str], bool],
-             held: Held | None = None) -> list[tuple[str, str, str]]:
-        """Read the tickets in the store, bind those of keys with ``standing`` at ``version``, write
-        the document if anything changed, then delete the tickets read. Returns the refused ones
-        as ``(key id or "", ticket key, reason)`` (already moved to the quarantine). ``held``
-        answers which numbers objects under a key's worker id hold (None: none counted); it is
-        asked only for a ticket more than :data:`MAX_AHEAD` numbers past its key's highest bound
-        one. Store errors are logged; the tickets then stay for the next poll."""
+    def listing(self) -> TicketListing:
+        """The tickets in the store now, by name (nothing is read or verified yet). Store errors
+        are logged; the listing is then empty."""
         try:
             keys = self.store.list(layout.tickets(self.run))
         except StoreError as e:
             log.warning("could not list the tickets (%s); will retry", e)
-            return []
+            return TicketListing([], [])
         prefix = layout.tickets(self.run)
-        done, refused = [], []
-        parsed = []
+        parsed, malformed = [], []
         for k in keys:
             m = _TICKET_NAME.fullmatch(k[len(prefix):])
             if m is None or not _is_int(int(m.group(2))):
-                refused.append(("", k, "not a ticket's name (<key id>/<12-digit number>.json)"))
+                malformed.append(k)
                 continue
             parsed.append((m.group(1), int(m.group(2)), k))
-        parsed.sort()
+        return TicketListing(sorted(parsed), malformed)
+
+    def poll(self, version: int, standing: Container[str], held: Held | None = None,
+             listing: TicketListing | None = None) -> list[tuple[str, str, str]]:
+        """Read the tickets of ``listing`` (None: list them now), bind those of keys in
+        ``standing`` at ``version``, write the document if anything changed, then delete the
+        tickets read. Returns the refused ones as ``(key id or "", ticket key, reason)`` (already
+        moved to the quarantine). ``held`` answers which numbers objects under a key's worker id
+        hold (None: none counted); it is asked only for a genuine ticket of a key with standing
+        more than :data:`MAX_AHEAD` numbers past its key's highest bound one, so a forged ticket
+        costs the trainer no listing. Store errors are logged; the tickets then stay for the
+        next poll."""
+        listing = self.listing() if listing is None else listing
+        done: list[str] = []
+        refused = [("", k, "not a ticket's name (<key id>/<12-digit number>.json)") for k in listing.malformed]
+        parsed = listing.parsed
         last = {kid: seq for kid, seq, _ in parsed}  # each key's highest ticketed number (sorted)
         occupied: dict[str, set[int]] = {}
         waiting: dict[str, int] = {}
@@ -278,7 +301,7 @@ class Binder:
             why = None
             if far or len(self.bound.get(kid, {})) < MAX_BOUND_PER_KEY:
                 why = self._ticket_problem(k, kid, seq)
-                if why is None and not standing(kid):
+                if why is None and kid not in standing:
                     why = "the key has no standing (no accepted batch, not enrolled, or banned): its work is probation work"
             if why is None and far:  # held numbers are looked up only for a genuine ticket of a key with standing
                 if kid not in occupied:  # once a poll, up to the key's furthest ticket

@@ -72,6 +72,10 @@ class Admission:
     """Key id -> why it is banned (every ban made, logged or read)."""
     records: Mapping[str, WorkerRecord]
     """The gate's records (a key banned in its record is refused too)."""
+    redraws: bool = False
+    """Whether every token of a sealed batch is re-derived from its assigned seed (an int8
+    re-score and ``audit.every_episode``): its groups then need no copy print
+    (:meth:`stoa.fleet.intake.copies.Copies.sift`)."""
 
     def screen(self, seal: BatchSeal | None) -> Verdict | None:
         """The refusal of an object before it is decoded (``unsigned``: no seal; ``refused``: a

@@ -5,18 +5,17 @@
     fetch and verify the run (signed config + model files); import the code of its task
     join the weights (stoa.fleet.worker.follower.LiveWeights): those the last session kept in the cache,
         caught up by deltas, else the newest anchor + deltas (waiting for the first publish)
-    start the int8 engine on them (checked against the run's model, wrapped by wrap_engine)
+    start the rig's engine on them (stoa.fleet.worker.rig: checked against the run's model,
+        wrapped by wrap_engine)
     until the run is finished, the worker is banned, a limit is reached or the user stops it:
         a batch whose upload failed is retried first
         between cohorts: heed the roster; if the pointer moved, catch the weights up (deltas
             written live, their hash checked beside); if this version already got
             rollout.cohorts_per_version cohorts from us, or too many of our batches wait for the
             trainer: wait
-        make the work assigned to the next sequence number (stoa.fleet.trust.assign): its prompts,
-            group ids and sampling seed follow from the run seed, its key and the number; once the
-            key has its salt, also from the number's binding (stoa.fleet.trust.binding): ticket the
-            number (and the next), wait for the trainer to bind it, and bring the weights to
-            exactly the bound version
+        make the work the next sequence number owes, as the trust layer's Duty orders it
+            (stoa.fleet.trust.duty: tickets, the number's binding, the key's salt), with the
+            weights brought to exactly the bound version
         play group_size samples of each with the engine
         once the weights they were made with passed their check, upload them as one batch (else
             the weights are repaired, the cohort dropped, and the number's work made again)
@@ -50,7 +49,6 @@ the same key (and so the same id and cache) catches up by deltas instead of a fu
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import random
@@ -65,17 +63,18 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from stoa.fleet import lifetime
 from stoa.fleet.config import RunConfig
-from stoa.fleet.parity import join_check
 from stoa.fleet.run import Heartbeat, fetch_run, write_heartbeat
-from stoa.fleet.task import EnvConfig, import_env_module
-from stoa.fleet.trust.assign import assignment
-from stoa.fleet.trust.binding import Tickets
+from stoa.fleet.task import EnvConfig
+from stoa.fleet.trust.duty import Duty
 from stoa.fleet.worker.follower import LayoutChanged, LiveWeights
 from stoa.fleet.worker.invite import check_worker_id
+from stoa.fleet.worker.rig import Rig, WholeModel
 from stoa.fleet.worker.section import RolloutConfig
+from stoa.fleet.worker.standing import (EXIT_BANNED, EXIT_CONFIG, EXIT_NO_RUN, EXIT_OK, EXIT_UNREACHABLE, WorkerExit,
+                                        find_runs, import_task, roster_word, trainer_view)
 from stoa.transport.chain import SYNC_ERRORS, PointerError, SyncResult
 from stoa.transport.exchange import RolloutWriter, SequenceTaken, is_finished, read_progress
-from stoa.transport.identity import load_or_create_worker_key, read_ban, read_roster, read_salt
+from stoa.transport.identity import load_or_create_worker_key
 from stoa.transport.sequence import RememberingWriter, SequenceFile, catch_up
 from stoa.transport.signing import SignatureError, key_id, load_public_key
 from stoa.transport.store import KeyNotFound, ObjectStore, StoreError
@@ -89,25 +88,14 @@ __all__ = ["EXIT_BANNED", "EXIT_CONFIG", "EXIT_NO_RUN", "EXIT_OK", "EXIT_UNREACH
 
 log = logging.getLogger("stoa.worker")
 
-EXIT_OK, EXIT_CONFIG, EXIT_BANNED, EXIT_NO_RUN, EXIT_UNREACHABLE = 0, 2, 3, 4, 5
 _ROSTER_EVERY_S = 10.0
 _BACKOFF_MAX_S = 60.0
-_MAX_TRUST_REPORT = 4 << 20
-_MAX_RUNS_LISTED = 20
 _STORE_TROUBLE = (*SYNC_ERRORS, SignatureError, OSError)
 """What a failing or hostile store raises: it costs a backoff, never the session."""
 _T = TypeVar("_T")
 
 WrapEngine = Callable[["RolloutEngine", "Worker"], "RolloutEngine"]
 """``wrap_engine(engine, worker) -> engine``: see :class:`Worker`."""
-
-
-class WorkerExit(Exception):
-    """Ends :meth:`Worker.run` with ``code`` and a one-line ``message`` for the user."""
-
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
 
 
 @dataclass(frozen=True)
@@ -126,14 +114,6 @@ class _Batch:
     episodes: list[Episode]
     version: int
     seq: int
-
-
-def find_runs(store: ObjectStore, limit: int = _MAX_RUNS_LISTED) -> list[str]:
-    """Names of the runs a store holds (prefixes with a ``config.json`` beside ``current.json``
-    or ``model/``), at most ``limit``. Lists the whole store: for error messages only."""
-    keys = store.list("")
-    runs = {k[: -len("/config.json")] for k in keys if k.endswith("/config.json") and "/model/" not in k}
-    return sorted(r for r in runs if r)[:limit]
 
 
 class Worker:
@@ -164,6 +144,8 @@ class Worker:
             (:class:`stoa.backends.engine.EngineWrapper` delegates whatever it does not
             override). The dishonest workers of :mod:`stoa.testing.adversaries` are wrappers; None:
             the engine as built.
+        rig: the weights and engine under the loop (:mod:`stoa.fleet.worker.rig`); None: the
+            whole model in one engine (a pipeline's driver brings its own).
     """
 
     backoff_base_s = 0.5
@@ -173,7 +155,7 @@ class Worker:
     def __init__(self, store: ObjectStore, run: str, public_key: Any, worker_id: str, cache_dir: Path,
                  max_batches: int | None = None, wait_seconds: float = 600.0, private_key: Any = None,
                  max_seconds: float | None = None, progress_every: float = 30.0, keep_weights: bool = True,
-                 wrap_engine: WrapEngine | None = None):
+                 wrap_engine: WrapEngine | None = None, rig: Rig | None = None):
         self.store, self.run_name = store, run
         self.public_key = load_public_key(public_key)
         self.worker_id, self.cache_dir = check_worker_id(worker_id), Path(cache_dir)  # before a path names it
@@ -183,6 +165,7 @@ class Worker:
         self.key_id = key_id(self.private_key.public_key())
         self.max_batches, self.wait_seconds, self.max_seconds = max_batches, wait_seconds, max_seconds
         self.progress_every, self.keep_weights, self.wrap_engine = progress_every, keep_weights, wrap_engine
+        self.rig: Rig = WholeModel() if rig is None else rig
         self.exit_code = EXIT_OK
         self._stop = False
         self._stop_event = threading.Event()
@@ -203,10 +186,7 @@ class Worker:
         self._by_number = False  # the trainer's progress says which numbers it settled: throttle on our own uploads
         self._started = time.time()
         self._signals = 0
-        self._salt: str | None = None  # this key's assignment salt, once the run publishes it (trust.assign)
-        self._salt_read = 0.0
-        self._tickets = Tickets(self.store, self.run_name, self.private_key, self.public_key)
-        self._max_lag = 0
+        self.duty: Duty | None = None  # what our numbers owe (the trust layer's side: tickets, bindings, salt)
 
     @property
     def sync_bytes(self) -> int:
@@ -223,19 +203,20 @@ class Worker:
                 return self.exit_code
             cfg, model_dir = joined
             rc = cfg.rollout
-            self._import_env(cfg, model_dir)
-            first = self._first_weights(rc.lag)  # the kept weights caught up, else an anchor; waits for one
+            import_task(self.run_name, cfg, model_dir)  # what registers the run's task
+            first = self._first_weights(cfg, model_dir)  # the kept weights caught up, else an anchor; waits for one
             if first is None:
                 return self.exit_code
             self.engine = self._start_engine(model_dir, first, cfg)
             make_env, n_items = self._task(cfg.env)
-            self._max_lag = cfg.trainer.max_lag
+            self.duty = Duty(self.store, self.run_name, self.private_key, self.public_key, run_seed=cfg.seed,
+                             n_items=n_items, groups=rc.groups_per_cohort, max_lag=cfg.trainer.max_lag)
             self._last_progress = time.time()
             while self._more_to_do():
                 if self._pending is not None:  # a batch whose upload failed goes first
                     self._retrying("talking to the store", self._upload_pending)
                 elif self._retrying("talking to the store", self._ready, rc):
-                    cohort = self._retrying("binding our next number", self._cohort, cfg.seed, rc, n_items)
+                    cohort = self._retrying("binding our next number", self._cohort, rc)
                     if cohort is not None:  # the work our next number owes, with the weights it is bound to
                         episodes, seconds = self._generate(make_env, cohort)
                         self._deliver(cohort, episodes, seconds)  # dropped if its weights failed their check
@@ -275,14 +256,17 @@ class Worker:
                      self.generating_s, self.generated_tokens / self.generating_s)
 
     def _leave(self) -> str:
-        """The final heartbeat and the weights kept for the next session (says what was kept)."""
-        if self.engine is None or self.weights is None:
-            return ""
-        try:
-            self._beat("stopped")
-        except Exception as e:  # a dying store must not hide the real exit reason
-            log.warning("could not write the final heartbeat: %s", e)
-        return self.weights.keep()
+        """The final heartbeat, the weights kept for the next session (says what was kept), and
+        the rig's own way out."""
+        kept = ""
+        if self.engine is not None and self.weights is not None:
+            try:
+                self.beat("stopped")
+            except Exception as e:  # a dying store must not hide the real exit reason
+                log.warning("could not write the final heartbeat: %s", e)
+            kept = self.weights.keep()
+        self.rig.leave(self)
+        return kept
 
     # -- stopping ---------------------------------------------------------------------------------
     def request_stop(self, signum: Any = None, *_: Any) -> None:
@@ -298,10 +282,15 @@ class Worker:
         self._stop = True
         self._stop_event.set()
 
-    def _sleep(self, seconds: float) -> None:
+    @property
+    def stopped(self) -> bool:
+        """Whether a stop was asked for (a signal, :meth:`stop_for`)."""
+        return self._stop
+
+    def sleep(self, seconds: float) -> None:
         self._stop_event.wait(max(0.0, seconds))
 
-    def _stop_for(self, reason: str) -> None:
+    def stop_for(self, reason: str) -> None:
         self._stop_reason = reason
         self._stop = True
         self._stop_event.set()
@@ -311,7 +300,7 @@ class Worker:
         the time limit not reached (otherwise the reason is noted)."""
         done = self.max_batches is not None and self.batches >= self.max_batches
         if not (self._stop or done) and self.max_seconds is not None and time.time() - self._started > self.max_seconds:
-            self._stop_for(f"time limit of {self.max_seconds / 3600:.2f} h reached")
+            self.stop_for(f"time limit of {self.max_seconds / 3600:.2f} h reached")
         if self._stop and not self._stop_reason:
             self._stop_reason = "stopped"
         if done:
@@ -324,10 +313,10 @@ class Worker:
         try:
             return step(*args)
         except _STORE_TROUBLE as e:
-            self._backoff(what, e)
+            self.backoff(what, e)
             return None
 
-    def _backoff(self, what: str, e: BaseException) -> None:
+    def backoff(self, what: str, e: BaseException) -> None:
         """Note a failure and wait the next capped, jittered delay (interrupted by a stop)."""
         self._failures += 1
         if not self._trouble:
@@ -340,17 +329,17 @@ class Worker:
         if self._failures == 1 and self.engine is not None:
             with contextlib.suppress(Exception):  # the trainer sees the trouble when the store takes it
                 self._last_beat = 0.0
-                self._beat(self._last_status or "waiting")
-        self._sleep(delay)
+                self.beat(self._last_status or "waiting")
+        self.sleep(delay)
 
-    def _recovered(self) -> None:
+    def recovered(self) -> None:
         if self._trouble:
             log.info("store reachable again after %.0fs (%d failures)", time.time() - self._trouble_since,
                      self._failures)
         self._failures, self._trouble = 0, ""
 
     # -- reporting --------------------------------------------------------------------------------
-    def _beat(self, status: str) -> None:
+    def beat(self, status: str) -> None:
         now = time.time()
         if status == self._last_status and status == "waiting" and now - self._last_beat < 2.0:
             return  # an idle worker reports every 2 s, not every poll
@@ -363,20 +352,6 @@ class Worker:
             self.tokens_per_s, e.mode if e else "", self.host, time.time(), self.sync_bytes, retries,
             (self._trouble or (self.writer.trouble if self.writer else ""))[:200]))
 
-    def _trainer_view(self) -> str:
-        """Accepted / rejected counts for this worker's key from the trainer's signed trust report."""
-        from stoa.fleet.trust.records import read_trust_report
-
-        try:
-            report = read_trust_report(self.store, self.run_name, self.public_key, max_bytes=_MAX_TRUST_REPORT)
-        except (SignatureError, StoreError) as e:
-            return f"trainer report unreadable ({type(e).__name__})"
-        rec = report.workers.get(self.key_id) if report is not None else None
-        if rec is None:
-            return "trainer: none of ours judged yet"
-        text = f"trainer: {rec.accepted_batches} accepted, {rec.rejected_batches} rejected"
-        return text + (f" (last: {rec.last_reason[:120]})" if rec.rejected_batches and rec.last_reason else "")
-
     def progress_line(self) -> str:
         """One line: version, lag, uploads, the trainer's verdicts, speed, store state."""
         e = self.engine
@@ -385,7 +360,8 @@ class Worker:
         lag = "?" if v is None or head is None else str(max(0, head - v))
         store = f"store trouble for {time.time() - self._trouble_since:.0f}s" if self._trouble else "store ok"
         return (f"version {v if v is not None else '-'} (lag {lag}) | {self.batches} batches uploaded | "
-                f"{self._trainer_view()} | {self.tokens_per_s:.0f} tok/s | {store}")
+                f"{trainer_view(self.store, self.run_name, self.public_key, self.key_id)} | "
+                f"{self.tokens_per_s:.0f} tok/s | {store}")
 
     def _maybe_progress(self) -> None:
         if time.time() - self._last_progress >= self.progress_every:
@@ -399,7 +375,7 @@ class Worker:
         while not self._stop:
             try:
                 got = fetch_run(self.store, self.run_name, self.public_key, self.cache_dir / "model")
-                self._recovered()
+                self.recovered()
                 return got
             except KeyNotFound:
                 reached = True
@@ -415,7 +391,7 @@ class Worker:
                     last_note = time.time()
                     log.info("waiting for run %r to appear in %s (the trainer publishes it when it starts)",
                              self.run_name, self.store)
-                self._sleep(2.0)
+                self.sleep(2.0)
             except SignatureError as e:
                 raise WorkerExit(EXIT_CONFIG, f"run {self.run_name!r} does not verify under the public key given "
                                               f"(wrong key for this run, or the store was tampered with): {e}") from None
@@ -426,67 +402,44 @@ class Worker:
                     raise WorkerExit(EXIT_UNREACHABLE, f"cannot reach the store {self.store} "
                                                        f"({type(e).__name__}: {e}); check its URL, your network "
                                                        "and the credentials in your environment") from None
-                self._backoff("reading the run config", e)
+                self.backoff("reading the run config", e)
         return None
 
-    def _import_env(self, cfg: RunConfig, model_dir: Path) -> None:
-        """Import what registers the run's task (``env.module``, the package it names)."""
-        log.info("run %s: env %s%s, kwargs %s; model files verified in %s", self.run_name, cfg.env.id,
-                 f" (imports module {cfg.env.module!r})" if cfg.env.module else "",
-                 json.dumps(cfg.env.kwargs, sort_keys=True)[:500], model_dir)
-        try:
-            import_env_module(cfg.env)
-        except Exception as e:
-            raise WorkerExit(EXIT_CONFIG, f"the run's environment module cannot be imported here: "
-                                          f"{type(e).__name__}: {e}") from None
-
-    def _first_weights(self, lag: int) -> SyncResult | None:
-        """The state to start from (:meth:`LiveWeights.join`), waiting for the trainer's first
-        publish; None if stopped first."""
-        self.weights = LiveWeights(self.store, self.run_name, self.public_key,
-                                   keep_dir=self.cache_dir if self.keep_weights else None)
-        last_note = 0.0
+    def _first_weights(self, cfg: RunConfig, model_dir: Path) -> SyncResult | None:
+        """The state to start from (:meth:`LiveWeights.join`, through the rig's follower), waiting
+        for the trainer's first publish; None if stopped first."""
+        self.weights = self.rig.weights(self, cfg, model_dir)
+        lag, last_note = cfg.rollout.lag, 0.0
         while not self._stop:
             try:
                 head = self.weights.head()
                 if head is None:
-                    if self._finished():
-                        self._stop_for("the run finished before publishing weights")
+                    if self.finished():
+                        self.stop_for("the run finished before publishing weights")
                         return None
                     if time.time() - last_note > self.progress_every:
                         last_note = time.time()
                         log.info("waiting for the trainer's first weights of run %r", self.run_name)
-                    self._sleep(0.5)
+                    self.sleep(0.5)
                     continue
                 res = self.weights.join(max(0, head - lag) if lag else None)
-                self._recovered()
+                self.recovered()
                 return res
             except PointerError as e:  # a stale or unreadable pointer: wait for the trainer's next word
-                self._backoff("the run's pointer", e)
+                self.backoff("the run's pointer", e)
             except (*SYNC_ERRORS, OSError) as e:
-                self._backoff("joining the weight chain", e)
+                self.backoff("joining the weight chain", e)
         return None
 
     def _start_engine(self, model_dir: Path, first: SyncResult, cfg: RunConfig) -> RolloutEngine:
-        """The int8 engine on the joined weights, as the run configures it (``[rollout]``,
-        ``model.prompt_format``), checked against the run's model (this machine's framework may
-        read its config otherwise), wrapped by ``wrap_engine``; the weights are followed into it
-        from now on."""
-        from stoa.backends.engine import make_engine
-
-        rc = cfg.rollout
-        engine = make_engine(model_dir, rc.engine, state=first.state, version=first.version, mode=rc.engine_mode,
-                             config=rc.engine_config(cfg.model.prompt_format), worker_id=self.worker_id)
-        refused = join_check(engine, model_dir)
-        if refused:
-            raise WorkerExit(EXIT_CONFIG, refused)
+        """The rig's engine on the joined weights, wrapped by ``wrap_engine``; the weights are
+        followed into it from now on."""
+        engine = self.rig.engine(self, cfg, model_dir, first)
         if self.wrap_engine is not None:
             engine = self.wrap_engine(engine, self)
         assert self.weights is not None
         self.weights.live = engine
-        log.info("worker %s (key %s) joined run %s at version %d (%s mode, %d bytes); a progress line every %.0fs",
-                 self.worker_id, self.key_id, self.run_name, first.version, engine.mode, first.bytes_read,
-                 self.progress_every)
+        self.recovered()
         return engine
 
     def _task(self, env: EnvConfig) -> tuple[Callable[[], Any], int]:
@@ -499,35 +452,38 @@ class Worker:
         """Between cohorts: whether to make one now. No (after a wait) when the run finished, this
         version got ``rollout.cohorts_per_version`` cohorts from us, or ``rollout.max_outstanding``
         of our batches wait for the trainer. On the way: the roster's word (every 10 s), the
-        trainer's sequence floor, and the weights caught up to the head (or repaired)."""
+        trainer's sequence floor, and the weights caught up to the head (or repaired). The rig is
+        asked first (:meth:`Rig.ready`)."""
+        if not self.rig.ready(self):
+            return False
         if self.writer is None:
             self.writer = RememberingWriter(self.store, self.run_name, self.worker_id, self.private_key,
                                             SequenceFile(self.cache_dir / "sequence.json"))
-        if self._finished():
-            self._stop_for("the run finished")
+        if self.finished():
+            self.stop_for("the run finished")
             return False
         if time.time() - self._roster_read > _ROSTER_EVERY_S:
             self._heed_roster()
-        assert self.weights is not None and self.engine is not None
-        if self._read_salt() is None:
+        assert self.weights is not None and self.engine is not None and self.duty is not None
+        if self.duty.salt() is None:
             self.weights.follow(rc.lag)
             at = self.engine.version
         else:  # bound work: the weights go to each number's bound version, never past it (_cohort)
             head = self.weights.head()
             at = self.engine.version if head is None else max(0, head - rc.lag)
-        self._recovered()
+        self.recovered()
         self._maybe_progress()
         if ((rc.cohorts_per_version and self._cohorts_at.get(at, 0) >= rc.cohorts_per_version)
                 or (rc.max_outstanding and self._outstanding(self.writer) >= rc.max_outstanding)):
-            self._beat("waiting")
-            self._sleep(rc.poll_seconds)
+            self.beat("waiting")
+            self.sleep(rc.poll_seconds)
             return False
         self.writer.skip_taken()  # a number someone planted ahead of us costs no cohort
         return True
 
     def _heed_roster(self) -> None:
         """Stop when the run's roster says so; continue at the trainer's sequence floor."""
-        stop = self._roster_says()
+        stop = roster_word(self.store, self.run_name, self.public_key, self.key_id, self.worker_id)
         if stop is not None:
             raise stop
         assert self.writer is not None
@@ -538,7 +494,7 @@ class Worker:
             self.writer.count_unsettled_as_left(self._taken)
         self._roster_read = time.time()
 
-    def _finished(self) -> bool:
+    def finished(self) -> bool:
         """Whether the trainer marked the run finished: only a marker that verifies under the run's
         key counts (anyone with write access to the store could plant one)."""
         return is_finished(self.store, self.run_name, self.public_key)
@@ -566,89 +522,41 @@ class Worker:
             return len(writer.pending)
         return max(0, writer.next_seq - getattr(writer, "left", 0) - self._taken)
 
-    def _roster_says(self) -> WorkerExit | None:
-        """Why the run's signed roster stops this worker, or None: its key is banned, its key is
-        bound to another worker id (a restart under a new ``--id``), or its id belongs to another
-        key. A roster that does not verify is ignored."""
-        try:
-            roster = read_roster(self.store, self.run_name, self.public_key)
-        except SignatureError as e:
-            log.warning("workers.json does not verify (%s); ignoring it", e)
-            return None
-        try:  # bans are one document per key (stoa.transport.identity), not roster entries
-            ban = read_ban(self.store, self.run_name, self.key_id, self.public_key)
-        except SignatureError as e:
-            log.warning("this key's ban document does not verify (%s); ignoring it", e)
-            ban = None
-        if ban is not None:
-            log.error("this worker's key %s is banned from run %s: %s", self.key_id, self.run_name, ban.reason)
-            return WorkerExit(EXIT_BANNED, f"this worker's key {self.key_id} is banned from run {self.run_name!r}; "
-                                           "stopping")
-        entry = roster.enrolled.get(self.key_id)
-        if entry is not None and entry.worker_id != self.worker_id:
-            return WorkerExit(EXIT_CONFIG, f"this worker's key {self.key_id} is bound to worker id "
-                                           f"{entry.worker_id!r} in run {self.run_name!r}, so batches sent as "
-                                           f"{self.worker_id!r} are refused: start it with --id {entry.worker_id} "
-                                           "(or without --id)")
-        owner = roster.key_for(self.worker_id)
-        if owner is not None and owner != self.key_id:
-            return WorkerExit(EXIT_CONFIG, f"worker id {self.worker_id!r} belongs to another key ({owner}) in run "
-                                           f"{self.run_name!r}: start this worker with another --id (or without --id)")
-        return None
-
     # -- one cohort -------------------------------------------------------------------------------
-    def _cohort(self, run_seed: int, rc: RolloutConfig, n_items: int) -> CohortPlan | None:
-        """The work of our next sequence number (:mod:`stoa.fleet.trust.assign`): its items, group
-        ids and sampling seed follow from the run's seed, our key and the number, and once the key
-        has its salt from the number's binding, with the weights brought to the bound version.
-        None (after a short wait) while the number is not bound yet, or when its binding can only
-        make a stale batch (the number is then left: a gap)."""
+    def _cohort(self, rc: RolloutConfig) -> CohortPlan | None:
+        """The work of our next sequence number, as the trust layer's :class:`Duty` orders it,
+        with the weights brought to the version it is bound to. None (after a short wait) while
+        the number is not bound yet, or when its binding can only make a stale batch (the
+        numbers are then left: a gap)."""
         from stoa.backends.engine import RolloutRequest
 
         assert self.writer is not None and self.weights is not None and self.engine is not None
-        seq = self.writer.next_seq
-        salt, bound = self._read_salt(), None
-        if salt is not None:
-            bound = self._tickets.bound(seq)
-            later = self._tickets.passed_over(seq) if bound is None else None
-            if later is not None:
-                log.warning("number %d's binding expired while this worker was away (its version fell behind the "
-                            "trainer's window): leaving numbers %d-%d", seq, seq, later - 1)
-                self.writer.skip_to(later, left=True)
-                return None
-            if bound is None:
-                self._beat("waiting")
-                self._sleep(rc.poll_seconds)
-                return None
-            head = self.weights.newest
-            if head is not None and head - bound.version > self._max_lag:
-                log.warning("number %d was bound to version %d, now more than %d behind the head (%d): leaving it",
-                            seq, bound.version, self._max_lag, head)
-                self.writer.skip_to(seq + 1, left=True)
-                return None
-            if self.engine.version != bound.version or self.weights.damaged:
-                self.weights.catch_up(bound.version)
-        work = assignment(run_seed, self.writer.key_id, seq, n_items, rc.groups_per_cohort, salt,
-                          bound.beacon if bound else None)
-        return CohortPlan(seq, [RolloutRequest(i, g, rc.group_size) for i, g in zip(work.items, work.group_ids)],
+        assert self.duty is not None
+        order = self.duty.next(self.writer.next_seq, self.weights.newest)
+        if order.skip_to is not None:
+            log.warning("%s", order.reason)
+            self.writer.skip_to(order.skip_to, left=True)
+            return None
+        if order.work is None:
+            self.beat("waiting")
+            self.sleep(rc.poll_seconds)
+            return None
+        if order.version is not None and (self.engine.version != order.version or self.weights.damaged):
+            self.weights.catch_up(order.version)
+        work = order.work
+        return CohortPlan(order.seq, [RolloutRequest(i, g, rc.group_size) for i, g in zip(work.items, work.group_ids)],
                           rc.sampling(work.seed))
-
-    def _read_salt(self) -> str | None:
-        """This key's assignment salt once the run has published it (read at most every 2 s until
-        then); None meanwhile: the work is probation work, checked and never trained on."""
-        if self._salt is None and time.time() - self._salt_read > 2.0:
-            self._salt_read = time.time()
-            try:
-                self._salt = read_salt(self.store, self.run_name, self.key_id, self.public_key)
-            except (SignatureError, StoreError) as e:
-                log.warning("this key's assignment salt does not read (%s); making probation work", e)
-        return self._salt
 
     def _generate(self, make_env: Callable[[], Any], cohort: CohortPlan) -> tuple[list[Episode], float]:
         """The cohort's episodes (one weight version for all) and the seconds they took."""
         assert self.engine is not None
         t0 = time.time()
-        episodes = self.engine.rollout(make_env, cohort.requests, cohort.sampling)
+        try:
+            episodes = self.engine.rollout(make_env, cohort.requests, cohort.sampling)
+        except OSError as e:
+            if self.rig.failed(self, cohort.seq, e):  # the rig's failure: the cohort is void
+                return [], 1e-9
+            raise
         return episodes, max(time.time() - t0, 1e-9)
 
     def _deliver(self, cohort: CohortPlan, episodes: list[Episode], seconds: float) -> None:
@@ -680,5 +588,5 @@ class Worker:
         self._cohorts_at[batch.version] = self._cohorts_at.get(batch.version, 0) + 1
         self.batches += 1
         self.episodes += len(batch.episodes)
-        self._beat("generating")
-        self._recovered()
+        self.beat("generating")
+        self.recovered()
