@@ -173,6 +173,9 @@ def test_a_remote_pipeline_plays_the_single_engines_episodes(tiny, single, parts
         remote.append(RemoteStage(part, spec_layers, st.decoder.spec.hidden_size, st.decoder.spec.vocab_size,
                                   Link(srv.getsockname()[1])))
     pipe = RemotePipeline(tiny, Stage(tiny, parts[0], single.state), remote, config=CONFIG)
+    from stoa.fleet.parity import join_check
+
+    assert join_check(pipe, tiny) is None and pipe.built_config == single.built_config  # a driver's join check
     want = single.rollout(make_env, requests(), SAMPLING)
     got = pipe.rollout(make_env, requests(), SAMPLING)
     assert_same_episodes(got, want)

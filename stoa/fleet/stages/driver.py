@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from stoa.backends.engine import stage_backend
+from stoa.fleet.parity import join_check
 from stoa.fleet.stages import discovery
 from stoa.transport.frames import Frame, FrameError, read_frame, write_frame
 from stoa.fleet.stages.server import model_shape, peak_rss_mb
@@ -289,10 +290,14 @@ class PipelineRig:
                 worker.backoff(f"waiting for the stages of pipeline {self.pipeline}", e)
         else:
             raise WorkerExit(0, "stopped while waiting for the pipeline's stages")
+        engine = sb.RemotePipeline(model_dir, stage, w.ring.remote, first.version,
+                                   rc.engine_config(cfg.model.prompt_format), worker.worker_id, stage.mode)
+        refused = join_check(engine, model_dir)  # the same check as a whole-model worker's
+        if refused:
+            raise WorkerExit(EXIT_CONFIG, refused)
         log.info("worker %s (key %s) drives pipeline %s: stage 0 of %d (layers %s, needs %.1f MiB) at version %d",
                  worker.worker_id, worker.key_id, self.pipeline, self.stages, stage.part, self.need_mb, first.version)
-        return sb.RemotePipeline(model_dir, stage, w.ring.remote, first.version,
-                                 rc.engine_config(cfg.model.prompt_format), worker.worker_id, stage.mode)
+        return engine
 
     def ready(self, worker: Worker) -> bool:
         """Whether every stage is connected (a missing one is waited for, backing off up to 10 s,
