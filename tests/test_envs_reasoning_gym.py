@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("reasoning_gym", reason="reasoning-gym is not installed (pip install 'stoa[reasoning-gym]')")
 
 import stoa.envs  # noqa: E402
-from stoa.envs import rgym  # noqa: E402
+from stoa.envs import rgym, rgym_mix  # noqa: E402
 from stoa.envs.sandbox import Sandbox, SandboxLimits  # noqa: E402
 
 SMALL = {"seed": 0, "train_size": 6, "test_size": 4}
@@ -265,3 +265,49 @@ def test_the_scoring_child_ends_when_its_parent_is_killed():
     while any(alive(k) for k in kids) and time.time() < deadline:
         time.sleep(0.1)
     assert not any(alive(k) for k in kids), kids
+
+
+def test_several_datasets_make_one_task_that_reports_each_datasets_pass_at_1():
+    from types import SimpleNamespace
+
+    from stoa.fleet.trust.admission import episode_metric_means
+
+    kw = {"seed": 0, "train_size": 7, "test_size": 5, "configs": {"chain_sum": {"min_terms": 2, "max_terms": 2}}}
+    env = stoa.envs.make("reasoning_gym:chain_sum.leg_counting.spell_backward", **kw)
+    u = env.unwrapped
+    assert len(u) == 21 and u.success_metric == "correct" and u.stop_strings == ("</answer>",)
+    assert rgym_mix.interleave([2, 3, 1]) == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (1, 2)]
+    names, rows = [], []
+    for i in range(len(u)):
+        info = env.reset(options={"index": i})[1]
+        names.append(info["dataset"])
+        (turn,) = u.oracle_turns(i)
+        good = env.step(turn if i % 2 else "<answer>wrong</answer>")[4]["metrics"]
+        assert set(good) == {"correct", "formatted", "score", "score_error", f"correct_{info['dataset']}"}
+        rows.append(SimpleNamespace(metrics=good))
+    assert names[:6] == ["chain_sum", "leg_counting", "spell_backward"] * 2  # any prefix is a fair mix
+    assert u.reset(options={"index": 0})[0] == stoa.envs.make("reasoning_gym:chain_sum", seed=0, train_size=7,
+                                                              test_size=5, min_terms=2, max_terms=2).reset(
+                                                                  options={"index": 0})[0]
+    means = episode_metric_means(rows, u.metric_types, "eval")  # what evaluation reports, per dataset
+    for name in ("chain_sum", "leg_counting", "spell_backward"):
+        mine = [i for i in range(len(u)) if names[i] == name]
+        assert means[f"eval/correct_{name}"] == pytest.approx(sum(i % 2 for i in mine) / len(mine))
+    stoa.envs.check_env(stoa.envs.make("reasoning_gym:chain_sum.leg_counting", seed=0, train_size=6, test_size=4))
+    test = stoa.envs.make("reasoning_gym:chain_sum.leg_counting", split="test", seed=0, train_size=6, test_size=4)
+    train_q = {stoa.envs.make("reasoning_gym:chain_sum.leg_counting", seed=0, train_size=6, test_size=4).reset(
+        options={"index": i})[0] for i in range(12)}
+    assert all(test.reset(options={"index": i})[0] not in train_q for i in range(len(test.unwrapped)))
+
+
+def test_a_mixture_refuses_what_it_cannot_make_clearly():
+    with pytest.raises(ValueError, match="names a dataset twice"):
+        stoa.envs.make("reasoning_gym:leg_counting.leg_counting", seed=0)
+    with pytest.raises(ValueError, match="composite is refused"):
+        stoa.envs.make("reasoning_gym:leg_counting.composite", seed=0)
+    with pytest.raises(ValueError, match="did you mean reasoning_gym:chain_sum"):
+        stoa.envs.make("reasoning_gym:leg_counting.chain_summ", seed=0)
+    with pytest.raises(ValueError, match="not among its datasets"):
+        stoa.envs.make("reasoning_gym:leg_counting.chain_sum", seed=0, configs={"gcd": {}})
+    with pytest.raises(ValueError, match="needs an int seed"):
+        stoa.envs.make("reasoning_gym:leg_counting.chain_sum")

@@ -1,5 +1,8 @@
 """reasoning-gym datasets as Stoa tasks: ``stoa.envs.make("reasoning_gym:<dataset>", seed=..., ...)``.
 
+Several datasets joined by dots (``reasoning_gym:chain_sum.leg_counting``) make one mixed task
+(:mod:`stoa.envs.rgym_mix`).
+
 `reasoning-gym <https://github.com/open-thought/reasoning-gym>`_ (``pip install 'stoa[reasoning-gym]'``)
 generates ~100 procedural reasoning datasets, each with its own ``score_answer``. Any of them is a
 single-turn :class:`ReasoningGymEnv`:
@@ -70,20 +73,26 @@ def register_id(env_id: str) -> None:
     """
     import stoa.envs
 
-    name = env_id[len(PREFIX):]
+    parts = env_id[len(PREFIX):].split(".")
     try:
         names = dataset_names()
     except ImportError:
         raise ValueError(f"{env_id!r} needs reasoning-gym: pip install 'stoa[reasoning-gym]'") from None
-    if name in REFUSED:
-        raise ValueError(f"{env_id!r} is refused: {REFUSED[name]}")
-    if name not in names:
-        import difflib
+    for name in parts:
+        if name in REFUSED:
+            raise ValueError(f"{PREFIX}{name} is refused: {REFUSED[name]}")
+        if name not in names:
+            import difflib
 
-        close = difflib.get_close_matches(name, names, 1)
-        raise ValueError(f"reasoning-gym has no dataset {name!r}" + (f": did you mean {PREFIX}{close[0]}?" if close else "")
-                         + " (`stoa envs list` shows them)")
-    stoa.envs.register(env_id, "stoa.envs.rgym:ReasoningGymEnv", kwargs={"dataset": name})
+            close = difflib.get_close_matches(name, names, 1)
+            raise ValueError(f"reasoning-gym has no dataset {name!r}" + (f": did you mean {PREFIX}{close[0]}?" if close
+                                                                          else "") + " (`stoa envs list` shows them)")
+    if len(parts) == 1:
+        stoa.envs.register(env_id, "stoa.envs.rgym:ReasoningGymEnv", kwargs={"dataset": parts[0]})
+    elif len(set(parts)) != len(parts):
+        raise ValueError(f"{env_id!r} names a dataset twice")
+    else:  # a mixture (stoa.envs.rgym_mix)
+        stoa.envs.register(env_id, "stoa.envs.rgym_mix:ReasoningGymMix", kwargs={"datasets": tuple(parts)})
 
 
 def extract_answer(turn: str) -> str | None:
