@@ -14,7 +14,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from stoa.backends.engine import EngineConfig, EngineError, RolloutRequest, SamplingConfig, SingleEngineBase
+from stoa.backends.engine import EngineConfig, EngineError, RolloutRequest, SamplingConfig
+from stoa.backends.engine_base import SingleEngineBase
 from stoa.backends.mlx import fast
 from stoa.backends.mlx import weights as W
 from stoa.backends.mlx.rollout import Cohort
@@ -40,7 +41,7 @@ def resolve_mode(mode: str) -> str:
 class MLXEngine(SingleEngineBase):
     """A :class:`stoa.backends.engine.RolloutEngine` on MLX. Build with :meth:`from_pretrained`
     or :meth:`from_state`; attributes and methods are documented on the protocol, and those of
-    every engine on :class:`~stoa.backends.engine.EngineBase`. Also: ``fast_ops`` (whether
+    every engine on :class:`~stoa.backends.engine_base.EngineBase`. Also: ``fast_ops`` (whether
     :mod:`stoa.backends.mlx.fast` runs)."""
 
     def __init__(self, hf_dir: Path, model: Any, model_config: dict[str, Any], mode: str, version: int,

@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from stoa.backends.engine import EngineConfig, EngineError, RolloutRequest, SamplingConfig, SingleEngineBase
+from stoa.backends.engine import EngineConfig, EngineError, RolloutRequest, SamplingConfig
+from stoa.backends.engine_base import SingleEngineBase
 from stoa.backends.sampling import Draws, HostSampler
 from stoa.backends.text import TokenizerText, config_eos_ids
 from stoa.backends.torch import csample as C
@@ -203,7 +204,7 @@ def built_fields(spec: ModelSpec, cfg: Any) -> dict[str, Any]:
 class TorchEngine(SingleEngineBase):
     """A :class:`stoa.backends.engine.RolloutEngine` on torch. Build with :func:`make`;
     attributes and methods are documented on the protocol, and those of every engine on
-    :class:`~stoa.backends.engine.EngineBase`. Also: ``device``, ``decoder`` (the model),
+    :class:`~stoa.backends.engine_base.EngineBase`. Also: ``device``, ``decoder`` (the model),
     ``state_layout``."""
 
     def __init__(self, hf_dir: Path, state: dict[str, np.ndarray], version: int, mode: str = "auto",

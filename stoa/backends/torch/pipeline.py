@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from stoa.backends.engine import EngineBase, EngineConfig, EngineError, RolloutRequest, SamplingConfig
+from stoa.backends.engine import EngineConfig, EngineError, RolloutRequest, SamplingConfig
+from stoa.backends.engine_base import EngineBase
 from stoa.backends.sampling import HostSampler
 from stoa.backends.torch import decoder as D
 from stoa.backends.torch.engine import ENGINE_DTYPES, check_state, exact_matmuls, state_layout, draw, rebuild
@@ -220,7 +221,7 @@ class Pipeline(EngineBase):
     ``rollout`` follows :meth:`stoa.backends.engine.RolloutEngine.rollout` (episodes, seeds,
     stats); weights are the stages' own (:meth:`Stage.apply_delta` updates one stage's share).
     ``version`` is stamped on every episode; ``mode`` is the first stage's. The other members
-    every engine has are :class:`~stoa.backends.engine.EngineBase`'s."""
+    every engine has are :class:`~stoa.backends.engine_base.EngineBase`'s."""
 
     def __init__(self, hf_dir: str | Path, stages: Sequence[Stage], version: int = 0,
                  config: EngineConfig = EngineConfig(), worker_id: str = "") -> None:
