@@ -31,13 +31,30 @@ corpus) and a ~100M-parameter random Qwen2 (same tokenizer; 12 layers, width 768
 ``--model PATH`` (a Hugging Face folder, e.g. SmolLM2-135M-Instruct) measures that model instead
 of the two built ones, with the same prompts and the same comparisons, plus the like-for-like table.
 
+* **same work** (``--same-work [CONFIG ...]``, only this): a worker's own work through the public
+  API. For each run config (default: ``examples/smollm2_search.toml``, multi-turn search, and
+  ``examples/smollm2_addition.toml``, one turn), ``make_engine(model, "torch", mode="auto")`` with
+  the run's engine config, then ``engine.rollout`` on the task's train prompts with the run's
+  sampling (temperature, turn and episode caps, the task's stop strings): cohorts of 1, 16 and 64
+  rows (groups of the run's group size; best of 2, the same seed, so the same episodes). Per row:
+  prompt, generated and environment tokens. llama.cpp (``llama-batched-bench``, F32 and Q8_0) then
+  runs as many rows of the engine's mean lengths: prompt = mean prompt + environment tokens (every
+  token the engine prefills, prefilled up front), generated = mean generated, prefill included in
+  its time. Printed: generated tokens/s of both and their ratio, and where the engine's wall time
+  went in each cohort (:class:`stoa.backends.cohort.RolloutProfile`): prefill, decode forward,
+  sampler, KV cache, environment, tokenizer, and the Python between steps. The model:
+  ``--model``, else ``~/.cache/stoa/models/SmolLM2-135M-Instruct``; ``--quick`` (batches 1 and 16,
+  one try each) uses the tiny random model unless ``--model`` is given, and skips llama.cpp then.
+
     python benchmarks/rollout.py [--quick] [--json out.json] [--threads 2] [--model PATH]
                                  [--engines torch,torch-q,torch-int16,torch-f32,mlx]
+    python benchmarks/rollout.py --same-work [CONFIG ...] [--quick] [--model PATH] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -62,6 +79,15 @@ MODEL_SCALES = {"quick": (1, 2, 8, 4, 16, 4, 0, 0, 2, 1), "full": (4, 4, 16, 16,
 LIKE = {"quick": ((16,), 32, 32), "full": ((1, 16, 64), 32, 128)}
 """Like-for-like workload: batches, prompt tokens, generated tokens per row."""
 
+SAME_WORK = {"quick": ((1, 16), 1), "full": ((1, 16, 64), 2)}
+"""``--same-work``: rows per cohort, best-of tries of each cohort."""
+SAME_WORK_CONFIGS = ("smollm2_search.toml", "smollm2_addition.toml")
+"""The example runs whose work ``--same-work`` plays by default (in ``examples/``)."""
+REAL_MODEL = Path.home() / ".cache" / "stoa" / "models" / "SmolLM2-135M-Instruct"
+TINY = dict(vocab_size=2048, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512,
+            init_std=0.05)
+"""The tiny demo model's shape (``stoa.models.tiny.TinyConfig`` fields)."""
+
 
 def _reexec(threads: int) -> None:
     """Restart with OpenBLAS's thread count fixed (it is read when stoa.backends.mlx loads OpenBLAS)."""
@@ -80,8 +106,7 @@ def build_models(root: Path, corpus) -> dict[str, Path]:
     from stoa.models.tiny import TinyConfig, build_tiny
 
     texts = list(tokenizer_texts(generate(corpus)))
-    tiny = build_tiny(root / "tiny", texts, TinyConfig(vocab_size=2048, hidden_size=128, num_layers=4, num_heads=4,
-                                                       num_kv_heads=2, intermediate_size=512, init_std=0.05))
+    tiny = build_tiny(root / "tiny", texts, TinyConfig(**TINY))
     big = build_tiny(root / "qwen2-100m", texts, TinyConfig(vocab_size=2048, hidden_size=768, num_layers=12,
                                                             num_heads=12, num_kv_heads=2, intermediate_size=3072))
     return {"tiny": tiny, "qwen2-100m": big}
@@ -338,6 +363,159 @@ def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def same_work(path: Path, configs: list[Path], threads: int, quick: bool, llama_cpp: bool) -> dict:
+    """A worker's work on the torch engine and llama.cpp on rows of its mean lengths (see the
+    module docstring); ``llama_cpp=False``: say why not instead."""
+    import torch
+
+    from stoa.backends.engine import make_engine
+    from stoa.fleet.config import load_config
+    from stoa.fleet.task import import_env_module
+
+    batches, tries = SAME_WORK["quick" if quick else "full"]
+    torch.set_num_threads(threads)
+    out: dict = {"model": str(path), "threads": threads, "batches": list(batches), "tries": tries,
+                 "load_before": _load(), "tasks": {}}
+    engines: dict[str, object] = {}  # by prompt format: one engine per format the configs ask for
+    for config in configs:
+        run = load_config(config)
+        import_env_module(run.env)
+        rc, env = run.rollout, run.env
+        make_env = lambda env=env: env.make(env.train_split)  # noqa: E731  (a worker's factory)
+        fmt = run.model.prompt_format
+        if fmt not in engines:
+            engines[fmt] = make_engine(path, "torch", mode="auto", config=rc.engine_config(fmt), device="cpu")
+        eng = engines[fmt]
+        sampling = rc.sampling(seed=1)
+        task: dict = {"config": str(config), "env": env.id, "engine_mode": eng.mode, "group_size": rc.group_size,
+                      "temperature": sampling.temperature, "max_turn_tokens": sampling.max_turn_tokens,
+                      "max_episode_tokens": sampling.max_episode_tokens, "rows": {}}
+        for b in batches:
+            task["rows"][b] = _same_work_cohort(eng, make_env, sampling, b, rc.group_size, tries)
+        out["tasks"][Path(config).stem.removeprefix("smollm2_")] = task
+        print(f"[rollout] same work: {config} done", file=sys.stderr)
+    del engines, eng
+    out["llama_cpp"] = _same_work_llama(path, out["tasks"], threads) if llama_cpp else (
+        "skipped: --quick's random model (give --model for a real one)")
+    out["load_after"] = _load()
+    return out
+
+
+@contextlib.contextmanager
+def _timing_sampler(eng, profile):
+    """Time the torch engine's sampler inside its decode steps (``next_tokens`` calls ``eng.sample``)."""
+    eng.sample = profile.timed(eng.sample, "sample_s")  # an instance attribute shadows the method
+    try:
+        yield
+    finally:
+        del eng.sample
+
+
+def _same_work_cohort(eng, make_env, sampling, rows: int, group_size: int, tries: int) -> dict:
+    """One cohort of ``rows`` episodes (groups of ``group_size``, or of one where it does not
+    divide ``rows``) through ``engine.rollout``, the fastest of ``tries`` (same seed: same episodes)."""
+    from dataclasses import replace
+
+    from stoa.backends.cohort import profiled
+    from stoa.backends.engine import RolloutRequest
+
+    g = group_size if rows % group_size == 0 else 1
+    reqs = [RolloutRequest(i, f"g{i}", g) for i in range(rows // g)]
+    eng.config = replace(eng.config, max_batch=rows)
+    eng.rollout(make_env, reqs, replace(sampling, max_turn_tokens=2))  # warm-up: environments, cache
+    best = None
+    for _ in range(tries):
+        with profiled() as prof, _timing_sampler(eng, prof):
+            t0 = time.perf_counter()
+            eps = eng.rollout(make_env, reqs, sampling)
+            wall = time.perf_counter() - t0
+        if best is None or wall < best[0]:
+            best = (wall, eps, prof, eng.last_stats())
+    wall, eps, prof, st = best
+    prompt = [len(e.prompt_tokens) for e in eps]
+    gen = [e.num_model_tokens for e in eps]
+    env = [sum(len(s.tokens) for s in e.segments if s.kind == "env") for e in eps]
+    return {"rows": rows, "group_size": g, "wall_s": wall, "tokens_per_s": sum(gen) / wall,
+            "prompt_tokens": prompt, "gen_tokens": gen, "env_tokens": env, "mean_prompt": float(np.mean(prompt)),
+            "mean_gen": float(np.mean(gen)), "mean_env": float(np.mean(env)), "mean_turns": st.turns / st.episodes,
+            "prefill_tokens": st.prefill_tokens, "prefill_saved_shared": st.prefill_saved_shared,
+            "decode_steps": st.decode_steps, "finish_reasons": dict(st.finish_reasons),
+            "breakdown": breakdown(prof, wall)}
+
+
+BREAKDOWN = ("prefill", "decode_forward", "sampler", "kv_cache", "environment", "tokenizer", "python")
+"""The parts of a rollout's wall time, in :func:`breakdown`'s order."""
+
+
+def breakdown(p, wall: float) -> dict:
+    """Seconds of ``wall`` (one ``engine.rollout`` call's wall time) by part, from its
+    :class:`~stoa.backends.cohort.RolloutProfile` ``p``: the parts sum to ``wall``; ``python`` is
+    the rest (the loop's bookkeeping between steps, and the call's own entry and exit)."""
+    parts = {"prefill": p.prefill_s, "decode_forward": p.decode_s - p.sample_s, "sampler": p.sample_s,
+             "kv_cache": p.cache_s, "environment": p.env_s, "tokenizer": p.tokenizer_s}
+    parts["python"] = wall - sum(parts.values())
+    return {**parts, "wall_s": wall, "sampler_timed": p.sample_s > 0,
+            "rows_per_decode_step": p.decode_rows / p.decode_steps if p.decode_steps else 0.0}
+
+
+def _same_work_llama(path: Path, tasks: dict, threads: int) -> str:
+    """llama.cpp F32 and Q8_0 on each cohort's rows at its mean lengths (prefill included): into
+    each cohort's ``llama_cpp``; returns ``"built"`` or why not."""
+    import subprocess
+
+    import llamacpp
+
+    why = llamacpp.status()
+    if why is not None:
+        return why
+    try:
+        ggufs = {kind.upper(): llamacpp.gguf(path, kind) for kind in ("f32", "q8_0")}
+        for task in tasks.values():
+            for b, r in task["rows"].items():
+                pp, tg = round(r["mean_prompt"] + r["mean_env"]), max(1, round(r["mean_gen"]))
+                r["llama_cpp"] = {"prompt": pp, "gen": tg}
+                for kind, f in ggufs.items():
+                    r["llama_cpp"][kind] = llamacpp.batched_bench(f, threads, pp, tg, [b])[b]["tokens_per_s"]
+    except subprocess.CalledProcessError as e:  # a GGUF conversion or a run; its last error line
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+        last = err.strip().splitlines()[-1:] or [f"exit status {e.returncode}"]
+        return f"failed: {' '.join(Path(str(c)).name for c in e.cmd[:2])}: {last[0]}"
+    return "built"
+
+
+def print_same_work(r: dict) -> None:
+    modes = ", ".join(sorted({t["engine_mode"] for t in r["tasks"].values()}))
+    print(f"\nSame work: {r['model']}, torch engine (auto: {modes}), {r['threads']} threads, best of "
+          f"{r['tries']}; load {r['load_before']} -> {r['load_after']}")
+    print(f"{'task':<10}{'rows':>5}{'prompt':>8}{'gen':>7}{'env':>7}{'turns':>6}{'engine tok/s':>14}"
+          f"{'Q8_0 tok/s':>12}{'ratio':>7}{'F32 tok/s':>11}{'ratio':>7}")
+    for name, t in r["tasks"].items():
+        for b, c in t["rows"].items():
+            ll = c.get("llama_cpp", {})
+            cells = "".join(f"{ll[k]:>12.1f}{c['tokens_per_s'] / ll[k]:>7.2f}" if k in ll else f"{'-':>12}{'-':>7}"
+                            for k in ("Q8_0", "F32"))
+            print(f"{name:<10}{b:>5}{c['mean_prompt']:>8.1f}{c['mean_gen']:>7.1f}{c['mean_env']:>7.1f}"
+                  f"{c['mean_turns']:>6.2f}{c['tokens_per_s']:>14.1f}{cells}")
+    if r["llama_cpp"] != "built":
+        print(f"llama.cpp: {r['llama_cpp']}")
+    else:
+        print("llama.cpp: rows of prompt = the engine's mean prompt + env tokens, gen = its mean gen; "
+              "generated tokens/s, prefill included")
+    labels = dict(zip(BREAKDOWN, ("prefill", "decode fwd", "sampler", "KV cache", "env", "tokenizer", "python")))
+    print("\nWhere the engine's wall time goes (% of one rollout's wall time)")
+    print(f"{'task':<10}{'rows':>5}{'wall s':>8}" + "".join(f"{labels[k]:>11}" for k in BREAKDOWN)
+          + f"{'rows/step':>10}")
+    untimed = False
+    for name, t in r["tasks"].items():
+        for b, c in t["rows"].items():
+            d = c["breakdown"]
+            untimed |= not d["sampler_timed"]
+            cells = "".join(f"{100 * d[k] / d['wall_s']:>10.1f}%" for k in BREAKDOWN)
+            print(f"{name:<10}{b:>5}{d['wall_s']:>8.2f}{cells}{d['rows_per_decode_step']:>10.1f}")
+    if untimed:
+        print("sampler: not timed here (the engine's decode step did not call engine.sample); inside decode fwd")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small workloads (< 1 minute)")
@@ -350,8 +528,14 @@ def main() -> None:
                          "24-bit integer path where the CPU has AVX-512 VNNI), torch-q (the kernel in float32), "
                          "torch-int16 (its 16-bit integer path), torch-f32 (float32 weights), mlx")
     ap.add_argument("--like-only", action="store_true", help="--model: only the like-for-like table")
+    ap.add_argument("--same-work", nargs="*", type=Path, metavar="CONFIG",
+                    help="only the same-work table: these run configs' work (default: examples/"
+                         + " and examples/".join(SAME_WORK_CONFIGS) + ") on the torch engine and on llama.cpp")
     args = ap.parse_args()
     _reexec(args.threads)
+    if args.same_work is not None:
+        run_same_work(args)
+        return
     import stoa.envs
     from stoa.envs.synthetic import SyntheticConfig
 
@@ -403,6 +587,27 @@ def main() -> None:
     print_table(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+
+
+def run_same_work(args: argparse.Namespace) -> None:
+    """``--same-work``: pick the model (building the tiny one for ``--quick``), run, print, write."""
+    configs = args.same_work or [Path(__file__).resolve().parents[1] / "examples" / c for c in SAME_WORK_CONFIGS]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.model
+        if path is None and args.quick:
+            from stoa.envs.synthetic import SyntheticConfig, generate, tokenizer_texts
+            from stoa.models.tiny import TinyConfig, build_tiny
+
+            path = build_tiny(Path(tmp) / "tiny", list(tokenizer_texts(generate(SyntheticConfig(seed=0)))),
+                              TinyConfig(**TINY))
+        elif path is None:
+            path = REAL_MODEL
+            if not (path / "config.json").is_file():
+                sys.exit(f"--same-work: no model at {path} (make setup builds it); give --model PATH or --quick")
+        r = same_work(path, configs, args.threads, args.quick, llama_cpp=args.model is not None or not args.quick)
+    print_same_work(r)
+    if args.json:
+        args.json.write_text(json.dumps({"same_work": r}, indent=2, sort_keys=True) + "\n")
 
 
 def print_table(r: dict) -> None:

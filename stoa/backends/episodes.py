@@ -4,7 +4,8 @@ An engine's loop owns the model, the KV cache and the batch; :class:`Cohort` own
 (:mod:`stoa.backends.engine`, "Episode layout"): it starts each one (environment reset, prompt
 tokens through :func:`prompt_tokens`), records every sampled token, ends turns by the
 :class:`~stoa.backends.engine.TurnRule`, steps the environment, tokenizes observations, and
-builds the :class:`~stoa.types.Episode` objects and the :class:`~stoa.backends.engine.RolloutStats`.
+builds the :class:`~stoa.types.Episode` objects and the :class:`~stoa.backends.engine.RolloutStats`,
+and times its own parts (environments, tokenizer) into a :class:`RolloutProfile`.
 
 The loop's side of the conversation, for each episode in flight (a :class:`Play`):
 
@@ -23,7 +24,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -32,7 +33,7 @@ from stoa.backends.engine import EngineError, RolloutRequest, RolloutStats, Samp
 from stoa.backends.sampling import episode_key, row_seeds
 from stoa.types import Episode, Segment
 
-__all__ = ["DECODE", "DONE", "PREFILL", "RESTART", "Cohort", "Play", "prompt_tokens"]
+__all__ = ["DECODE", "DONE", "PREFILL", "RESTART", "Cohort", "Play", "RolloutProfile", "prompt_tokens"]
 
 DECODE, PREFILL, RESTART, DONE = "decode", "prefill", "restart", "done"
 
@@ -40,6 +41,55 @@ DECODE, PREFILL, RESTART, DONE = "decode", "prefill", "restart", "done"
 def prompt_tokens(codec: TextCodec, text: str) -> list[int]:
     """An episode's prompt tokens: the one place every engine builds them."""
     return [int(t) for t in codec.prompt_tokens(text)]
+
+
+@dataclass
+class RolloutProfile:
+    """Where rollouts' wall time went, in seconds summed over the cohorts played while it was
+    collected (:func:`stoa.backends.cohort.profiled`). The parts do not overlap, except
+    :attr:`sample_s`, which is part of :attr:`decode_s`; :attr:`other_s` is the rest of
+    :attr:`wall_s`: the Python between steps (the loop's bookkeeping, turn rules, building each
+    step's inputs). Timed with ``time.perf_counter`` on the host: on a GPU, whose work is queued,
+    a part holds the wait of the first call that reads a result back (the sampler), not its own."""
+
+    wall_s: float = 0.0
+    """Each cohort from its episode book's start to its last episode built."""
+    prefill_s: float = 0.0
+    """Prefill forward passes: prompts, observations, history re-prefilled without KV reuse
+    (the torch loop's; 0 for a loop that does not time them)."""
+    decode_s: float = 0.0
+    """Decode steps: the forward pass of one token a row, the LM head and the sampler (torch loop)."""
+    sample_s: float = 0.0
+    """The sampler within :attr:`decode_s`, where a caller times it with :meth:`timed` (as
+    ``benchmarks/rollout.py`` does around the torch engine's ``sample``); 0 otherwise."""
+    cache_s: float = 0.0
+    """KV cache housekeeping: growing it, copying a shared prompt's rows, moving a row to a freed slot."""
+    env_s: float = 0.0
+    """Environments made, reset and stepped."""
+    tokenizer_s: float = 0.0
+    """The codec: prompt tokens, observation encoding, turn decoding (stop-string checks included)."""
+    decode_steps: int = 0
+    decode_rows: int = 0
+    """Rows summed over decode steps (``decode_rows / decode_steps``: the mean batch in flight)."""
+    cohorts: int = 0
+
+    @property
+    def other_s(self) -> float:
+        return self.wall_s - (self.prefill_s + self.decode_s + self.cache_s + self.env_s + self.tokenizer_s)
+
+    def timed(self, fn: Callable[..., Any], part: str) -> Callable[..., Any]:
+        """``fn``, adding the seconds of each call to the field ``part`` (e.g. ``"sample_s"``)."""
+        if not isinstance(getattr(self, part, None), float):
+            raise AttributeError(f"RolloutProfile has no time field {part!r}")
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                setattr(self, part, getattr(self, part) + time.perf_counter() - t)
+
+        return call
 
 
 @dataclass(eq=False)
@@ -77,11 +127,16 @@ class Cohort:
         requests, sampling: the call's arguments.
         version, worker_id: stamped on every episode.
         kv_reuse: the engine keeps a row's cache across turns (else :meth:`record` says ``RESTART``).
+        profile: where to add this cohort's times (:attr:`profile`; a fresh one when None).
     """
 
     def __init__(self, codec: TextCodec, make_env: Callable[[], Any], requests: Sequence[RolloutRequest],
                  sampling: SamplingConfig, envs: list[Any], *, version: int, worker_id: str,
-                 kv_reuse: bool = True) -> None:
+                 kv_reuse: bool = True, profile: RolloutProfile | None = None) -> None:
+        self.profile = profile if profile is not None else RolloutProfile()
+        t = self.profile.timed
+        codec = replace(codec, prompt_tokens=t(codec.prompt_tokens, "tokenizer_s"),
+                        encode=t(codec.encode, "tokenizer_s"), decode=t(codec.decode, "tokenizer_s"))
         self.codec, self.make_env, self.s = codec, make_env, sampling
         self.version, self.worker_id, self.kv_reuse = version, worker_id, kv_reuse
         self.requests = list(requests)
@@ -97,13 +152,17 @@ class Cohort:
 
     def start(self, r: int, req: RolloutRequest, sample: int) -> Play:
         """A new episode: its environment reset, ``feed`` = prompt[:-1], ``pending`` = prompt[-1]."""
+        t = time.perf_counter()
         env = self.free_envs.pop() if self.free_envs else self.make_env()
+        self.profile.env_s += time.perf_counter() - t
         if self.stops is None:
             self.stops = tuple(getattr(env.unwrapped, "stop_strings", ()) or ())
         if self.rule is None:
             self.rule = self.codec.turn_rule(self.stops, self.s.max_turn_tokens, self.s.max_episode_tokens)
         key = episode_key(self.seed, req.group_id, int(req.index), sample)
+        t = time.perf_counter()
         prompt_text, _ = env.reset(seed=key & 0x7FFFFFFF, options={"index": int(req.index)})
+        self.profile.env_s += time.perf_counter() - t
         if not isinstance(prompt_text, str):
             raise EngineError(f"env.reset returned a {type(prompt_text).__name__} prompt, expected str")
         tokens = self._prompts.get(prompt_text)
@@ -158,7 +217,9 @@ class Cohort:
         self.stats.turns += 1
         text = self.codec.decode(play.turn[:-1] if why == "eos" else play.turn)
         play.turn, play.turn_lp = [], []
+        t = time.perf_counter()
         obs, reward, terminated, truncated, info = play.env.step(text)
+        self.profile.env_s += time.perf_counter() - t
         play.reward += float(reward)
         if isinstance(info, dict) and isinstance(info.get("metrics"), dict):
             play.metrics = dict(info["metrics"])
@@ -195,4 +256,6 @@ class Cohort:
         st.episodes = len(out)
         st.model_tokens = sum(ep.num_model_tokens for ep in out)
         st.wall_s = time.perf_counter() - self._t0
+        self.profile.wall_s += st.wall_s
+        self.profile.cohorts += 1
         return out

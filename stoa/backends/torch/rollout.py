@@ -8,11 +8,12 @@ ended with an observation gets ``[t] + o[:-1]`` prefilled into its own slot (aft
 history, nothing moves) before the next decode; newly admitted episodes take the free slots,
 and the samples of one prompt share one prefill of it (its cache positions are copied). A
 finished episode's slot is refilled by the last row (one row's positions copied), which keeps
-the block contiguous.
+the block contiguous. The forward passes and cache moves are timed into :attr:`Cohort.profile`.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -88,6 +89,7 @@ class Cohort(cohort.CohortLoop):
             todo.append(i)
         step = self.cfg.prefill_chunk
         width = max(len(self.rows[i].feed) for i in todo)
+        clock, prof = time.perf_counter, self.profile
         for a in range(0, width, step):
             part = [i for i in todo if len(self.rows[i].feed) > a]
             feeds = [self.rows[i].feed[a:a + step] for i in part]
@@ -95,30 +97,47 @@ class Cohort(cohort.CohortLoop):
             ids = torch.tensor([f + [0] * (m - len(f)) for f in feeds], dtype=torch.int64, device=dev)
             starts = [_cached(self.rows[i]) + a for i in part]
             longest = max(starts) + m
+            start, slots = torch.tensor(starts, device=dev), torch.tensor(part, device=dev)
+            t0 = clock()
             self.cache.ensure(longest)
-            self.e.feed(ids, torch.tensor(starts, device=dev), longest, self.cache, torch.tensor(part, device=dev))
+            t1 = clock()
+            self.e.feed(ids, start, longest, self.cache, slots)
+            t2 = clock()
+            prof.cache_s += t1 - t0
+            prof.prefill_s += t2 - t1
         st.prefill_calls += 1
         st.prefill_tokens += sum(len(self.rows[i].feed) for i in todo)
+        t0 = clock()
         for i, copies in twins.items():
             self.cache.copy_rows(i, copies, len(self.rows[i].feed))
+        prof.cache_s += clock() - t0
         for p in self.rows:
             p.feed = []
 
     def _decode(self) -> None:
         rows, dev = self.rows, self.e.device
         n = len(rows)
+        clock, prof = time.perf_counter, self.profile
         starts = [p.length - 1 for p in rows]
         longest = max(starts) + 1
+        t0 = clock()
         self.cache.ensure(longest)
+        prof.cache_s += clock() - t0
         ids = torch.tensor([[p.pending] for p in rows], dtype=torch.int64, device=dev)
-        toks, lps = self.e.next_tokens(ids, torch.tensor(starts, device=dev), longest, self.cache,
-                                       self.book.seeds(rows), self.s)
+        start, seeds = torch.tensor(starts, device=dev), self.book.seeds(rows)
+        t0 = clock()
+        toks, lps = self.e.next_tokens(ids, start, longest, self.cache, seeds, self.s)
+        prof.decode_s += clock() - t0
+        prof.decode_steps += 1
+        prof.decode_rows += n
         self.stats.decode_steps += 1
         done = [i for i in range(n) if self.book.record(rows[i], int(toks[i]), float(lps[i])) == DONE]
+        t0 = clock()
         for i in reversed(done):  # refill each freed slot with the last row
             last = len(rows) - 1
             if i != last:
                 self.cache.move(last, i, _cached(rows[last]))
                 rows[i] = rows[last]
             rows.pop()
+        prof.cache_s += clock() - t0
 
