@@ -10,13 +10,14 @@ engine holds no float32 weights at all. The codes are the state's numpy arrays, 
 delta written into the state in place is what the next call computes with.
 
 The kernel is compiled once per machine with the system C compiler (``$CC``, else ``cc``/``gcc``;
-``-O3 -march=native -fopenmp -ffp-contract=off``) into ``$STOA_KERNEL_CACHE`` (default ``~/.cache/stoa/kernels``),
-keyed by the sources' hash, the compiler and the CPU's flags, and loaded with ``ctypes``; the same
-library (:func:`library`) holds the decoder's decode attention (``kernels/attention.c``), its whole
-decode step (``kernels/step.c``, :mod:`stoa.backends.torch.cstep`) and the host sampler
-(``kernels/sample.c``, :mod:`stoa.backends.torch.csample`).
-:func:`available` says whether it could be, and why not; the engine's ``auto`` mode falls back
-to float32 weights when it cannot.
+``-O3 -march=native -fopenmp -ffp-contract=off``, ``-mcpu=native`` on ARM: :func:`_attempts`) into
+``$STOA_KERNEL_CACHE`` (default ``~/.cache/stoa/kernels``), keyed by the sources' hash, the compiler
+and the CPU's flags, and loaded with ``ctypes``; it vectorizes with AVX-512 or AVX2 on x86 and NEON
+on 64-bit ARM, in portable C elsewhere (``kernels/simd.h``). The same library (:func:`library`)
+holds the decoder's decode attention (``kernels/attention.c``), its whole decode step
+(``kernels/step.c``, :mod:`stoa.backends.torch.cstep`) and the host sampler (``kernels/sample.c``,
+:mod:`stoa.backends.torch.csample`). :func:`available` says whether it could be, and why not; the
+engine's ``auto`` mode falls back to float32 weights when it cannot.
 
 ``QLinear(..., digits=3)`` (or ``2``) runs the kernel's integer path instead (the engine's ``int24``
 and ``int16`` modes; x86 CPUs with AVX-512 VNNI, :func:`integer_available`): each input row is
@@ -84,15 +85,21 @@ def kernel_path() -> Path | None:
     return root / f"qmatmul-{src}-{tag}.so"
 
 
-def _build(out: Path, cc: str) -> None:
+def _attempts(machine: str) -> list[list[str]]:
+    """The flag sets a build tries in order on a CPU of this ``platform.machine()``: tuned for the
+    CPU (``-march=native`` on x86; ``-mcpu=native`` elsewhere, which GCC and Clang take on ARM), then
+    without that (a compiler that cannot name the CPU, e.g. a cross compiler), then without OpenMP
+    (Apple's clang: one thread)."""
+    native = "-march=native" if machine in ("x86_64", "AMD64") else "-mcpu=native"
+    return [[*_FLAGS, native], list(_FLAGS), [f for f in _FLAGS if f != "-fopenmp"]]
+
+
+def _build(out: Path, cc: str, machine: str | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    native = "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"
-    attempts = ([*_FLAGS, native], list(_FLAGS),  # then a compiler without -march/-mcpu=native
-                [f for f in _FLAGS if f != "-fopenmp"])  # then one without OpenMP (Apple's clang): one thread
     try:
-        for flags in attempts:
+        for flags in _attempts(machine or platform.machine()):
             r = subprocess.run([cc, *flags, "-o", tmp, *map(str, _SOURCES)], capture_output=True, text=True,
                                timeout=300)
             if r.returncode == 0:

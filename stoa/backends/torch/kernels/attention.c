@@ -5,8 +5,8 @@
  * (grouped-query attention) read its keys and values once: scores q . k_t * scale over the row's
  * visible positions, a float32 softmax, and the probability-weighted sum of the values. It is the
  * attention of the engine's torch path up to the order of float32 sums (~1e-6); no score matrix of
- * the whole batch is built, masked or copied. Portable C with GCC/Clang vector extensions (simd.h),
- * threads are OpenMP's.
+ * the whole batch is built, masked or copied. Portable C with GCC/Clang vector extensions (simd.h:
+ * 16, 8 or 4 lanes), threads are OpenMP's.
  */
 #include <math.h>
 #include <stdint.h>
@@ -127,6 +127,9 @@ int stoa_attn_decode(const float *q, const float *kc, const float *vc, const int
             case 4: head(qh, K, V, hi - lo + 1, rep, 4, scale, s, oh); break;
             case 8: head(qh, K, V, hi - lo + 1, rep, 8, scale, s, oh); break;
             case 16: head(qh, K, V, hi - lo + 1, rep, 16, scale, s, oh); break;
+#if VL == 4
+            case 32: head(qh, K, V, hi - lo + 1, rep, 32, scale, s, oh); break; /* head_dim 128 on NEON */
+#endif
             default: head(qh, K, V, hi - lo + 1, rep, d / VL, scale, s, oh); break;
             }
         }

@@ -18,8 +18,8 @@
  * Both are batch-invariant: a row's result does not depend on its neighbours, the batch size or the
  * threads. Several matrices with the same input width can be one call (q|k|v, gate|up): their
  * outputs are laid side by side in y's rows. Portable C with GCC/Clang vector extensions: the vector
- * width follows the target (16 floats with AVX-512, 8 with AVX2 or NEON-sized targets), threads are
- * OpenMP's.
+ * width follows the target (16 floats with AVX-512, 8 with AVX2, 4 with NEON on 64-bit ARM), threads
+ * are OpenMP's.
  */
 /* Build with -ffp-contract=off (GCC ignores the pragma): `code * scale + bias` must round twice,
  * as the weights of record do; the products' sums use explicit fused multiply-adds (fmadd). */
@@ -35,23 +35,30 @@
 
 #define GROUP 64
 
-#if defined(__AVX512F__)
-#define RT 4 /* rows per tile */
+#if VL == 8
+#define RT 2 /* rows per tile: AVX2's 16 registers hold 2 x 4 accumulators */
 #define OT 4 /* outputs per tile */
 #else
-#define RT 2
-#define OT 4 /* RT * OT == VL: one reduction tree per tile */
+#define RT 4 /* AVX-512's and NEON's 32 registers hold 4 x 4 */
+#define OT 4
+#endif
+#if VL % OT || RT % (VL / OT)
+#error "a tile's accumulators must fill whole reduction trees"
 #endif
 
 typedef uint8_t vb __attribute__((vector_size(VL)));
 
 /* VL codes as floats (exact: 0 .. 255). GCC turns the generic conversion into byte-by-byte
- * inserts, so x86 gets the one-instruction widening loads. */
+ * inserts, so x86 and ARM get their widening loads. */
 static inline vf codes_f(const uint8_t *p) {
-#if defined(__AVX512F__)
+#if defined(STOA_AVX512)
     return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
-#elif defined(__AVX2__)
+#elif defined(STOA_AVX2)
     return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#elif defined(STOA_NEON)
+    uint32_t w;
+    memcpy(&w, p, 4);
+    return (vf)vcvtq_f32_u32(vmovl_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(w))))));
 #else
     vb c;
     memcpy(&c, p, sizeof c);
@@ -73,18 +80,21 @@ static void dequant_row(const uint8_t *code, const float *scale, const float *bi
             storef(buf + g * GROUP + j, dequant_vec(code + g * GROUP + j, scale[g], bias[g]));
 }
 
-/* Writes the nr x no results of a tile's accumulators to y. The tree sums each accumulator's
- * lanes in one fixed order whatever the others hold, so a row's result does not depend on its
- * neighbours in the tile, the batch size or the threads. */
+/* Writes the nr x no results of a tile's accumulators to y, VL / OT rows per reduction tree. The
+ * tree sums each accumulator's lanes in one fixed order whatever the others hold, so a row's result
+ * does not depend on its neighbours in the tile, the batch size or the threads. */
 static inline __attribute__((always_inline)) void
 store_tile(vf acc[RT][OT], const int nr, const int no, float *y, int64_t ldy) {
-    vf a[VL];
-    for (int r = 0; r < RT; r++)
-        for (int o = 0; o < OT; o++) a[r * OT + o] = acc[r][o];
-    reduce_tree(a);
-    for (int j = 0; j < VL; j++) {
-        const int i = lane_of[j], r = i / OT, o = i % OT;
-        if (r < nr && o < no) y[r * ldy + o] = a[0][j];
+    enum { TR = VL / OT };
+    for (int r0 = 0; r0 < RT; r0 += TR) {
+        vf a[VL];
+        for (int r = 0; r < TR; r++)
+            for (int o = 0; o < OT; o++) a[r * OT + o] = acc[r0 + r][o];
+        reduce_tree(a);
+        for (int j = 0; j < VL; j++) {
+            const int i = lane_of[j], r = r0 + i / OT, o = i % OT;
+            if (r < nr && o < no) y[r * ldy + o] = a[0][j];
+        }
     }
 }
 
@@ -253,7 +263,7 @@ int stoa_qmatmul_width(void) { return VL; }
 
 /* ---- the integer path (AVX-512 VNNI) ------------------------------------------------------------ */
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(STOA_AVX512) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define IOB 2 /* blocks of 16 outputs per tile; rows per tile: irt(D) */
 
 /* Inputs are rounded to D signed bytes (D = 2: 16-bit, D = 3: 24-bit integers), |q| <= qmax(D), so
@@ -560,7 +570,7 @@ int stoa_qmatmul_int(const float *x, int64_t n, int64_t K, int m, const uint8_t 
 
 /* Whether this build has the integer path. */
 int stoa_qmatmul_has_int(void) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(STOA_AVX512) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
     return 1;
 #else
     return 0;

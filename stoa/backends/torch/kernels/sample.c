@@ -29,7 +29,7 @@
  * and its best score are combined in segment order, so a row's token and log-prob do not depend on
  * its neighbours, the batch size or the thread count. Rows are spread over OpenMP threads, or, when
  * there are fewer than two rows per thread, the segments are. Portable C with GCC/Clang vector
- * extensions (simd.h), AVX-512 intrinsics where they help. Build with -ffp-contract=off: no
+ * extensions (simd.h), AVX-512 and NEON intrinsics where they help. Build with -ffp-contract=off: no
  * multiply-add of the draw may be fused (the exponential of the sum uses explicit ones with AVX-512).
  */
 #pragma STDC FP_CONTRACT OFF
@@ -62,7 +62,7 @@ static int need_top;                /* the largest deficit bin (len(BITS_AT) - 2
  * simd.h's vexp; with AVX-512, the same polynomial in fused multiply-adds and scalef (this sum needs no
  * particular rounding, only accuracy). */
 static inline vf s_exp(vf x) {
-#if defined(__AVX512F__)
+#if defined(STOA_AVX512)
     const __m512 v = (__m512)x;
     const __mmask16 live = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-87.33654f), _CMP_GE_OQ);
     const __m512 y = _mm512_max_ps(v, _mm512_set1_ps(-87.33654f));
@@ -85,10 +85,13 @@ static inline vf s_exp(vf x) {
 
 /* The lanes of a comparison mask as bits (lane i: bit i). */
 static inline uint32_t lanes(vi m) {
-#if defined(__AVX512F__)
+#if defined(STOA_AVX512)
     return (uint32_t)_mm512_test_epi32_mask((__m512i)m, (__m512i)m);
-#elif defined(__AVX2__)
+#elif defined(STOA_AVX2)
     return (uint32_t)_mm256_movemask_ps((__m256)m);
+#elif defined(STOA_NEON)
+    const uint32x4_t bit = {1u, 2u, 4u, 8u}; /* a mask lane is all ones or zero */
+    return vaddvq_u32(vandq_u32((uint32x4_t)m, bit));
 #else
     uint32_t b = 0;
     for (int i = 0; i < VL; i++) b |= (uint32_t)(m[i] != 0) << i;
@@ -140,7 +143,7 @@ static vu need_lanes[NV / VL];
 
 static inline vu need_vec(float bound, vf z) {
     vf d = ((bcast(bound) - z) - SLACK_F) * 8.0f;
-#if defined(__AVX512F__)
+#if defined(STOA_AVX512)
     d = (vf)_mm512_min_ps(_mm512_max_ps((__m512)d, _mm512_set1_ps(-1.0f)), _mm512_set1_ps((float)(NV - 2)));
     const vi k = (vi)_mm512_cvt_roundps_epi32((__m512)d, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
 #else

@@ -1,5 +1,7 @@
-/* Vector types and helpers shared by the torch engine's CPU kernels (qmatmul.c, attention.c).
- * The vector width follows the target: 16 floats with AVX-512, else 8 (AVX2, NEON-sized targets). */
+/* Vector types and helpers shared by the torch engine's CPU kernels (qmatmul.c, attention.c, step.c,
+ * sample.c). The vector width follows the target's registers: 16 floats with AVX-512, 4 on 64-bit ARM
+ * (NEON), else 8 (AVX2). STOA_VL, defined at build time, picks another width (4, 8 or 16): the tests
+ * build an x86 twin of the ARM build's arithmetic with it. */
 #ifndef STOA_SIMD_H
 #define STOA_SIMD_H
 #include <stdint.h>
@@ -8,20 +10,44 @@
 #include <immintrin.h>
 #endif
 
-#if defined(__AVX512F__)
+#if defined(STOA_VL)
+#define VL STOA_VL
+#elif defined(__AVX512F__)
 #define VL 16
+#elif defined(__aarch64__)
+#define VL 4 /* NEON's registers: GCC keeps wider generic vectors in memory there */
 #else
 #define VL 8
+#endif
+#if VL != 4 && VL != 8 && VL != 16
+#error "STOA_VL must be 4, 8 or 16"
+#endif
+
+/* The instruction set whose intrinsics fit vectors of VL floats (none: the portable code alone). */
+#if defined(__AVX512F__) && VL == 16
+#define STOA_AVX512 1
+#elif defined(__AVX2__) && VL == 8
+#define STOA_AVX2 1
+#elif defined(__aarch64__) && defined(__ARM_NEON) && VL == 4
+#define STOA_NEON 1
+#include <arm_neon.h>
 #endif
 
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef int32_t vi __attribute__((vector_size(VL * 4)));
 
 static inline vf fmadd(vf a, vf b, vf c) { /* a * b + c, rounded once where the CPU can */
-#if defined(__AVX512F__)
+#if defined(STOA_AVX512)
     return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__FMA__)
+#elif defined(__FMA__) && VL == 8
     return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#elif defined(__FMA__) && VL == 4
+    return (vf)_mm_fmadd_ps((__m128)a, (__m128)b, (__m128)c);
+#elif defined(STOA_NEON) && defined(__GNUC__) && !defined(__clang__)
+    __asm__("fmla %0.4s, %1.4s, %2.4s" : "+w"(c) : "w"(a), "w"(b)); /* GCC's vfmaq_f32 keeps loops' */
+    return c;                                                      /* accumulators from registers */
+#elif defined(STOA_NEON)
+    return (vf)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b);
 #else
     return a * b + c;
 #endif
