@@ -103,6 +103,8 @@ class FleetRun(ChaosRun):
         if self.stages == 1:
             self._spawn("worker", ["worker", *common, "--id", wid, "--cache", str(self._cache(wid))])
             return
+        driver_key = _key_of(self._cache(wid) / "worker.key")  # each side names the other's key
+        stage_keys = ",".join(_key_of(self._cache(f"stage{i}") / "stage.key") for i in range(1, self.stages))
         for i in range(1, self.stages):
             port = free_port()
             link = Links(port, [LinkProfile(f"stage{i}", self.mbit, self.mbit, rtt_ms=2 * self.one_way_ms)],
@@ -110,9 +112,10 @@ class FleetRun(ChaosRun):
             self.links.append(link)
             self._spawn(f"stage{i}", ["stage", *common, "--stage", f"{i}/{self.stages}", "--pipeline", "p0",
                                       "--cache", str(self._cache(f"stage{i}")), "--port", str(port),
-                                      "--advertise", f"127.0.0.1:{link.ports[0]}", *self.cap])
+                                      "--advertise", f"127.0.0.1:{link.ports[0]}", "--driver-key", driver_key,
+                                      *self.cap])
         self._spawn("worker", ["worker", *common, "--id", wid, "--cache", str(self._cache(wid)),
-                               "--stages", str(self.stages), "--pipeline", "p0", *self.cap])
+                               "--stages", str(self.stages), "--pipeline", "p0", "--stage-keys", stage_keys, *self.cap])
 
     def _sample(self) -> None:
         while not self._sampling.wait(0.25):
@@ -132,6 +135,14 @@ class FleetRun(ChaosRun):
                 link.close()
                 st = json.loads(link.stats.read_text())[0] if link.stats.exists() else {}
                 self.link_bytes.append({"up": st.get("bytes_up", 0), "down": st.get("bytes_down", 0)})
+
+
+def _key_of(path: Path) -> str:
+    """The key id of the key at ``path`` (made now when absent, as the process would at its start)."""
+    from stoa.transport.identity import load_or_create_worker_key
+    from stoa.transport.signing import key_id
+
+    return key_id(load_or_create_worker_key(path).public_key())
 
 
 def memory_needs(cfg, stages: int) -> tuple[float, float]:

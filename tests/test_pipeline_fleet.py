@@ -29,14 +29,24 @@ def start(tmp: Path, steps: int) -> Fleet:
     return Fleet(tmp, cfg)
 
 
+def key_of(path: Path) -> str:
+    """The key id of the key at ``path`` (made now when absent, as the process would at its start)."""
+    from stoa.transport.identity import load_or_create_worker_key
+    from stoa.transport.signing import key_id
+
+    return key_id(load_or_create_worker_key(path).public_key())
+
+
 def stage(f: Fleet, cap: float, name: str = "stage1", pipeline: str = "p0") -> object:
     return f._spawn(["stage", "--stage", "1/2", "--store", str(f.store_dir), "--run", f.cfg.name, "--public-key",
                      str(f.pub), "--cache", str(f.tmp / "cache" / name), "--max-memory-mb", f"{cap:.4f}",
-                     "--pipeline", pipeline], f"{name}.log")
+                     "--pipeline", pipeline, "--driver-key", key_of(f.tmp / "cache" / "driver" / "worker.key")],
+                    f"{name}.log")
 
 
 def driver(f: Fleet, cap: float) -> object:
-    return f.worker("driver", "--stages", "2", "--max-memory-mb", f"{cap:.4f}")
+    return f.worker("driver", "--stages", "2", "--max-memory-mb", f"{cap:.4f}", "--stage-keys",
+                    key_of(f.tmp / "cache" / "stage1" / "stage.key"))
 
 
 def memory_cap(f: Fleet) -> tuple[float, float, float]:

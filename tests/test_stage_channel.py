@@ -55,21 +55,89 @@ def test_frames_round_trip_and_refuse_what_breaks_the_format():
         encode(Frame("forward", {}, (np.zeros(2, dtype=np.float64),)))
 
 
-def test_announcements_are_validated(tmp_path):
-    st = LocalStore(tmp_path)
-    a = discovery.Announcement(1, 2, (1, 2), "127.0.0.1", 4242, "k" * 16, 1.0)
-    discovery.announce(st, "run", "p0", a)
+def test_announcements_are_signed_by_the_key_they_carry_and_validated(tmp_path):
+    import dataclasses
+
+    from stoa.transport.signing import generate_private_key, key_id, sign_document
+
+    st, me, other = LocalStore(tmp_path), generate_private_key(), generate_private_key()
+    a = discovery.Announcement(1, 2, (1, 2), "127.0.0.1", 4242, "", 1.0)
+    discovery.announce(st, "run", "p0", a, me)
     got = discovery.read_announcement(st, "run", "p0", 1)
-    assert got == a and got.stale()
+    assert got.key_id == key_id(me.public_key()) and got.stale() and "BEGIN CERTIFICATE" in got.cert
+    assert dataclasses.replace(got, key_id="", key="", cert="") == a
     assert discovery.read_announcement(st, "run", "p0", 2) is None
-    st.put("run/stages/p0/1.json", b'{"format": "stoa.stage.announce/1", "index": 1}')
-    with pytest.raises(ValueError, match="not a stage announcement"):
+    # Whoever can write to the store can replace an announcement, but not speak for another key.
+    body = json.loads(json.loads(st.get("run/stages/p0/1.json"))["body"])
+    for forged, why in (({**body, "port": 6666}, "the key it carries"),  # signed by another key, claims mine
+                        ({**body, "key": other.public_key().public_bytes_raw().hex()}, "key id"),
+                        ({**body, "key": other.public_key().public_bytes_raw().hex(), "key_id": key_id(other.public_key())},
+                         "certificate")):
+        st.put("run/stages/p0/1.json", sign_document(discovery.KIND, forged, other))
+        with pytest.raises(ValueError):
+            discovery.read_announcement(st, "run", "p0", 1)
+    st.put("run/stages/p0/1.json", b'{"format": "stoa.stage.announce/1", "index": 1}')  # unsigned
+    with pytest.raises(ValueError, match="not a signed stage announcement"):
         discovery.read_announcement(st, "run", "p0", 1)
-    st.put("run/stages/p0/1.json", b"x" * 5000)
-    with pytest.raises(ValueError, match="over 4096"):
+    st.put("run/stages/p0/1.json", b"x" * 9000)
+    with pytest.raises(ValueError, match="over 8192"):
         discovery.read_announcement(st, "run", "p0", 1)
     with pytest.raises(ValueError, match="pipeline id"):
         discovery.read_announcement(st, "run", "../x", 1)
+    allowed = discovery.Allowed(frozenset({"a" * 16}), {"b" * 16})
+    assert allowed.refusal("a" * 16, "stage 1") is None and allowed.refusal("b" * 16, "stage 1") is None
+    assert "neither named here" in allowed.refusal("c" * 16, "stage 1")
+
+
+def _tls_stage(stage_key, allowed_driver_cert: bytes, srv: socket.socket, got: list) -> None:
+    """A stage's side of one link: mutual TLS pinned to one driver, then a hello answered."""
+    from stoa.fleet.stages import tls
+
+    conn, _ = srv.accept()
+    try:
+        with tls.context("server", stage_key, allowed_driver_cert).wrap_socket(conn, server_side=True) as link:
+            got.append(read_frame(link, 1 << 20).op)
+            write_frame(link, Frame("hello", {"part": [1, 2], "layers": 2}))
+    except OSError as e:
+        got.append(type(e).__name__)
+    finally:
+        conn.close()
+
+
+def test_a_driver_and_its_stages_know_whose_end_they_talk_to(tmp_path):
+    """The ring connects to a stage only over mutual TLS pinned to keys each side accepts: a stage
+    whose key is not accepted gets nothing sent; a stage speaking TLS with another key than the
+    one announced, or refusing the driver's key, fails the handshake."""
+    from stoa.fleet.stages import tls
+    from stoa.fleet.stages.driver import StageRefused, StageRing
+    from stoa.transport.signing import generate_private_key, key_id
+
+    st, run_key = LocalStore(tmp_path), generate_private_key()
+    driver, stage, impostor = generate_private_key(), generate_private_key(), generate_private_key()
+    cases = [  # (key the stage announces, key it speaks TLS with, driver cert it accepts, driver's --stage-keys, outcome)
+        (stage, stage, tls.certificate(driver), [key_id(stage.public_key())], "hello"),
+        (stage, stage, tls.certificate(driver), [], "neither named here"),
+        (stage, impostor, tls.certificate(driver), [key_id(stage.public_key())], "SSL"),
+        (stage, stage, tls.certificate(impostor), [key_id(stage.public_key())], "SSL"),
+    ]
+    for announced, speaks, accepts, named, outcome in cases:
+        srv = socket.create_server(("127.0.0.1", 0))
+        got: list = []
+        t = threading.Thread(target=_tls_stage, args=(speaks, accepts, srv, got), daemon=True)
+        t.start()
+        discovery.announce(st, "run", "p0", discovery.Announcement(1, 2, (1, 2), "127.0.0.1", srv.getsockname()[1],
+                                                                   "", __import__("time").time()), announced)
+        ring = StageRing(st, "run", "p0", [(0, 1), (1, 2)], 2, True, 8, 16, 1 << 20, driver, run_key.public_key(),
+                         named)
+        if outcome == "hello":
+            assert ring.connect() and ring.ready() and got == ["hello"]
+            assert discovery.read_announcement(st, "run", "p0", 0).key_id == key_id(driver.public_key())
+        else:
+            with pytest.raises(StageRefused, match=outcome):
+                ring.connect()
+            assert not ring.ready() and "hello" not in got
+        ring.drop()
+        srv.close()
 
 
 def test_advertise_names_the_host_and_optionally_the_port_a_stage_announces(tmp_path):
@@ -87,7 +155,7 @@ def test_advertise_names_the_host_and_optionally_the_port_a_stage_announces(tmp_
     st, pub = LocalStore(tmp_path / "store"), generate_private_key().public_key()
     server = StageServer(st, "run", pub, "p0", 1, 2, tmp_path / "c", port=0, advertise="127.0.0.1:6001")
     server.stage, server.port = SimpleNamespace(part=(1, 2)), 40123  # as after it starts listening
-    discovery.announce(st, "run", "p0", server.announcement())
+    discovery.announce(st, "run", "p0", server.announcement(), server.key)
     got = discovery.read_announcement(st, "run", "p0", 1)
     assert (got.host, got.port, got.part) == ("127.0.0.1", 6001, (1, 2))  # the proxy's port, not the one listened on
     plain = StageServer(st, "run", pub, "p0", 1, 2, tmp_path / "c", host="0.0.0.0", advertise="10.0.0.7")

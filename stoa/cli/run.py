@@ -180,6 +180,7 @@ def worker(
     stages: Annotated[Optional[int], typer.Option(help="Drive a pipeline of this many stages: hold stage 0 here, the others are `stoa stage` processes (docs/pipeline.md).")] = None,
     pipeline: Annotated[str, typer.Option(help="The pipeline's id, with --stages (its stages announce under it).")] = "p0",
     max_memory_mb: Annotated[Optional[float], typer.Option(help="With --stages: refuse to start when stage 0's weights + KV need more than this.")] = None,
+    stage_keys: Annotated[Optional[str], typer.Option(help="With --stages: key ids of the stages to accept (comma-separated; `stoa stage` logs its key id), besides keys enrolled in the run.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
     """Generate rollouts with the int8 MLX engine from the newest signed weights; upload them.
@@ -258,7 +259,8 @@ def worker(
         from stoa.fleet.stages.driver import PipelineWorker
 
         try:
-            w = PipelineWorker(*args, **kwargs, pipeline=pipeline, stages=stages, max_memory_mb=max_memory_mb)
+            w = PipelineWorker(*args, **kwargs, pipeline=pipeline, stages=stages, max_memory_mb=max_memory_mb,
+                               stage_keys=_key_ids(stage_keys))
         except ValueError as e:
             _worker_fail(EXIT_CONFIG, str(e))
         raise typer.Exit(w.run())
@@ -267,6 +269,17 @@ def worker(
 
         raise typer.Exit(make_adversary(adversary, *args, **kwargs).run())
     raise typer.Exit(Worker(*args, **kwargs).run())
+
+
+def _key_ids(text: str | None) -> list[str]:
+    """Key ids from a comma-separated option (16 hex characters each; ValueError otherwise)."""
+    from stoa.transport import layout
+
+    ids = [k.strip() for k in (text or "").split(",") if k.strip()]
+    for k in ids:
+        if not layout.KEY_ID.fullmatch(k):
+            raise ValueError(f"{k[:40]!r} is not a key id (16 hex characters)")
+    return ids
 
 
 def stage_cmd(
@@ -281,6 +294,7 @@ def stage_cmd(
     advertise: Annotated[Optional[str], typer.Option(help="Address the driver should connect to, HOST or HOST:PORT ([IPv6]:PORT), when it differs from where this stage listens (a forwarded port, a proxy); default: --host and the port listened on.")] = None,
     max_memory_mb: Annotated[Optional[float], typer.Option(help="Refuse to start when this stage's weights + KV need more than this.")] = None,
     threads: Annotated[Optional[int], typer.Option(help="CPU threads the stage's math may use (default: all).")] = None,
+    driver_key: Annotated[Optional[str], typer.Option(help="Key id of the driver to serve (comma-separated for several), besides keys enrolled in the run.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
     """Serve layers of the model to a pipeline's driver (one stage of `stoa worker --stages N`).
@@ -296,7 +310,7 @@ def stage_cmd(
     try:
         i, n = (int(x) for x in stage.split("/"))
         server = StageServer(open_store(store), run, public_key, pipeline, i, n, cache, host, port, advertise,
-                             max_memory_mb)
+                             max_memory_mb, driver_keys=_key_ids(driver_key))
     except (ValueError, OSError, TypeError) as e:
         _worker_fail(2, f"cannot start the stage: {e}")
     from stoa.fleet import lifetime

@@ -25,17 +25,22 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
+import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 from stoa.backends.engine import stage_backend
 from stoa.fleet.parity import join_check
-from stoa.fleet.stages import discovery
+from stoa.fleet.stages import discovery, tls
 from stoa.transport.frames import Frame, FrameError, read_frame, write_frame
 from stoa.fleet.stages.server import model_shape, peak_rss_mb
 from stoa.fleet.worker.worker import EXIT_CONFIG, Worker, WorkerExit
 from stoa.transport import shares
 from stoa.transport.chain import SyncResult
+from stoa.transport.identity import read_roster
+from stoa.transport.signing import SignatureError
 from stoa.transport.store import ObjectStore, StoreError
 
 __all__ = ["PipelineRig", "PipelineWorker", "StageLink", "StageRefused", "StageRing", "StageWeights"]
@@ -54,10 +59,15 @@ class StageRefused(ConnectionError):
 class StageLink:
     """A TCP connection to one stage process, speaking frames (a :class:`~stoa.backends.torch.remote.Channel`)."""
 
-    def __init__(self, host: str, port: int, max_payload: int) -> None:
-        self.sock = socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT_S)
+    def __init__(self, host: str, port: int, max_payload: int, context: ssl.SSLContext | None = None) -> None:
+        raw = socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT_S)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            self.sock = context.wrap_socket(raw) if context is not None else raw  # the handshake, within the timeout
+        except BaseException:
+            raw.close()
+            raise
         self.sock.settimeout(_FRAME_TIMEOUT_S)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.max_payload = max_payload
         self.sent = 0
 
@@ -86,11 +96,16 @@ class StageRing:
         parts: every stage's layers (index 0: the driver's own).
         layers, tied, hidden, vocab: the model's shape.
         max_payload: most array bytes a stage's answer may carry.
+        private_key: the driver's key (its announcement as stage 0, its side of each TLS link).
+        public_key: the run's key (its roster says which stage keys are enrolled).
+        stage_keys: key ids of the stages this driver accepts, besides the enrolled keys.
     """
 
     def __init__(self, store: ObjectStore, run: str, pipeline: str, parts: list[tuple[int, int]], layers: int,
-                 tied: bool, hidden: int, vocab: int, max_payload: int) -> None:
+                 tied: bool, hidden: int, vocab: int, max_payload: int, private_key: Any = None,
+                 public_key: Any = None, stage_keys: Collection[str] = ()) -> None:
         self.store, self.run, self.pipeline, self.parts = store, run, pipeline, parts
+        self.key, self.public_key, self.stage_keys = private_key, public_key, frozenset(stage_keys)
         self.layers, self.tied, self.max_payload = layers, tied, max_payload
         self.links: dict[int, StageLink] = {}
         self.remote = [stage_backend().RemoteStage(p, layers, hidden, vocab, _Gone(i)) for i, p in enumerate(parts) if i > 0]
@@ -113,6 +128,8 @@ class StageRing:
             StageRefused: a stage is not announced, stale, unreachable or of other layers.
         """
         new = False
+        if not self.ready():
+            self._announce()
         for i in range(1, len(self.parts)):
             if i in self.links:
                 continue
@@ -125,8 +142,11 @@ class StageRing:
             if (a.stages, a.part) != (len(self.parts), self.parts[i]):
                 raise StageRefused(f"stage {i} announces layers {a.part} of {a.stages} stages; this pipeline wants "
                                    f"{self.parts[i]} of {len(self.parts)}")
+            why = discovery.Allowed(self.stage_keys, self._enrolled()).refusal(a.key_id, f"stage {i}")
+            if why:
+                raise StageRefused(why)
             try:
-                link = StageLink(a.host, a.port, self.max_payload)
+                link = StageLink(a.host, a.port, self.max_payload, tls.context("client", self.key, a.cert.encode("ascii")))
                 hello = link.request(Frame("hello"))
             except OSError as e:
                 raise StageRefused(f"stage {i} at {a.host}:{a.port}: {type(e).__name__}: {e}") from None
@@ -139,6 +159,22 @@ class StageRing:
             new = True
             log.info("connected stage %d (layers %s, key %s) at %s:%d", i, self.parts[i], a.key_id, a.host, a.port)
         return new
+
+    def _announce(self) -> None:
+        """Announce this driver as stage 0 (its key and certificate: what its stages accept)."""
+        a = discovery.Announcement(0, len(self.parts), self.parts[0], "", 0, "", time.time())
+        try:
+            discovery.announce(self.store, self.run, self.pipeline, a, self.key)
+        except StoreError as e:
+            raise StageRefused(f"could not announce the driver: {e}") from None
+
+    def _enrolled(self) -> Collection[str]:
+        """Key ids the run's roster enrolls (none when it does not read)."""
+        try:
+            return set(read_roster(self.store, self.run, self.public_key).enrolled)
+        except (SignatureError, StoreError) as e:
+            log.warning("the run's roster does not read (%s): only --stage-keys are accepted", e)
+            return set()
 
     def sync(self, version: int, signed: dict[str, str]) -> dict[int, float]:
         """Bring every stage to ``version`` and check its share hashes against ``signed`` (the
@@ -250,12 +286,15 @@ class PipelineRig:
         stages: how many stages (>= 2): this process and ``stages - 1`` stage processes.
         max_memory_mb: refuse to start when stage 0's need (share + float weights + a full KV
             cache of ``rollout.max_batch`` rows of ``rollout.max_episode_tokens``) is over this.
+        stage_keys: key ids of the stages this driver accepts, besides the keys enrolled in the
+            run's roster (a stage with another key is refused before anything is sent to it).
     """
 
-    def __init__(self, pipeline: str, stages: int, max_memory_mb: float | None = None):
+    def __init__(self, pipeline: str, stages: int, max_memory_mb: float | None = None, stage_keys: Collection[str] = ()):
         if stages < 2:
             raise ValueError("a pipeline has at least 2 stages")
         self.pipeline, self.stages, self.max_memory_mb = discovery.check_pipeline_id(pipeline), stages, max_memory_mb
+        self.stage_keys = frozenset(stage_keys)
         self.need_mb = 0.0
         self.dropped_cohorts = 0
         self._stage_waits = 0
@@ -265,7 +304,8 @@ class PipelineRig:
         parts = stage_backend().split_layers(layers, self.stages)
         rc = cfg.rollout
         max_payload = rc.max_batch * (2 * rc.max_episode_tokens + 64) * max(hidden, vocab) * 4 + (1 << 16)
-        ring = StageRing(worker.store, worker.run_name, self.pipeline, parts, layers, tied, hidden, vocab, max_payload)
+        ring = StageRing(worker.store, worker.run_name, self.pipeline, parts, layers, tied, hidden, vocab, max_payload,
+                         worker.private_key, worker.public_key, self.stage_keys)
         return StageWeights(worker.store, worker.run_name, worker.public_key, parts[0], layers, tied, ring)
 
     def engine(self, worker: Worker, cfg: Any, model_dir: Path, first: SyncResult) -> Any:
@@ -356,8 +396,8 @@ class PipelineRig:
 
 
 def PipelineWorker(*args: Any, pipeline: str, stages: int, max_memory_mb: float | None = None,  # noqa: N802
-                   **kwargs: Any) -> Worker:
+                   stage_keys: Collection[str] = (), **kwargs: Any) -> Worker:
     """A :class:`Worker` (same arguments) that drives pipeline ``pipeline`` of ``stages`` stages
     through its :class:`PipelineRig`; it keeps no weights between sessions unless asked."""
     kwargs.setdefault("keep_weights", False)
-    return Worker(*args, rig=PipelineRig(pipeline, stages, max_memory_mb), **kwargs)
+    return Worker(*args, rig=PipelineRig(pipeline, stages, max_memory_mb, stage_keys), **kwargs)

@@ -7,14 +7,18 @@
         reads of the anchor, deltas, every byte checked against the signed per-share hashes)
     build the stage; refuse to start (exit 2) when its need (share + float weights + a full KV
         cache of rollout.max_batch rows of rollout.max_episode_tokens positions) is over --max-memory-mb
-    listen on a TCP port; announce host:port under <run>/stages/<pipeline>/<i>.json every 5 s
-    serve one driver at a time until the run finishes or a signal:
+    listen on a TCP port; announce host:port, signed with the stage's key, under
+        <run>/stages/<pipeline>/<i>.json every 5 s
+    serve one driver at a time until the run finishes or a signal, over mutual TLS pinned to the
+        driver's announced key (stage 0), which must be --driver-key or enrolled in the run:
         hello          -> the layers held, the stage's key id, its version
         sync v         -> the share brought to version v, verified; answers its share hashes
         forward, cache -> StageService (stoa.backends.torch.remote)
 
 A frame that breaks the format or the stage's bounds closes the driver's connection; the stage
-goes back to listening. Nothing read from the socket is unpickled or trusted for a size.
+goes back to listening. So does a connection from a driver whose key is not accepted, or that
+fails the TLS handshake (:mod:`stoa.fleet.stages.tls`). Nothing read from the socket is unpickled
+or trusted for a size.
 """
 
 from __future__ import annotations
@@ -23,20 +27,22 @@ import json
 import logging
 import select
 import socket
+import ssl
 import threading
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 from stoa.backends.engine import stage_backend
 from stoa.fleet.metrics import peak_rss_mib
 from stoa.fleet.run import fetch_run
-from stoa.fleet.stages import discovery
+from stoa.fleet.stages import discovery, tls
 from stoa.transport.frames import Frame, FrameError, meta_int, read_frame, write_frame
 from stoa.transport import pulse, shares
 from stoa.transport.chain import SYNC_ERRORS
 from stoa.transport.exchange import is_finished
-from stoa.transport.identity import load_or_create_worker_key
+from stoa.transport.identity import load_or_create_worker_key, read_roster
 from stoa.transport.signing import SignatureError, key_id, load_public_key
 from stoa.transport.store import KeyNotFound, ObjectStore, StoreError
 
@@ -47,6 +53,7 @@ log = logging.getLogger("stoa.stage")
 EXIT_OK, EXIT_CONFIG = 0, 2
 _IDLE_POLL_S = 0.5
 _FRAME_TIMEOUT_S = 60.0
+_HANDSHAKE_TIMEOUT_S = 10.0
 
 
 def peak_rss_mb() -> float:
@@ -75,11 +82,14 @@ class StageServer:
             listened on); a port is for a driver that reaches the stage through a forwarded port
             or a proxy.
         max_memory_mb: refuse to start when the stage's measured need is over this (None: no cap).
+        driver_keys: key ids of the drivers this stage serves, besides the keys enrolled in the
+            run's roster.
     """
 
     def __init__(self, store: ObjectStore, run: str, public_key: Any, pipeline: str, index: int, stages: int,
                  cache_dir: Path, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None,
-                 max_memory_mb: float | None = None, wait_seconds: float = 600.0) -> None:
+                 max_memory_mb: float | None = None, wait_seconds: float = 600.0,
+                 driver_keys: Collection[str] = ()) -> None:
         if not 1 <= index < stages:
             raise ValueError(f"stage {index} of {stages}: a stage process serves 1 .. {stages - 1} (0 is the driver)")
         self.store, self.run_name, self.public_key = store, run, load_public_key(public_key)
@@ -87,7 +97,9 @@ class StageServer:
         self.cache_dir, self.host, self.port = Path(cache_dir), host, port
         self.advertise, self.advertise_port = discovery.parse_advertise(advertise) if advertise else (host, None)
         self.max_memory_mb, self.wait_seconds = max_memory_mb, wait_seconds
-        self.key_id = key_id(load_or_create_worker_key(self.cache_dir / "stage.key").public_key())
+        self.key = load_or_create_worker_key(self.cache_dir / "stage.key")
+        self.key_id = key_id(self.key.public_key())
+        self.driver_keys = frozenset(driver_keys)
         self.stop = threading.Event()
         self.need_mb = 0.0
         self.stage: Any = None
@@ -161,15 +173,19 @@ class StageServer:
             srv.settimeout(_IDLE_POLL_S)
             beat = threading.Thread(target=self._announce_loop, daemon=True)
             beat.start()
-            log.info("stage %d/%d of pipeline %s listening on %s:%d, announced as %s:%d", self.index, self.stages,
-                     self.pipeline, self.host, self.port, self.advertise, self.announced_port)
+            log.info("stage %d/%d of pipeline %s (key %s: the driver's --stage-keys) listening on %s:%d, announced "
+                     "as %s:%d", self.index, self.stages, self.pipeline, self.key_id, self.host, self.port,
+                     self.advertise, self.announced_port)
             while not self.stop.is_set():
                 try:
                     conn, peer = srv.accept()
                 except TimeoutError:
                     continue
                 with conn:
-                    self._driver(conn, peer, service)
+                    link = self._handshake(conn, peer)
+                    if link is not None:
+                        with link:
+                            self._driver(link, peer, service)
         return EXIT_OK
 
     def announcement(self) -> discovery.Announcement:
@@ -189,19 +205,38 @@ class StageServer:
                     log.info("the run finished; stage %d/%d stopping", self.index, self.stages)
                     self.stop.set()
                     return
-                discovery.announce(self.store, self.run_name, self.pipeline, self.announcement())
+                discovery.announce(self.store, self.run_name, self.pipeline, self.announcement(), self.key)
             except (StoreError, SignatureError, OSError) as e:
                 log.warning("announcing stage %d: %s", self.index, e)
             self.stop.wait(discovery.ANNOUNCE_EVERY_S)
 
+    def _handshake(self, conn: socket.socket, peer: Any) -> ssl.SSLSocket | None:
+        """The TLS link to the driver at ``peer``: its announcement (stage 0) read and its key
+        accepted (``driver_keys`` or the run's roster), then mutual TLS pinned to that key. None
+        (the connection is closed) when any of it fails."""
+        try:
+            a = discovery.read_announcement(self.store, self.run_name, self.pipeline, 0)
+            if a is None:
+                raise ValueError(f"pipeline {self.pipeline} has no driver announcement")
+            enrolled = read_roster(self.store, self.run_name, self.public_key).enrolled
+            why = discovery.Allowed(self.driver_keys, enrolled).refusal(a.key_id, "the driver")
+            if why:
+                raise ValueError(why)
+            conn.settimeout(_HANDSHAKE_TIMEOUT_S)
+            return tls.context("server", self.key, a.cert.encode("ascii")).wrap_socket(conn, server_side=True)
+        except (ValueError, StoreError, SignatureError, OSError) as e:  # ssl.SSLError is an OSError
+            log.warning("refused a connection from %s: %s", peer, str(e)[:500])
+            return None
+
     def _driver(self, conn: socket.socket, peer: Any, service: Any) -> None:
         """Serve one driver's connection until it closes, breaks a rule, or the stage stops."""
-        log.info("driver connected from %s", peer)
+        log.info("driver connected from %s (TLS, its key checked)", peer)
         conn.settimeout(_FRAME_TIMEOUT_S)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             while not self.stop.is_set():
-                if not select.select([conn], [], [], _IDLE_POLL_S)[0]:
+                pending = conn.pending() if isinstance(conn, ssl.SSLSocket) else 0  # decrypted, unread
+                if not pending and not select.select([conn], [], [], _IDLE_POLL_S)[0]:
                     continue
                 f = read_frame(conn, self.max_payload)
                 self.frames += 1
