@@ -151,3 +151,23 @@ def test_the_trust_report_round_trips_byte_for_byte():
         assert body["workers"]["k1"]["withheld"] == 2 and body["workers"]["k1"]["withholding_flagged"]
         assert json.dumps(TrustReport.parse(body).to_body()) == json.dumps(body)
         assert TrustReport.parse(body) == report
+
+
+def test_a_refusal_met_again_counts_once():
+    """An object whose quarantine failed is read again at the next poll and refused again: its
+    sender is struck once for it, and a planted object counts once against nobody."""
+    from stoa.transport.exchange import Rejection
+
+    gate = TrustGate(TrustConfig(ban_after=3), None, RUN, generate_private_key())
+    bad = batch_of("ck", "c", episodes("c"), 4)
+    for _ in range(3):  # the same object, three polls in a row
+        gate.refused(bad, "ck", "c", "invalid", "reward out of range", episodes=2)
+    assert gate.records["ck"].strikes == 1 and gate.records["ck"].rejected_batches == 1
+    assert not gate.members.is_banned("ck")
+    gate.refused(batch_of("ck", "c", episodes("c"), 5), "ck", "c", "invalid", "reward out of range", episodes=2)
+    assert gate.records["ck"].strikes == 2  # another object: another strike
+    gate.records.touch("hk", "h")
+    planted = Rejection(f"{RUN}/rollouts/h/s000000000009-v000000000000.episodes", "h", "ck", "invalid", "junk")
+    for _ in range(2):
+        gate.refused(planted, "ck", "h", "invalid", "junk")
+    assert gate.records["hk"].taken_by_others == 1 and gate.records["ck"].strikes == 3
