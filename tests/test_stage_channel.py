@@ -218,15 +218,19 @@ class Link:
 
     def request(self, f: Frame) -> Frame:
         self.send(f)
+        return self.receive(f)
+
+    def receive(self, f: Frame | None = None) -> Frame:
         out = read_frame(self.sock, 1 << 26)
-        want = str(f.meta.get("want"))
-        self.rows[want] = self.rows.get(want, 0) + (f.arrays[0].shape[0] if f.arrays else 0)
+        want = str(f.meta.get("want")) if f is not None else "queued"
+        self.rows[want] = self.rows.get(want, 0) + (f.arrays[0].shape[0] if f is not None and f.arrays else 0)
         self.down[want] = self.down.get(want, 0) + sum(a.nbytes for a in out.arrays)
         return out
 
 
-@pytest.mark.parametrize("parts", [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]])
-def test_a_remote_pipeline_plays_the_single_engines_episodes(tiny, single, parts):  # noqa: F811
+@pytest.mark.parametrize("parts,micro", [([(0, 2), (2, 4)], 1), ([(0, 1), (1, 3), (3, 4)], 1),
+                                         ([(0, 2), (2, 4)], 2), ([(0, 1), (1, 3), (3, 4)], 3)])
+def test_a_remote_pipeline_plays_the_single_engines_episodes(tiny, single, parts, micro):  # noqa: F811
     from stoa.backends.torch.pipeline import Stage
     from stoa.backends.torch.remote import RemotePipeline, RemoteStage, StageService
 
@@ -241,6 +245,7 @@ def test_a_remote_pipeline_plays_the_single_engines_episodes(tiny, single, parts
         remote.append(RemoteStage(part, spec_layers, st.decoder.spec.hidden_size, st.decoder.spec.vocab_size,
                                   Link(srv.getsockname()[1])))
     pipe = RemotePipeline(tiny, Stage(tiny, parts[0], single.state), remote, config=CONFIG)
+    pipe.micro = micro  # micro-batches go round one behind the other: the same episodes
     from stoa.fleet.parity import join_check
 
     assert join_check(pipe, tiny) is None and pipe.built_config == single.built_config  # a driver's join check
@@ -250,8 +255,15 @@ def test_a_remote_pipeline_plays_the_single_engines_episodes(tiny, single, parts
     assert any(len(e.segments) > 2 for e in got)
     # The last stage draws: no logits cross a link, 12 bytes a drawn row come back (id and log-prob).
     last = remote[-1].channel
-    assert "logits" not in last.rows and last.rows["draw"] >= sum(e.num_model_tokens for e in got) > 0
-    assert last.down["draw"] == 12 * last.rows["draw"]
+    drawn = last.rows.get("draw", 0) if micro == 1 else sum(e.num_model_tokens for e in got)
+    assert "logits" not in last.rows and drawn >= sum(e.num_model_tokens for e in got) > 0
+    if micro == 1:
+        assert last.down["draw"] == 12 * last.rows["draw"]
+    else:  # the draws were sent ahead and collected later, micro-batch by micro-batch
+        assert "draw" not in last.rows and last.down["queued"] > 0
+    from stoa.backends.torch.remote import micro_batches
+
+    assert micro_batches(3, 0.0005) == 1 and micro_batches(3, 0.04) == 3  # a quick link needs none
     # A draw with sampling settings out of bounds is refused before it touches a tensor.
     service = StageService(Stage(tiny, parts[-1], single.state), CONFIG.max_batch, 1024)
     service.handle(Frame("slots", {"slots": 2}))

@@ -37,10 +37,22 @@ from stoa.backends.torch.engine import draw, exact_matmuls
 from stoa.backends.torch.pipeline import Pipeline, Stage, split_layers
 from stoa.transport.frames import Frame, FrameError, check_array, meta_int, meta_ints
 
-__all__ = ["Channel", "RemotePipeline", "RemoteStage", "Stage", "StageService", "split_layers"]
+__all__ = ["Channel", "RemotePipeline", "RemoteStage", "Stage", "StageService", "micro_batches", "split_layers"]
 
 WANTS = ("hidden", "logits", "draw", "none")
 SAMPLERS = ("auto", "host", "device")
+
+
+MICRO_RTT_S = 0.002
+"""Round trips at or under this need no micro-batches: a link this quick is not worth splitting a step for."""
+
+
+def micro_batches(stages: int, rtt_s: float) -> int:
+    """How many micro-batches a decode step's rows go round a pipeline in: one when every link's
+    round trip ``rtt_s`` is under :data:`MICRO_RTT_S` (splitting only adds per-call overhead, as
+    ``benchmarks/pipeline.py`` measured), else one per stage, so that each stage has a micro-batch
+    to compute while another crosses a link."""
+    return 1 if rtt_s <= MICRO_RTT_S else stages
 
 
 class Channel(Protocol):
@@ -51,6 +63,9 @@ class Channel(Protocol):
 
     def send(self, frame: Frame) -> None:
         """Send ``frame``; the stage answers nothing (a failure shows at the next request)."""
+
+    def receive(self) -> Frame:
+        """The stage's next answer, to a frame sent earlier (answers come in the order sent)."""
 
 
 class StageService:
@@ -139,7 +154,13 @@ class StageService:
         seeds = check_array(f.arrays, 2, "int64", (n,)).copy().view(np.uint64)
         s, sampler = _sampling(f.meta, self.vocab)
         dev = self.stage.device
-        y = self.stage.forward(torch.from_numpy(x.copy()).to(dev), torch.from_numpy(start.copy()).to(dev), longest, None)
+        rows = None
+        if len(f.arrays) > 3:  # a micro-batch's rows of the cache
+            r = check_array(f.arrays, 3, "int64", (n,))
+            if r.min() < 0 or r.max() >= self.slots or len(np.unique(r)) != n:
+                raise FrameError("rows out of range or repeated")
+            rows = torch.from_numpy(r.copy()).to(dev)
+        y = self.stage.forward(torch.from_numpy(x.copy()).to(dev), torch.from_numpy(start.copy()).to(dev), longest, rows)
         tokens, lps = draw(self.stage.decoder.logits(y[:, 0]), seeds, s, sampler, self._host_sampler)
         return Frame("out", {}, (np.asarray(tokens, np.int64), np.asarray(lps, np.float32)))
 
@@ -189,32 +210,63 @@ class RemoteStage:
     def kv(self, slots: int) -> _RemoteKV:
         return _RemoteKV(self, slots)
 
-    def forward(self, x: torch.Tensor, start: torch.Tensor, longest: int, rows: torch.Tensor | None = None,
-                want: str = "hidden") -> torch.Tensor | None:
+    @staticmethod
+    def _frame(x: torch.Tensor, start: torch.Tensor, longest: int, rows: torch.Tensor | None, want: str) -> Frame:
         arrays = [x.float().cpu().numpy(), start.cpu().numpy().astype(np.int64)]
         if rows is not None:
             arrays.append(rows.cpu().numpy().astype(np.int64))
-        out = self.channel.request(Frame("forward", {"longest": int(longest), "want": want}, tuple(arrays)))
+        return Frame("forward", {"longest": int(longest), "want": want}, tuple(arrays))
+
+    def _hidden(self, out: Frame, n: int, width: int, want: str) -> torch.Tensor | None:
         if out.op != "out":
             raise FrameError(f"the stage of layers {self.part} answered {out.op!r}: {str(out.meta)[:300]}")
         if want == "none":
             return None
-        n = x.shape[0]
-        y = check_array(out.arrays, 0, "float32", (n, self.vocab) if want == "logits" else (n, x.shape[1], self.hidden))
+        y = check_array(out.arrays, 0, "float32", (n, self.vocab) if want == "logits" else (n, width, self.hidden))
         return torch.from_numpy(y.copy())
 
-    def draw(self, x: torch.Tensor, start: torch.Tensor, longest: int, seeds: np.ndarray, s: SamplingConfig,
-             sampler: str) -> tuple[np.ndarray, np.ndarray]:
-        """The last stage's draw of each row's next token (see :class:`StageService`): token ids
-        (int64, each below the vocabulary size, checked) and behaviour log-probs (float32)."""
-        arrays = (x.float().cpu().numpy(), start.cpu().numpy().astype(np.int64),
-                  np.ascontiguousarray(seeds, np.uint64).view(np.int64))
+    def forward(self, x: torch.Tensor, start: torch.Tensor, longest: int, rows: torch.Tensor | None = None,
+                want: str = "hidden") -> torch.Tensor | None:
+        out = self.channel.request(self._frame(x, start, longest, rows, want))
+        return self._hidden(out, x.shape[0], x.shape[1], want)
+
+    def submit(self, x: torch.Tensor, start: torch.Tensor, longest: int, rows: torch.Tensor | None = None) -> None:
+        """:meth:`forward`'s frame sent without waiting; :meth:`collect` takes the answer."""
+        self.channel.send(self._frame(x, start, longest, rows, "hidden"))
+
+    def collect(self, n: int, width: int) -> torch.Tensor:
+        y = self._hidden(self.channel.receive(), n, width, "hidden")
+        assert y is not None
+        return y
+
+    def _draw_frame(self, x: torch.Tensor, start: torch.Tensor, longest: int, seeds: np.ndarray, s: SamplingConfig,
+                    sampler: str, rows: torch.Tensor | None) -> Frame:
+        arrays = [x.float().cpu().numpy(), start.cpu().numpy().astype(np.int64),
+                  np.ascontiguousarray(seeds, np.uint64).view(np.int64)]
+        if rows is not None:
+            arrays.append(rows.cpu().numpy().astype(np.int64))
         meta = {"longest": int(longest), "want": "draw", "temperature": float(s.temperature),
                 "top_p": float(s.top_p), "top_k": int(s.top_k), "sampler": sampler}
-        out = self.channel.request(Frame("forward", meta, arrays))
+        return Frame("forward", meta, tuple(arrays))
+
+    def draw(self, x: torch.Tensor, start: torch.Tensor, longest: int, seeds: np.ndarray, s: SamplingConfig,
+             sampler: str, rows: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The last stage's draw of each row's next token (see :class:`StageService`): token ids
+        (int64, each below the vocabulary size, checked) and behaviour log-probs (float32)."""
+        return self._drawn(self.channel.request(self._draw_frame(x, start, longest, seeds, s, sampler, rows)),
+                           x.shape[0])
+
+    def submit_draw(self, x: torch.Tensor, start: torch.Tensor, longest: int, seeds: np.ndarray, s: SamplingConfig,
+                    sampler: str, rows: torch.Tensor | None = None) -> None:
+        """:meth:`draw`'s frame sent without waiting; :meth:`collect_draw` takes the answer."""
+        self.channel.send(self._draw_frame(x, start, longest, seeds, s, sampler, rows))
+
+    def collect_draw(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        return self._drawn(self.channel.receive(), n)
+
+    def _drawn(self, out: Frame, n: int) -> tuple[np.ndarray, np.ndarray]:
         if out.op != "out":
             raise FrameError(f"the stage of layers {self.part} answered {out.op!r}: {str(out.meta)[:300]}")
-        n = x.shape[0]
         tokens = check_array(out.arrays, 0, "int64", (n,))
         lps = check_array(out.arrays, 1, "float32", (n,))
         if n and (tokens.min() < 0 or tokens.max() >= self.vocab):
@@ -234,6 +286,11 @@ class RemotePipeline(Pipeline):
             raise EngineError("a remote pipeline is a local first stage and one or more remote stages")
         super().__init__(hf_dir, [first, *remote], version, config, worker_id)  # type: ignore[list-item]
         self._mode = mode
+        self.micro = 1
+        """Micro-batches a decode step's rows are split into (at most one a row): they go round
+        the stages one behind the other, so while one waits on a link the others are computed
+        (the driver sets it from its links' round trips, :func:`micro_batches`). The episodes are
+        the same whatever it is: each row is computed alone of the others."""
 
     @property
     def state(self) -> dict[str, np.ndarray]:
@@ -260,15 +317,50 @@ class RemotePipeline(Pipeline):
     def next_tokens(self, ids: torch.Tensor, start: torch.Tensor, longest: int, cache: Any, seeds: np.ndarray,
                     s: SamplingConfig) -> tuple[np.ndarray, np.ndarray]:
         """Each row's next token, drawn on the last stage (:meth:`RemoteStage.draw`): no logits
-        cross a link."""
-        *through, last = self.stages
-        y: torch.Tensor | None = ids
-        for st in through:
-            assert y is not None
-            y = st.forward(y, start, longest, None, "hidden") if isinstance(st, RemoteStage) else \
-                st.forward(y, start, longest, None)
-        assert y is not None and isinstance(last, RemoteStage)
-        return last.draw(y, start, longest, seeds, s, self.config.sampler)
+        cross a link. With :attr:`micro` > 1 the rows go round in micro-batches, a wavefront:
+        at each tick every remote stage is sent its next micro-batch, then this process computes
+        the first stage's, then it collects the remote stages' answers."""
+        n = ids.shape[0]
+        m = max(1, min(self.micro, n))
+        if m == 1:
+            *through, last = self.stages
+            y: torch.Tensor | None = ids
+            for st in through:
+                assert y is not None
+                y = st.forward(y, start, longest, None, "hidden") if isinstance(st, RemoteStage) else \
+                    st.forward(y, start, longest, None)
+            assert y is not None and isinstance(last, RemoteStage)
+            return last.draw(y, start, longest, seeds, s, self.config.sampler)
+        groups = [torch.from_numpy(g) for g in np.array_split(np.arange(n, dtype=np.int64), m)]
+        starts = [start[g] for g in groups]
+        longs = [int(st.max()) + 1 for st in starts]
+        k = len(self.stages)
+        x: list[list[torch.Tensor | None]] = [[None] * m for _ in range(k)]  # x[j][g]: stage j's input for group g
+        toks, lps = np.zeros(n, np.int64), np.zeros(n, np.float32)
+        for t in range(m + k - 1):
+            for j in range(1, k):  # send each remote stage its micro-batch of this tick
+                g = t - j
+                if 0 <= g < m:
+                    st = self.stages[j]
+                    assert isinstance(st, RemoteStage) and x[j][g] is not None
+                    if j == k - 1:
+                        st.submit_draw(x[j][g], starts[g], longs[g], seeds[groups[g].numpy()], s, self.config.sampler,
+                                       groups[g])
+                    else:
+                        st.submit(x[j][g], starts[g], longs[g], groups[g])
+                    x[j][g] = None
+            if t < m:  # meanwhile, the first stage here
+                x[1][t] = self.stages[0].forward(ids[groups[t]], starts[t], longs[t], groups[t])
+            for j in range(1, k):
+                g = t - j
+                if 0 <= g < m:
+                    st = self.stages[j]
+                    assert isinstance(st, RemoteStage)
+                    if j == k - 1:
+                        toks[groups[g].numpy()], lps[groups[g].numpy()] = st.collect_draw(len(groups[g]))
+                    else:
+                        x[j + 1][g] = st.collect(len(groups[g]), 1)
+        return toks, lps
 
     def rollout(self, make_env: Callable[[], Any], requests: Sequence[Any], sampling: SamplingConfig = SamplingConfig()
                 ) -> list[Any]:

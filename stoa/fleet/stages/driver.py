@@ -70,15 +70,19 @@ class StageLink:
         self.sock.settimeout(_FRAME_TIMEOUT_S)
         self.max_payload = max_payload
         self.sent = 0
+        self.rtt = 0.0  # seconds of the hello's round trip (the driver's micro-batching)
 
     def send(self, frame: Frame) -> None:
         self.sent += write_frame(self.sock, frame)
 
     def request(self, frame: Frame) -> Frame:
         self.send(frame)
+        return self.receive(frame.op)
+
+    def receive(self, op: str = "a frame") -> Frame:
         out = read_frame(self.sock, self.max_payload)
         if out.op == "error":
-            raise StageRefused(f"the stage refused {frame.op}: {str(out.meta.get('message', ''))[:400]}")
+            raise StageRefused(f"the stage refused {op}: {str(out.meta.get('message', ''))[:400]}")
         return out
 
     def close(self) -> None:
@@ -114,6 +118,11 @@ class StageRing:
     def ready(self) -> bool:
         return len(self.links) == len(self.parts) - 1
 
+    def micro(self) -> int:
+        """Micro-batches for the connected links (:func:`stoa.backends.torch.remote.micro_batches`)."""
+        rtt = max((link.rtt for link in self.links.values()), default=0.0)
+        return stage_backend().micro_batches(len(self.parts), rtt)
+
     def drop(self) -> None:
         """Close every link (after a failure mid-cohort: which stage broke is not always known)."""
         for i, link in self.links.items():
@@ -147,7 +156,9 @@ class StageRing:
                 raise StageRefused(why)
             try:
                 link = StageLink(a.host, a.port, self.max_payload, tls.context("client", self.key, a.cert.encode("ascii")))
+                t0 = time.perf_counter()
                 hello = link.request(Frame("hello"))
+                link.rtt = time.perf_counter() - t0
             except OSError as e:
                 raise StageRefused(f"stage {i} at {a.host}:{a.port}: {type(e).__name__}: {e}") from None
             if hello.op != "hello" or hello.meta.get("part") != list(self.parts[i]) or hello.meta.get("layers") != self.layers:
@@ -213,7 +224,11 @@ class _Gone:
     def send(self, frame: Frame) -> None:
         raise StageRefused(f"stage {self.i} is not connected")
 
-    request = send  # type: ignore[assignment]
+    def request(self, frame: Frame) -> Frame:
+        raise StageRefused(f"stage {self.i} is not connected")
+
+    def receive(self) -> Frame:
+        raise StageRefused(f"stage {self.i} is not connected")
 
 
 class StageWeights:
@@ -332,11 +347,13 @@ class PipelineRig:
             raise WorkerExit(0, "stopped while waiting for the pipeline's stages")
         engine = sb.RemotePipeline(model_dir, stage, w.ring.remote, first.version,
                                    rc.engine_config(cfg.model.prompt_format), worker.worker_id, stage.mode)
+        engine.micro = w.ring.micro()
         refused = join_check(engine, model_dir)  # the same check as a whole-model worker's
         if refused:
             raise WorkerExit(EXIT_CONFIG, refused)
-        log.info("worker %s (key %s) drives pipeline %s: stage 0 of %d (layers %s, needs %.1f MiB) at version %d",
-                 worker.worker_id, worker.key_id, self.pipeline, self.stages, stage.part, self.need_mb, first.version)
+        log.info("worker %s (key %s) drives pipeline %s: stage 0 of %d (layers %s, needs %.1f MiB) at version %d; "
+                 "%d micro-batch(es) a decode step", worker.worker_id, worker.key_id, self.pipeline, self.stages,
+                 stage.part, self.need_mb, first.version, engine.micro)
         return engine
 
     def ready(self, worker: Worker) -> bool:
@@ -353,6 +370,7 @@ class PipelineRig:
         try:
             if w.ring.connect():
                 w.live.reset()
+                w.live.micro = w.ring.micro()
                 w.damaged = True  # the next cohort's catch-up brings the new stage to its version
             self._stage_waits = 0
             return True
