@@ -280,7 +280,9 @@ def _engine_run(eng, texts: list[str], batch: int, gen: int) -> float:
     """Generated tokens/s of one single-turn cohort of ``batch`` rows of exactly ``gen`` tokens."""
     from stoa.backends.engine import RolloutRequest, SamplingConfig
 
-    eng._text.eos_ids = frozenset()  # fixed lengths: no row ends at EOS (this benchmark only)
+    from dataclasses import replace as _replace
+
+    eng._codec = _replace(eng.codec, eos_ids=frozenset())  # fixed lengths: no row ends at EOS (this benchmark only)
     s = SamplingConfig(max_turn_tokens=gen, max_episode_tokens=len(eng.codec.prompt_tokens(texts[0])) + gen + 1,
                        stop_strings=(), seed=1)
     reqs = [RolloutRequest(i, f"p{i}", 1) for i in range(batch)]
