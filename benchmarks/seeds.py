@@ -77,6 +77,7 @@ def figures(run_dir: Path) -> dict[str, Any]:
         out[f"{tag}_n"] = n
         for m in ["pass@1", *headline]:
             out[f"{tag}_{m}"] = e.get(f"eval/{m}")
+            out[f"{tag}_{m}_n"] = e.get(f"eval/{m}.n", n)  # a metric some episodes carry: its own count
     return out
 
 
@@ -119,9 +120,9 @@ def table(results: list[dict[str, Any]], warm_only: bool) -> str:
             continue
         cells = [str(r["seed"]), "-" if r["p_open"] is None else
                  f"{r['p_open_habit']:.3f} -> {r['p_open']:.3f} ({r['band_steps']} band steps)"]
-        cells += [_cell(r, f"v0_{m}", "v0_n") for m in metrics]
+        cells += [_cell(r, f"v0_{m}", f"v0_{m}_n") for m in metrics]
         if not warm_only:
-            cells += [_cell(r, f"final_{m}", "final_n") for m in metrics]
+            cells += [_cell(r, f"final_{m}", f"final_{m}_n") for m in metrics]
             cells += [str(r["accepted"]), str(r["rejected"]), _pct(r["signal_frac"]), str(r["no_signal_steps"])]
         cells.append(f"{r['wall_s']:.0f}")
         lines.append("| " + " | ".join(cells) + " |")

@@ -284,12 +284,16 @@ def test_several_datasets_make_one_task_that_reports_each_datasets_pass_at_1():
         (turn,) = u.oracle_turns(i)
         good = env.step(turn if i % 2 else "<answer>wrong</answer>")[4]["metrics"]
         assert set(good) == {"correct", "formatted", "score", "score_error", f"correct_{info['dataset']}"}
-        rows.append(SimpleNamespace(metrics=good))
+        rows.append(SimpleNamespace(metrics=good, reward=float(good["score"]), group_id=f"eval-{i}"))
     assert names[:6] == ["chain_sum", "leg_counting", "spell_backward"] * 2  # any prefix is a fair mix
     assert u.reset(options={"index": 0})[0] == stoa.envs.make("reasoning_gym:chain_sum", seed=0, train_size=7,
                                                               test_size=5, min_terms=2, max_terms=2).reset(
                                                                   options={"index": 0})[0]
     means = episode_metric_means(rows, u.metric_types, "eval")  # what evaluation reports, per dataset
+    from stoa.fleet.trainer.trainer import eval_metrics
+
+    ev = eval_metrics(rows, 1, "correct", u.metric_types)  # and how many episodes each mean is over
+    assert ev["eval/correct_chain_sum.n"] == names.count("chain_sum") == 7 and "eval/correct.n" not in ev
     for name in ("chain_sum", "leg_counting", "spell_backward"):
         mine = [i for i in range(len(u)) if names[i] == name]
         assert means[f"eval/correct_{name}"] == pytest.approx(sum(i % 2 for i in mine) / len(mine))

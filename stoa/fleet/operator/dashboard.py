@@ -246,7 +246,7 @@ class Dashboard:
         if rows is None:
             learn = sorted(self._learning.items())
             need = "with --run-dir (the run folder's metrics.jsonl)"
-            head = [k for k in (evals[-1] if evals else {}) if k.startswith("eval/")
+            head = [k for k in (evals[-1] if evals else {}) if k.startswith("eval/") and not k.endswith(".n")
                     and k not in ("eval/pass@1", "eval/seconds", "eval/questions")][:4]
             return [
                 _chart("eval", "Held-out evaluation (the store's)", [_series("pass@1", evals, "eval/pass@1"),

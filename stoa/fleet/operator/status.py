@@ -278,8 +278,8 @@ def render(s: dict[str, Any]) -> list[Any]:
             out.append(Text(f"{clean(wid)}: refused unsigned or unverifiable batches: {clean(cats)}", style="yellow"))
     if s["evals"]:
         # Whatever the task reports (eval/<metric> means), up to four columns beside pass@1.
-        keys = [k for k in s["evals"][-1] if k.startswith("eval/") and k not in ("eval/pass@1", "eval/seconds",
-                                                                                   "eval/questions")][:4]
+        keys = [k for k in s["evals"][-1] if k.startswith("eval/") and not k.endswith(".n")
+                and k not in ("eval/pass@1", "eval/seconds", "eval/questions")][:4]
         e = table("version", "pass@1", *(clean(k[len("eval/"):], 24) for k in keys),
                   title=None if s["verified"] else "evaluations (UNVERIFIED)")
         for r in s["evals"]:

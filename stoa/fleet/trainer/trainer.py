@@ -127,17 +127,22 @@ def successes(episodes: list[Episode], success_metric: str | None) -> np.ndarray
 def eval_metrics(episodes: list[Episode], samples: int, success_metric: str | None,
                  metric_types: dict[str, Any]) -> dict[str, float]:
     """pass@1 (mean success over every sample), pass@k (any of the k samples of an item), mean
-    reward, and the mean of every declared numeric or bool metric of the evaluation episodes."""
+    reward, and the mean of every declared numeric or bool metric of the evaluation episodes; a
+    metric that only some episodes carry (a mixture's ``correct_<task>``) also gets its count, as
+    ``eval/<metric>.n`` (what an interval on its mean needs)."""
     ok = successes(episodes, success_metric)
     by_q: dict[str, list[float]] = {}
     for e, v in zip(episodes, ok):
         by_q.setdefault(e.group_id, []).append(v)
+    means = episode_metric_means(episodes, metric_types, "eval")
+    counts = {f"{k}.n": float(n) for k in means
+              if (n := sum(k[len("eval/"):] in e.metrics for e in episodes)) < len(episodes)}
     return {
         "eval/pass@1": float(ok.mean()),
         f"eval/pass@{samples}": float(np.mean([max(v) for v in by_q.values()])),
         "eval/mean_reward": float(np.mean([e.reward for e in episodes])),
         "eval/questions": float(len(by_q)),
-        **episode_metric_means(episodes, metric_types, "eval"),
+        **means, **counts,
     }
 
 
