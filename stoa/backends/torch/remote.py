@@ -301,12 +301,14 @@ class RemotePipeline(Pipeline):
         self._cache = None
 
     def _through(self, x: torch.Tensor, start: torch.Tensor, longest: int, rows: torch.Tensor | None,
-                 last: str = "hidden") -> torch.Tensor | None:
+                 last: str = "hidden", stages: Sequence[Any] | None = None) -> torch.Tensor | None:
+        """``x`` through ``stages`` (default: all), the last remote one answering ``last``."""
+        stages = self.stages if stages is None else stages
         y: torch.Tensor | None = x
-        for i, st in enumerate(self.stages):
+        for i, st in enumerate(stages):
             assert y is not None
             if isinstance(st, RemoteStage):
-                y = st.forward(y, start, longest, rows, last if i == len(self.stages) - 1 else "hidden")
+                y = st.forward(y, start, longest, rows, last if i == len(stages) - 1 else "hidden")
             else:
                 y = st.forward(y, start, longest, rows)
         return y
@@ -323,12 +325,8 @@ class RemotePipeline(Pipeline):
         n = ids.shape[0]
         m = max(1, min(self.micro, n))
         if m == 1:
-            *through, last = self.stages
-            y: torch.Tensor | None = ids
-            for st in through:
-                assert y is not None
-                y = st.forward(y, start, longest, None, "hidden") if isinstance(st, RemoteStage) else \
-                    st.forward(y, start, longest, None)
+            y = self._through(ids, start, longest, None, stages=self.stages[:-1])
+            last = self.stages[-1]
             assert y is not None and isinstance(last, RemoteStage)
             return last.draw(y, start, longest, seeds, s, self.config.sampler)
         groups = [torch.from_numpy(g) for g in np.array_split(np.arange(n, dtype=np.int64), m)]

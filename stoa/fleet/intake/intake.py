@@ -160,14 +160,10 @@ class Intake:
         else:
             kid, worker, episodes = item.key_id, item.worker_id, len(item.episodes)
         self.gate.refused(item, kid, worker, category, reason, episodes)  # once per object, however often met
-        self._refuse(item, reason, category)
+        self._refuse(item, kid, worker, reason, category)
 
-    def _refuse(self, item: Batch | Rejection, reason: str, category: Category) -> None:
+    def _refuse(self, item: Batch | Rejection, kid: str, worker: str, reason: str, category: Category) -> None:
         """:meth:`reject`'s store side, for a refusal the gate has counted already."""
-        if isinstance(item, Rejection):
-            worker, kid = item.worker_id or "", item.key_id or ""
-        else:
-            worker, kid = item.worker_id, item.key_id
         if not self.reader.quarantine(item, public_reason(category, reason)):  # the store's copy is public
             return  # it stays in the store; the next poll meets it again
         if isinstance(item, Batch):
@@ -215,7 +211,7 @@ class Intake:
             if j.verdict.category == "future":
                 self.counters.future_version_batches += 1
             self.pool.remove(batch.key)  # a pooled batch of a key banned now, or nothing
-            self._refuse(batch, j.verdict.reason, j.verdict.category)
+            self._refuse(batch, batch.key_id, batch.worker_id, j.verdict.reason, j.verdict.category)
         elif j.action == "drop":
             self.pool.remove(batch.key)  # a pooled batch taken back, or nothing
             groups = j.groups()

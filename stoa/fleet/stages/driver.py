@@ -137,6 +137,7 @@ class StageRing:
             StageRefused: a stage is not announced, stale, unreachable or of other layers.
         """
         new = False
+        enrolled: Collection[str] | None = None  # the roster, read once a connect and only if needed
         if not self.ready():
             self._announce()
         for i in range(1, len(self.parts)):
@@ -151,7 +152,9 @@ class StageRing:
             if (a.stages, a.part) != (len(self.parts), self.parts[i]):
                 raise StageRefused(f"stage {i} announces layers {a.part} of {a.stages} stages; this pipeline wants "
                                    f"{self.parts[i]} of {len(self.parts)}")
-            why = discovery.Allowed(self.stage_keys, self._enrolled()).refusal(a.key_id, f"stage {i}")
+            if enrolled is None and a.key_id not in self.stage_keys:
+                enrolled = self._enrolled()
+            why = discovery.Allowed(self.stage_keys, enrolled or ()).refusal(a.key_id, f"stage {i}")
             if why:
                 raise StageRefused(why)
             try:

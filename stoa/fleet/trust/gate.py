@@ -188,9 +188,10 @@ class TrustGate:
         assert self.bounds is not None, "the gate judges batches only when it knows the run's bounds"
         self.binder.prune(version - self.bounds.run.max_lag)
         listing = self.binder.listing()
-        if any(not self.members.established(kid) for kid in listing.keys()):
+        kids = listing.keys()
+        if any(not self.members.established(kid) for kid in kids):
             self.refresh(force=True)  # enrolled since the roster was last read?
-        standing = {kid for kid in listing.keys() if self.members.established(kid) and not self.members.is_banned(kid)}
+        standing = {kid for kid in kids if self.members.established(kid) and not self.members.is_banned(kid)}
         return self.binder.poll(max(0, version - self.bounds.run.lag), standing,
                                 lambda kid, after, below: self._held(settled, kid, after, below), listing)
 
