@@ -16,14 +16,16 @@ import sys
 from pathlib import Path
 
 ROOT = Path(os.environ.get("STOA_LLAMA_CPP", Path.home() / ".cache" / "stoa" / "llama.cpp"))
-BENCH = ROOT / "src" / "build" / "bin" / "llama-batched-bench"
+ISA = os.environ.get("STOA_LLAMA_ISA", "")
+"""``avx2``: the build for AVX2 without AVX-512 (``scripts/build_llama_cpp.sh avx2``); else the native one."""
+BENCH = ROOT / "src" / ("build-" + ISA if ISA else "build") / "bin" / "llama-batched-bench"
 CONVERT = ROOT / "src" / "convert_hf_to_gguf.py"
 
 
 def status() -> str | None:
     """Why llama.cpp cannot run here, or None."""
     if not BENCH.is_file():
-        return f"skipped: llama.cpp is not built in {ROOT} (run `bash scripts/build_llama_cpp.sh`, ~15 min)"
+        return f"skipped: llama.cpp is not built in {ROOT} (run `bash scripts/build_llama_cpp.sh {ISA}`, ~15 min)"
     if not CONVERT.is_file():
         return f"skipped: {CONVERT} is missing"
     return None

@@ -89,15 +89,21 @@ TINY = dict(vocab_size=2048, hidden_size=128, num_layers=4, num_heads=4, num_kv_
 """The tiny demo model's shape (``stoa.models.tiny.TinyConfig`` fields)."""
 
 
-def _reexec(threads: int) -> None:
-    """Restart with OpenBLAS's thread count fixed (it is read when stoa.backends.mlx loads OpenBLAS)."""
+ISAS = {"native": ("", ""), "avx2": ("haswell", "avx2")}
+"""``--isa``: the kernel's ``$STOA_KERNEL_MARCH`` and llama.cpp's build (``$STOA_LLAMA_ISA``) for it."""
+
+
+def _reexec(threads: int, isa: str = "native") -> None:
+    """Restart with OpenBLAS's thread count fixed (it is read when stoa.backends.mlx loads OpenBLAS)
+    and, for ``--isa avx2``, both engines built for AVX2 without AVX-512."""
     from stoa.backends import openmp
 
     openmp.dedicated()  # as a worker's torch engine waits (llama.cpp's OpenMP reads the same variables)
     env = dict(os.environ)
     env.update(OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    if any(os.environ.get(k) != env.get(k) for k in ("OPENBLAS_NUM_THREADS",)):
+    env["STOA_KERNEL_MARCH"], env["STOA_LLAMA_ISA"] = ISAS[isa]
+    if any(os.environ.get(k, "") != env.get(k) for k in ("OPENBLAS_NUM_THREADS", "STOA_KERNEL_MARCH", "STOA_LLAMA_ISA")):
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
@@ -533,8 +539,11 @@ def main() -> None:
     ap.add_argument("--same-work", nargs="*", type=Path, metavar="CONFIG",
                     help="only the same-work table: these run configs' work (default: examples/"
                          + " and examples/".join(SAME_WORK_CONFIGS) + ") on the torch engine and on llama.cpp")
+    ap.add_argument("--isa", choices=sorted(ISAS), default="native",
+                    help="avx2: build the torch engine's kernels and llama.cpp (`scripts/build_llama_cpp.sh avx2`) "
+                         "for AVX2 without AVX-512, to measure an AVX2-only CPU's code path on an AVX-512 one")
     args = ap.parse_args()
-    _reexec(args.threads)
+    _reexec(args.threads, args.isa)
     if args.same_work is not None:
         run_same_work(args)
         return
@@ -548,7 +557,7 @@ def main() -> None:
     corpus = SyntheticConfig(seed=0)
     make_env = lambda: stoa.envs.make("stoa/SyntheticSearch-v0", config=corpus)  # noqa: E731
     t_start = time.perf_counter()
-    results: dict = {"quick": args.quick, "threads": args.threads, "models": {}}
+    results: dict = {"quick": args.quick, "threads": args.threads, "isa": args.isa, "models": {}}
     if args.model:
         scale = {args.model.name: MODEL_SCALES["quick" if args.quick else "full"]}
         results["like_for_like"] = like_for_like(args.model, args.threads, args.quick, args.engines.split(","))
@@ -607,6 +616,11 @@ def run_same_work(args: argparse.Namespace) -> None:
             if not (path / "config.json").is_file():
                 sys.exit(f"--same-work: no model at {path} (make setup builds it); give --model PATH or --quick")
         r = same_work(path, configs, args.threads, args.quick, llama_cpp=args.model is not None or not args.quick)
+    r["isa"] = args.isa
+    from stoa.backends.torch import qlinear
+
+    r["kernel"] = qlinear.available()[1]
+    print(f"\nbuilt for: {args.isa} (kernel: {r['kernel']}; integer path: {qlinear.integer_available()[1]})")
     print_same_work(r)
     if args.json:
         args.json.write_text(json.dumps({"same_work": r}, indent=2, sort_keys=True) + "\n")

@@ -8,7 +8,6 @@ batch-invariant too."""
 from __future__ import annotations
 
 import ctypes
-import shutil
 import subprocess
 
 import numpy as np
@@ -101,15 +100,33 @@ def test_bad_shapes_are_refused():
         qlinear.QLinear([(c, s, b)], digits=4)
 
 
-@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build the 8-lane variant")
-def test_the_eight_lane_build_computes_the_same(tmp_path):
-    """Machines without AVX-512 get 8-lane vectors and 2x4 tiles; build that variant here and check it
-    (and its decode attention)."""
-    so = tmp_path / "q8.so"
-    r = subprocess.run(["gcc", "-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-mavx2", "-mfma", "-mno-avx512f", "-o", str(so),
-                        *map(str, qlinear._SOURCES)], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"this gcc cannot build an AVX2 variant: {r.stderr[-200:]}")
+def test_a_named_cpu_replaces_the_native_one_in_the_build(monkeypatch, tmp_path):
+    """``$STOA_KERNEL_MARCH`` builds for another CPU (one try, no fallback) into its own file."""
+    monkeypatch.setenv("STOA_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.delenv("STOA_KERNEL_MARCH", raising=False)
+    native = qlinear.kernel_path()
+    assert qlinear._attempts("x86_64")[0][-1] == "-march=native" and len(qlinear._attempts("x86_64")) == 3
+    monkeypatch.setenv("STOA_KERNEL_MARCH", "haswell")
+    assert qlinear._attempts("x86_64") == [[*qlinear._FLAGS, "-march=haswell"]]
+    assert qlinear._attempts("aarch64") == [[*qlinear._FLAGS, "-mcpu=haswell"]]
+    if native is not None:
+        assert qlinear.kernel_path() != native  # a build for another CPU never stands in for this one's
+    monkeypatch.setenv("STOA_KERNEL_MARCH", "x; rm -rf /")
+    with pytest.raises(OSError, match="not a CPU name"):
+        qlinear._attempts("x86_64")
+
+
+@pytest.mark.skipif(qlinear._compiler() is None, reason="needs a C compiler to build the 8-lane variant")
+def test_the_eight_lane_build_computes_the_same(monkeypatch, tmp_path):
+    """Machines without AVX-512 get 8-lane vectors and 2x4 tiles; build that variant here as the builder
+    does for ``STOA_KERNEL_MARCH=haswell`` (AVX2 and FMA, no AVX-512) and check it (and its decode attention)."""
+    monkeypatch.setenv("STOA_KERNEL_MARCH", "haswell")
+    monkeypatch.setenv("STOA_KERNEL_CACHE", str(tmp_path))
+    so = qlinear.kernel_path()
+    try:
+        qlinear._build(so, qlinear._compiler())
+    except (OSError, subprocess.SubprocessError) as e:
+        pytest.skip(f"this compiler cannot build for haswell: {str(e)[-200:]}")
     lib = ctypes.CDLL(str(so))
     assert lib.stoa_qmatmul_width() == 8
     rng = np.random.default_rng(4)

@@ -10,7 +10,8 @@ engine holds no float32 weights at all. The codes are the state's numpy arrays, 
 delta written into the state in place is what the next call computes with.
 
 The kernel is compiled once per machine with the system C compiler (``$CC``, else ``cc``/``gcc``;
-``-O3 -march=native -fopenmp -ffp-contract=off``, ``-mcpu=native`` on ARM: :func:`_attempts`) into
+``-O3 -march=native -fopenmp -ffp-contract=off``, ``-mcpu=native`` on ARM; ``$STOA_KERNEL_MARCH`` names
+another CPU, e.g. ``haswell`` for AVX2 without AVX-512: :func:`_attempts`) into
 ``$STOA_KERNEL_CACHE`` (default ``~/.cache/stoa/kernels``), keyed by the sources' hash, the compiler
 and the CPU's flags, and loaded with ``ctypes``; it vectorizes with AVX-512 or AVX2 on x86 and NEON
 on 64-bit ARM, in portable C elsewhere (``kernels/simd.h``). The same library (:func:`library`)
@@ -33,6 +34,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -80,17 +82,30 @@ def kernel_path() -> Path | None:
     if cc is None:
         return None
     src = hashlib.sha256(b"".join(p.read_bytes() for p in (*_SOURCES, _KERNELS / "simd.h"))).hexdigest()[:12]
-    tag = hashlib.sha256(f"{cc}|{platform.machine()}|{_cpu_key()}|{' '.join(_FLAGS)}".encode()).hexdigest()[:12]
+    tag = hashlib.sha256(f"{cc}|{platform.machine()}|{_cpu_key()}|{' '.join(_FLAGS)}|{_target()}".encode()).hexdigest()[:12]
     root = Path(os.environ.get("STOA_KERNEL_CACHE", Path.home() / ".cache" / "stoa" / "kernels"))
     return root / f"qmatmul-{src}-{tag}.so"
+
+
+def _target() -> str:
+    """``$STOA_KERNEL_MARCH``: a CPU to build for instead of this one (e.g. ``haswell`` or
+    ``x86-64-v3`` for AVX2 without AVX-512; ``""``: this CPU)."""
+    return os.environ.get("STOA_KERNEL_MARCH", "").strip()
 
 
 def _attempts(machine: str) -> list[list[str]]:
     """The flag sets a build tries in order on a CPU of this ``platform.machine()``: tuned for the
     CPU (``-march=native`` on x86; ``-mcpu=native`` elsewhere, which GCC and Clang take on ARM), then
     without that (a compiler that cannot name the CPU, e.g. a cross compiler), then without OpenMP
-    (Apple's clang: one thread)."""
-    native = "-march=native" if machine in ("x86_64", "AMD64") else "-mcpu=native"
+    (Apple's clang: one thread). With ``$STOA_KERNEL_MARCH`` set, the named CPU replaces the native
+    one and there is no fallback: a build for another CPU that fails is an error, not a slower build."""
+    x86 = machine in ("x86_64", "AMD64")
+    if _target():
+        if not re.fullmatch(r"[A-Za-z0-9_.+-]{1,40}", _target()):
+            raise OSError(f"STOA_KERNEL_MARCH={_target()!r} is not a CPU name")
+        named = f"-march={_target()}" if x86 else f"-mcpu={_target()}"
+        return [[*_FLAGS, named]]
+    native = "-march=native" if x86 else "-mcpu=native"
     return [[*_FLAGS, native], list(_FLAGS), [f for f in _FLAGS if f != "-fopenmp"]]
 
 
