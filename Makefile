@@ -7,9 +7,9 @@ export STOA_VENV := $(VENV)
 setup:
 	@scripts/setup.sh
 
-# The demo needs no real-model fixture (only the tests use it): setup skips building it here.
+# The demo needs no real-model fixture and no verifiers (only the tests use them): setup skips both here.
 demo:
-	@STOA_SKIP_REAL_MODEL=1 scripts/setup.sh
+	@STOA_SKIP_REAL_MODEL=1 STOA_SKIP_VERIFIERS=1 scripts/setup.sh
 	@. scripts/env.sh && $(VENV)/bin/stoa train examples/papersearch_tiny.toml
 
 test: setup

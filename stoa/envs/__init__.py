@@ -12,8 +12,10 @@ Built-in ids (registered when ``stoa.envs`` is imported):
 Families of ids made on demand (:data:`ID_PREFIXES`): ``reasoning_gym:<dataset>`` makes any
 `reasoning-gym <https://github.com/open-thought/reasoning-gym>`_ dataset a task
 (:class:`stoa.envs.rgym.ReasoningGymEnv`; ``pip install 'stoa[reasoning-gym]'``), and
-``verifiers:<module>`` plays the environment of an installed module's ``load_environment()``
-(:class:`stoa.envs.vf.VerifiersEnv`; ``pip install 'stoa[verifiers]'``).
+``verifiers:<module>`` plays an installed verifiers environment: a classic module's
+``load_environment()`` under verifiers 0.3 (:class:`stoa.envs.vf.VerifiersEnv`;
+``pip install 'stoa[verifiers]'``), or a single-turn taskset scored by ``Task.score`` under 0.4
+(:mod:`stoa.envs.vf_v1`).
 
 A new task is a :class:`TextEnv` subclass registered with one call, from any package::
 

@@ -7,10 +7,11 @@ the Environments Hub or ``pip install -e``), calls ``load_environment(**env.kwar
 environment it returns turn by turn with Stoa's own sampler, the same code on the worker and in
 the trainer's replay, so that replay stays exact.
 
-Supported: the classic API (``verifiers.legacy``, which 0.3 also serves at the top level:
+This module plays the classic API (``verifiers.legacy``, which 0.3 also serves at the top level:
 ``vf.SingleTurnEnv``, ``vf.MultiTurnEnv``), with a ``Rubric`` of reward functions (sync or async;
-weights; weight 0 = a logged metric), a parser, ``system_prompt`` and ``few_shot``. verifiers 0.4's
-tasksets and harnesses (``verifiers.v1``) are not yet: such an environment is refused by name.
+weights; weight 0 = a logged metric), a parser, ``system_prompt`` and ``few_shot``. A taskset
+package (``verifiers.v1``: verifiers 0.4's only API, a preview in 0.3) is played by
+:mod:`stoa.envs.vf_v1`; :func:`make_env` picks the adapter by the installed version and the module.
 
 - **Prompt**: the item's messages (``system_prompt``, ``few_shot``, the question) as one text,
   since a Stoa prompt is the text of one user message (``stoa.backends.prompting`` applies the
@@ -60,7 +61,8 @@ from typing import Any
 
 from stoa.envs.base import TextEnv
 
-__all__ = ["DISTRIBUTION", "PREFIX", "RewardError", "VerifiersEnv", "load", "problems", "register_id"]
+__all__ = ["DISTRIBUTION", "PREFIX", "RewardError", "VerifiersEnv", "load", "make_env", "problems", "register_id",
+           "version"]
 
 PREFIX = "verifiers:"
 DISTRIBUTION = "verifiers"
@@ -92,7 +94,44 @@ def register_id(env_id: str) -> None:
     if spec is None:
         raise ValueError(f"{env_id!r}: no installed module {module!r}; install the package that provides it "
                          "(e.g. pip install -e path/to/env)")
-    stoa.envs.register(env_id, "stoa.envs.vf:VerifiersEnv", kwargs={"module": module})
+    stoa.envs.register(env_id, "stoa.envs.vf:make_env", kwargs={"module": module})
+
+
+def version() -> tuple[int, int]:
+    """The installed verifiers' ``(major, minor)``."""
+    from importlib.metadata import version as installed
+
+    found = re.match(r"(\d+)\.(\d+)", installed(DISTRIBUTION))
+    return (int(found[1]), int(found[2])) if found else (0, 0)
+
+
+def make_env(module: str, **kwargs: Any) -> TextEnv:
+    """The Stoa task of ``<module>`` (the entry point of every ``verifiers:<module>`` id): a
+    taskset package (``verifiers.v1``; always under verifiers 0.4) is played by
+    :class:`stoa.envs.vf_v1.TasksetEnv`, a classic ``load_environment`` module by
+    :class:`VerifiersEnv`.
+
+    Raises:
+        ValueError: the module is neither, or verifiers 0.4 has no classic API for it.
+    """
+    from stoa.envs import vf_v1
+
+    where = f"{PREFIX}{module}"
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"{where}: importing {module!r} failed: {e}") from None
+    classic = callable(getattr(mod, "load_environment", None))
+    if version() >= (0, 4):
+        if vf_v1.is_taskset(mod):
+            return vf_v1.TasksetEnv(module, **kwargs)
+        what = "a classic environment (load_environment)" if classic else "not a taskset package"
+        raise ValueError(f"{where} is refused: {what}; verifiers {'.'.join(map(str, version()))} plays only "
+                         "tasksets (a module exporting a vf.Taskset subclass in __all__); classic environments "
+                         "need verifiers<0.4 (pip install 'stoa[verifiers]')")
+    if not classic and vf_v1.is_taskset(mod):
+        return vf_v1.TasksetEnv(module, **kwargs)
+    return VerifiersEnv(module, **kwargs)
 
 
 # -- loading ----------------------------------------------------------------------------------------
@@ -163,7 +202,8 @@ def problems(env: Any) -> tuple[list[str], list[str]]:
     unreplayable: list[str] = []
     if not isinstance(env, getattr(vf, "MultiTurnEnv", ())):
         where = type(env).__module__
-        api = ("a verifiers 0.4 (verifiers.v1) environment: tasksets and harnesses are not supported yet"
+        api = ("a verifiers.v1 environment: export its Taskset subclass in the module's __all__ instead, and "
+               "Stoa plays the taskset (stoa.envs.vf_v1)"
                if where.startswith("verifiers.v1") else "not a verifiers MultiTurnEnv (SingleTurnEnv is one)")
         return [f"load_environment returned {type(env).__name__} ({where}): {api}"], []
     names = _names(env)
@@ -191,6 +231,34 @@ def problems(env: Any) -> tuple[list[str], list[str]]:
                 unsupported.append(f"a group-level reward function {getattr(f, '__name__', f)!r}: it scores a group's "
                                    "samples together, so one episode's reward cannot be computed or replayed alone")
     return unsupported, unreplayable
+
+
+class _Loop:
+    """An event loop of one env's own, for verifiers' coroutines (or, when the caller's thread
+    already runs a loop, a short-lived thread's)."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def run(self, coro: Any) -> Any:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            if self._loop is None or self._loop.is_closed():
+                self._loop = asyncio.new_event_loop()
+            return self._loop.run_until_complete(coro)
+        out: list[Any] = []
+        t = threading.Thread(target=lambda: out.append(_outcome(asyncio.run, coro)))
+        t.start()
+        t.join()
+        ok, value = out[0]
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.close()
 
 
 class _StoaTurns:
@@ -295,7 +363,7 @@ class VerifiersEnv(TextEnv):
         self.metric_types = {**{n: float for n, *_ in self._funcs}, "stop_condition": str}
         self._where = where
         self._client = _StoaTurns.make(self.vf)
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop = _Loop()
         self._state: Any = None
         self._prompt: list[Any] = []
         self._turns, self._paid = 0, 0.0
@@ -303,28 +371,11 @@ class VerifiersEnv(TextEnv):
     def __len__(self) -> int:
         return len(self._rows)
 
-    # -- async ------------------------------------------------------------------------------------
     def _run(self, coro: Any) -> Any:
-        """Run a verifiers coroutine to its end on this env's own event loop (or, when the
-        caller's thread already runs a loop, on a short-lived thread's)."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            if self._loop is None or self._loop.is_closed():
-                self._loop = asyncio.new_event_loop()
-            return self._loop.run_until_complete(coro)
-        out: list[Any] = []
-        t = threading.Thread(target=lambda: out.append(_outcome(asyncio.run, coro)))
-        t.start()
-        t.join()
-        ok, value = out[0]
-        if not ok:
-            raise value
-        return value
+        return self._loop.run(coro)
 
     def close(self) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.close()
+        self._loop.close()
         super().close()
 
     # -- episodes ---------------------------------------------------------------------------------
