@@ -120,3 +120,80 @@ def test_a_stage_killed_mid_run_costs_no_accepted_work_and_no_ban(tmp_path):
         assert log.count("connected stage 1") >= 2, log[-3000:]  # the restarted stage was found again
     finally:
         f.close()
+
+
+LIAR = """
+import logging, sys
+import numpy as np
+from pathlib import Path
+from stoa.fleet.stages.server import StageServer
+from stoa.transport.frames import Frame
+from stoa.transport.store import LocalStore
+
+class Liar:
+    '''Serves its layers, then adds noise to every hidden state it answers (and signs it).'''
+    def __init__(self, service):
+        self.service = service
+    def reset(self):
+        self.service.reset()
+    def handle(self, f):
+        out = self.service.handle(f)
+        if out is not None and out.arrays and out.arrays[0].ndim == 3:
+            y = out.arrays[0]
+            out = Frame(out.op, out.meta, (y + 0.5 * y.std() * np.random.default_rng(0).standard_normal(y.shape, np.float32),))
+        return out
+
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+store, run, pub, cache, driver_key = sys.argv[1:]
+sys.exit(StageServer(LocalStore(store), run, pub, "p0", 1, 3, Path(cache), driver_keys=[driver_key],
+                     wrap_service=Liar).run())
+"""
+
+
+def test_a_stage_computing_wrong_activations_is_named_and_dropped_and_the_driver_is_not_banned(tmp_path):
+    """A 3-stage pipeline whose middle stage (a process with an accepted key, its share hashes the
+    signed ones) adds noise to its activations and signs them: the driver's spot check recomputes
+    the stage from the cohort's signed transcript before the upload, names it, drops it and refuses
+    its key; no batch of it is uploaded, the driver's key is not banned, and an honest stage in its
+    place finishes the run."""
+    import subprocess
+    import sys
+
+    from test_fleet import env
+
+    cfg = tmp_path / "pipe.toml"
+    cfg.write_text(tiny_fleet_config("pipe", model={"tiny": {"num_layers": 3, "hidden_size": 128}},
+                                     rollout={"engine": "torch"}, trainer={"steps": 3}))
+    f = Fleet(tmp_path, cfg)
+    try:
+        trainer = f.trainer()
+        dkey = key_of(f.tmp / "cache" / "driver" / "worker.key")
+        liar_cache = f.tmp / "cache" / "liar"
+        liar_key, honest_key = key_of(liar_cache / "stage.key"), key_of(f.tmp / "cache" / "honest" / "stage.key")
+        liar = subprocess.Popen([sys.executable, "-c", LIAR, str(f.store_dir), f.cfg.name, str(f.pub), str(liar_cache),
+                                 dkey], env=env(), stdout=open(f.tmp / "liar.log", "ab"), stderr=subprocess.STDOUT)
+        f.procs.append(liar)
+        last = f._spawn(["stage", "--stage", "2/3", "--store", str(f.store_dir), "--run", f.cfg.name, "--public-key",
+                         str(f.pub), "--cache", str(f.tmp / "cache" / "stage2"), "--pipeline", "p0", "--driver-key", dkey],
+                        "stage2.log")
+        drv = f.worker("driver", "--stages", "3", "--stage-keys",
+                       ",".join([liar_key, honest_key, key_of(f.tmp / "cache" / "stage2" / "stage.key")]))
+        f.wait_for(lambda: "computed outputs its layers do not make" in f.log("driver.log"), timeout=300,
+                   what="the driver to blame the lying stage")
+        f.wait_for(lambda: f"stage 1's key {liar_key} was blamed" in f.log("driver.log"), timeout=60,
+                   what="the driver to refuse the liar's announcement")
+        liar.kill()  # its operator's move: a liar left running squats the announcement (a writer can stall a pipeline)
+        liar.wait()
+        honest = f._spawn(["stage", "--stage", "1/3", "--store", str(f.store_dir), "--run", f.cfg.name, "--public-key",
+                           str(f.pub), "--cache", str(f.tmp / "cache" / "honest"), "--pipeline", "p0", "--driver-key",
+                           dkey], "honest.log")
+        assert f.wait(trainer, 400) == 0, f.log("trainer.log")[-3000:]
+        assert f.wait(drv, 60) == 0, f.log("driver.log")[-3000:]
+        for p in (honest, last):
+            f.wait(p, 60)
+        check_run(f)  # nothing quarantined, nobody banned, every uploaded batch accounted for
+        log = f.log("driver.log")
+        assert f"stage 1 (key {liar_key}) computed outputs" in log, log[-3000:]
+        assert log.count("computed outputs its layers do not make") == 1
+    finally:
+        f.close()

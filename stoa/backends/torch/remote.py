@@ -33,6 +33,7 @@ import torch
 
 from stoa.backends.engine import EngineConfig, EngineError, SamplingConfig
 from stoa.backends.sampling import HostSampler
+from stoa.backends.torch.decoder import _STEP as KV_STEP
 from stoa.backends.torch.engine import draw, exact_matmuls
 from stoa.backends.torch.pipeline import Pipeline, Stage, split_layers
 from stoa.transport.frames import Frame, FrameError, check_array, meta_int, meta_ints
@@ -75,14 +76,33 @@ class StageService:
         stage: the stage (its weights kept current by its owner, between cohorts).
         max_slots: most rows of its KV cache a driver may ask for.
         max_positions: most positions a row may reach.
+        kv_check: ``kv_check(slots, positions) -> reason or None``, asked before the KV cache is
+            allocated or grown (``positions`` rounded up as allocated): a reason refuses the frame
+            (a memory cap held while running).
     """
 
-    def __init__(self, stage: Stage, max_slots: int, max_positions: int) -> None:
+    def __init__(self, stage: Stage, max_slots: int, max_positions: int,
+                 kv_check: Callable[[int, int], str | None] | None = None) -> None:
         self.stage, self.max_slots, self.max_positions = stage, int(max_slots), int(max_positions)
         self.hidden = stage.decoder.spec.hidden_size
         self.vocab = stage.decoder.spec.vocab_size
         self.slots = 0
+        self.kv_check = kv_check
         self._host_sampler = HostSampler()
+
+    def reset(self) -> None:
+        """Start the KV cache afresh (a new cohort: its outputs then depend on its frames alone)."""
+        self.slots = 0
+        self.stage.cache = None
+
+    def _room(self, slots: int, length: int) -> None:
+        if self.kv_check is None:
+            return
+        c = self.stage.cache
+        have = c.capacity if c is not None and c.shape[0] == slots else 0
+        why = self.kv_check(slots, max(have, -(-max(length, 1) // KV_STEP) * KV_STEP))
+        if why:
+            raise FrameError(why)
 
     def handle(self, f: Frame) -> Frame | None:
         """The answer to ``f`` (None for the cache ops, which answer nothing).
@@ -92,7 +112,9 @@ class StageService:
         """
         with exact_matmuls(self.stage.device), torch.no_grad():
             if f.op == "slots":
-                self.slots = meta_int(f.meta, "slots", 1, self.max_slots)
+                slots = meta_int(f.meta, "slots", 1, self.max_slots)
+                self._room(slots, 1)
+                self.slots = slots
                 self.stage.kv(self.slots)
                 return None
             if not self.slots:
@@ -100,7 +122,9 @@ class StageService:
             c = self.stage.cache
             assert c is not None
             if f.op == "ensure":
-                c.ensure(meta_int(f.meta, "length", 0, self.max_positions))
+                length = meta_int(f.meta, "length", 0, self.max_positions)
+                self._room(self.slots, length)
+                c.ensure(length)
                 return None
             if f.op in ("copy_rows", "move"):
                 src = meta_int(f.meta, "src", 0, self.slots - 1)
@@ -129,6 +153,7 @@ class StageService:
         longest = meta_int(f.meta, "longest", 1, self.max_positions)
         if longest != int(start.max()) + m:
             raise FrameError(f"longest {longest} is not max(start) + {m}")
+        self._room(self.slots, longest)
         if want == "draw":
             return self._draw(f, x, start, longest)
         rows = None
@@ -291,6 +316,10 @@ class RemotePipeline(Pipeline):
         the stages one behind the other, so while one waits on a link the others are computed
         (the driver sets it from its links' round trips, :func:`micro_batches`). The episodes are
         the same whatever it is: each row is computed alone of the others."""
+        self.begin: Callable[[], None] | None = None
+        """Called at the start of each cohort, before any frame of it (the driver's: it opens the
+        cohort's transcript, :mod:`stoa.fleet.stages.transcript`); the remote caches are then set
+        up afresh, so that a cohort's frames alone make its outputs."""
 
     @property
     def state(self) -> dict[str, np.ndarray]:
@@ -363,6 +392,9 @@ class RemotePipeline(Pipeline):
     def rollout(self, make_env: Callable[[], Any], requests: Sequence[Any], sampling: SamplingConfig = SamplingConfig()
                 ) -> list[Any]:
         try:
+            if self.begin is not None:
+                self._cache = None
+                self.begin()
             return super().rollout(make_env, requests, sampling)
         except BaseException:
             self._cache = None  # the remote caches may have missed ops: set them up afresh

@@ -132,6 +132,12 @@ def _int(v: object, lo: int, hi: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
+def _host(v: object) -> bool:
+    """An announced host: at most 255 printable ASCII characters, no white space (what a log line
+    can show as it is, and what ``--advertise`` accepts)."""
+    return isinstance(v, str) and len(v) <= 255 and all("!" <= c <= "~" for c in v)
+
+
 def _signer(raw: bytes, where: str) -> Any:
     """The public key an announcement's body says signed it (checked by the signature after)."""
     try:
@@ -169,8 +175,7 @@ def read_announcement(store: ObjectStore, run: str, pipeline: str, index: int) -
     if not (isinstance(d, dict) and set(d) == fields and d["format"] == FORMAT and d["index"] == index
             and _int(d["stages"], 2, 4096) and index < d["stages"]
             and isinstance(d["part"], list) and len(d["part"]) == 2 and all(_int(x, 0, 1 << 20) for x in d["part"])
-            and d["part"][0] < d["part"][1] and isinstance(d["host"], str) and len(d["host"]) <= 255
-            and (first or len(d["host"]) > 0) and _int(d["port"], 0 if first else 1, 65535)
+            and d["part"][0] < d["part"][1] and _host(d["host"]) and (first or len(d["host"]) > 0) and _int(d["port"], 0 if first else 1, 65535)
             and d["key_id"] == key_id(pub) and isinstance(d["cert"], str) and len(d["cert"]) <= 2048
             and isinstance(d["time"], (int, float)) and not isinstance(d["time"], bool)):
         raise ValueError(f"{key} is not a stage announcement of stage {index}: {raw[:200]!r}")

@@ -13,7 +13,12 @@
         driver's announced key (stage 0), which must be --driver-key or enrolled in the run:
         hello          -> the layers held, the stage's key id, its version
         sync v         -> the share brought to version v, verified; answers its share hashes
-        forward, cache -> StageService (stoa.backends.torch.remote)
+        cohort id      -> a new cohort: the KV cache starts afresh, and every answer from now on
+                          carries a step signed with the stage's key (stoa.fleet.stages.transcript)
+        forward, cache -> StageService (stoa.backends.torch.remote), the KV cache held under the
+                          memory cap (stoa.fleet.stages.memory)
+    while serving, a resident set over the running limit refuses further work: the frame in hand
+        is answered with an error, the stage stops announcing and exits 2
 
 A frame that breaks the format or the stage's bounds closes the driver's connection; the stage
 goes back to listening. So does a connection from a driver whose key is not accepted, or that
@@ -30,7 +35,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +43,8 @@ from stoa.backends.engine import stage_backend
 from stoa.fleet.metrics import peak_rss_mib
 from stoa.fleet.run import fetch_run
 from stoa.fleet.stages import discovery, tls
+from stoa.fleet.stages.memory import RunningCap
+from stoa.fleet.stages.transcript import ANSWERED, StepSigner
 from stoa.transport.frames import Frame, FrameError, meta_int, read_frame, write_frame
 from stoa.transport import pulse, shares
 from stoa.transport.chain import SYNC_ERRORS
@@ -84,12 +91,14 @@ class StageServer:
         max_memory_mb: refuse to start when the stage's measured need is over this (None: no cap).
         driver_keys: key ids of the drivers this stage serves, besides the keys enrolled in the
             run's roster.
+        wrap_service: ``wrap_service(service) -> service``, the one seam for changing what the
+            stage computes (as the worker's ``wrap_engine``): tests make a dishonest stage with it.
     """
 
     def __init__(self, store: ObjectStore, run: str, public_key: Any, pipeline: str, index: int, stages: int,
                  cache_dir: Path, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None,
                  max_memory_mb: float | None = None, wait_seconds: float = 600.0,
-                 driver_keys: Collection[str] = ()) -> None:
+                 driver_keys: Collection[str] = (), wrap_service: Callable[[Any], Any] | None = None) -> None:
         if not 1 <= index < stages:
             raise ValueError(f"stage {index} of {stages}: a stage process serves 1 .. {stages - 1} (0 is the driver)")
         self.store, self.run_name, self.public_key = store, run, load_public_key(public_key)
@@ -100,11 +109,15 @@ class StageServer:
         self.key = load_or_create_worker_key(self.cache_dir / "stage.key")
         self.key_id = key_id(self.key.public_key())
         self.driver_keys = frozenset(driver_keys)
+        self.wrap_service = wrap_service
         self.stop = threading.Event()
         self.need_mb = 0.0
         self.stage: Any = None
         self.sub: Any = None
         self.frames = 0
+        self.signer = StepSigner(self.key, run, self.pipeline, index)
+        self.cap: RunningCap | None = None
+        self.exit_code = EXIT_OK
 
     def run(self) -> int:
         """Join, then serve until the run finishes or :attr:`stop` is set; the exit status."""
@@ -165,7 +178,12 @@ class StageServer:
             return EXIT_CONFIG
         rc = cfg.rollout
         positions = 2 * rc.max_episode_tokens + 64
-        service = stage_backend().StageService(self.stage, rc.max_batch, positions)
+        mem = self.stage.memory()
+        self.cap = RunningCap(self.max_memory_mb, mem.state + mem.weights, mem.kv_per_token)
+        service = stage_backend().StageService(self.stage, rc.max_batch, positions, self.cap.kv_refusal)
+        if self.wrap_service is not None:
+            service = self.wrap_service(service)
+        self.cap.ready()
         hidden, vocab = model_shape(model_dir)[2:]
         self.max_payload = rc.max_batch * positions * max(hidden, 1) * 4 + rc.max_batch * 16 + (1 << 16)
         with socket.create_server((self.host, self.port)) as srv:
@@ -186,7 +204,7 @@ class StageServer:
                     if link is not None:
                         with link:
                             self._driver(link, peer, service)
-        return EXIT_OK
+        return self.exit_code
 
     def announcement(self) -> discovery.Announcement:
         """What this stage announces now: its layers, and ``advertise``'s host and port (the port
@@ -240,9 +258,15 @@ class StageServer:
                     continue
                 f = read_frame(conn, self.max_payload)
                 self.frames += 1
+                over = self.cap.over() if self.cap is not None else None
+                if over:
+                    self._refuse_work(conn, over)
+                    return
+                if f.op != "cohort":
+                    self.signer.received(f)
                 out = self._answer(f, service)
                 if out is not None:
-                    write_frame(conn, out)
+                    write_frame(conn, self.signer.sign(out) if f.op in ANSWERED and out.op == "out" else out)
         except FrameError as e:
             log.warning("closing the driver's connection: %s", e)
             try:
@@ -252,7 +276,22 @@ class StageServer:
         except OSError as e:
             log.warning("the driver's connection failed: %s", e)
 
+    def _refuse_work(self, conn: socket.socket, why: str) -> None:
+        """Over the running memory limit: answer the frame in hand with ``why``, stop announcing
+        and stop serving (exit 2). The driver voids the cohort in hand; nothing it uploaded is lost."""
+        log.error("stage %d/%d: %s", self.index, self.stages, why)
+        self.exit_code = EXIT_CONFIG
+        self.stop.set()
+        try:
+            write_frame(conn, Frame("error", {"message": f"stage {self.index}: {why}"[:500]}))
+        except OSError:
+            pass
+
     def _answer(self, f: Frame, service: Any) -> Frame | None:
+        if f.op == "cohort":
+            self.signer.begin(f.meta.get("id"))
+            service.reset()
+            return None
         if f.op == "hello":
             return Frame("hello", {"index": self.index, "stages": self.stages, "part": list(self.stage.part),
                                    "layers": self.sub.layers, "key_id": self.key_id, "version": self.stage.version})
