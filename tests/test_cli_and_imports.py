@@ -211,9 +211,11 @@ def test_reading_a_config_imports_no_process():
     r = run_py(code)
     assert r.returncode == 0, r.stderr
     loaded = set(r.stdout.split())
-    faces = {"stoa.fleet", "stoa.fleet.trainer", "stoa.fleet.worker", "stoa.fleet.trust", "stoa.fleet.operator"}
+    faces = {"stoa.fleet", "stoa.fleet.trainer", "stoa.fleet.worker", "stoa.fleet.trust", "stoa.fleet.operator",
+             "stoa.fleet.outer"}
     leaves = {"stoa.fleet.config", "stoa.fleet.sections", "stoa.fleet.task", "stoa.fleet.trainer.section",
-              "stoa.fleet.worker.section", "stoa.fleet.trust.section", "stoa.fleet.operator.section"}
+              "stoa.fleet.worker.section", "stoa.fleet.trust.section", "stoa.fleet.operator.section",
+              "stoa.fleet.outer.section"}
     assert loaded <= faces | leaves, sorted(loaded - faces - leaves)
     r = run_py("import sys, stoa.fleet.config; print('torch' in sys.modules, 'stoa.fleet.trust.gate' in sys.modules)")
     assert r.returncode == 0 and r.stdout.split() == ["False", "False"], r.stderr

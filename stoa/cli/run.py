@@ -103,10 +103,13 @@ def sweep(
 def trainer(
     config: Annotated[Path, typer.Argument(help="Run config (TOML).")],
     store: Annotated[str, typer.Option(help="Object store: a path, file://..., or s3://bucket/prefix.")],
-    key: Annotated[Path, typer.Option(help="The run's ed25519 private key (from `stoa keygen`).")],
+    key: Annotated[Optional[Path], typer.Option(help="The run's ed25519 private key (from `stoa keygen`); rank 0 only.")] = None,
     run_dir: Annotated[Optional[Path], typer.Option(help="Local folder for checkpoints and metrics (default runs/<name>).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint in --run-dir.")] = False,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a config key: --set trainer.steps=50.")] = None,
+    outer_rank: Annotated[int, typer.Option(help="With [outer] trainers = N: this trainer's rank, 1..N-1 (0: the coordinator, with --key).")] = 0,
+    outer_secret: Annotated[Optional[Path], typer.Option(help="With [outer] trainers > 1: the secret file the run's trainers share (stoa train makes keys/outer.secret).")] = None,
+    public_key: Annotated[Optional[str], typer.Option(help="With --outer-rank >= 1: the run's public key (hex, or a .pub file).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
     """Train: consume episodes from the store, take optimizer steps, publish int8 weights through PULSE.
@@ -115,7 +118,9 @@ def trainer(
     run finished (`--resume` continues it); a step still running 20 s after the signal is abandoned
     (exit 143; redone after `--resume`); a second Ctrl-C stops at once.
 
-    Several GPUs: `torchrun --nproc-per-node N -m stoa trainer ...` with learner.kind = "megatron"."""
+    Several GPUs: `torchrun --nproc-per-node N -m stoa trainer ...` with learner.kind = "megatron".
+    Several trainers of one run ([outer] trainers = N, docs/outer.md): rank 0 with --key and
+    --outer-secret, ranks 1..N-1 with --outer-rank i, --outer-secret and --public-key."""
     from stoa.fleet.config import ConfigError, check_runnable, load_config
     from stoa.fleet.trainer.trainer import Trainer
     from stoa.transport.store import open_store
@@ -128,6 +133,21 @@ def trainer(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     run_dir = run_dir or Path("runs") / cfg.name
+    secret = None
+    if outer_secret is not None or outer_rank:
+        from stoa.fleet.outer.exchange import read_secret
+
+        try:
+            secret = read_secret(outer_secret) if outer_secret is not None else None
+        except ValueError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+    if outer_rank:
+        _inner_trainer(cfg, store, run_dir, outer_rank, public_key, secret)
+        return
+    if key is None:
+        typer.echo("error: give --key (the run's private key), or --outer-rank i for a non-coordinating trainer", err=True)
+        raise typer.Exit(2)
     private_key = read_private_key(key)
     from stoa.fleet.trainer import distributed
 
@@ -139,13 +159,31 @@ def trainer(
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(1) from None
         return
-    trainer = Trainer(cfg, open_store(store), run_dir, private_key, resume=resume)
+    trainer = Trainer(cfg, open_store(store), run_dir, private_key, resume=resume, outer_secret=secret)
     import signal
 
     from stoa.fleet import lifetime
 
     lifetime.install()  # a stop request is bounded; started by `stoa train`, it dies with it
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # stop after the current step, with a checkpoint
+        signal.signal(sig, trainer.request_stop)
+    trainer.run()
+
+
+def _inner_trainer(cfg, store: str, run_dir: Path, rank: int, public_key: str | None, secret: bytes | None) -> None:
+    """``stoa trainer --outer-rank i``: a trainer of the run that is not its coordinator (stoa.fleet.outer.inner)."""
+    import signal
+
+    from stoa.fleet import lifetime
+    from stoa.fleet.outer.inner import InnerTrainer
+    from stoa.transport.store import open_store
+
+    if public_key is None or secret is None:
+        typer.echo("error: --outer-rank needs --public-key (the run's) and --outer-secret", err=True)
+        raise typer.Exit(2)
+    trainer = InnerTrainer(cfg, open_store(store), run_dir, rank, public_key, secret)
+    lifetime.install()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, trainer.request_stop)
     trainer.run()
 

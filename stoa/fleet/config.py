@@ -20,6 +20,7 @@ assembles them::
                  # (stoa.fleet.trainer.section.WarmstartConfig)
     [pulse]      # weight channel: anchors, export dtype (stoa.fleet.trainer.section.PulseConfig)
     [eval]       # held-out evaluation (stoa.fleet.trainer.section.EvalConfig)
+    [outer]      # several trainers of one run, DiLoCo-style outer steps (stoa.fleet.outer.section.OuterConfig)
     [fleet]      # the local launcher (`stoa train`): how many workers (stoa.fleet.operator.section.FleetConfig)
     [trust]      # which worker keys may upload, how their episodes are verified, the reward
                  # range they may report (stoa.fleet.trust.section.TrustConfig)
@@ -51,6 +52,7 @@ from stoa.algos import Objective
 from stoa.backends.learner import LearnerConfig
 from stoa.backends.megatron.options import MegatronOptions
 from stoa.fleet.operator.section import FleetConfig
+from stoa.fleet.outer.section import OuterConfig
 from stoa.fleet.sections import ConfigError, check
 from stoa.fleet.task import EnvConfig, import_env_module
 from stoa.fleet.trainer.section import EvalConfig, ModelConfig, PulseConfig, TrainerConfig, WarmstartConfig
@@ -58,7 +60,8 @@ from stoa.fleet.trust.section import AuditConfig, TrustConfig
 from stoa.fleet.worker.section import RolloutConfig
 
 __all__ = [
-    "AuditConfig", "ConfigError", "EnvConfig", "EvalConfig", "FleetConfig", "LearnerSection", "ModelConfig", "PulseConfig",
+    "AuditConfig", "ConfigError", "EnvConfig", "EvalConfig", "FleetConfig", "LearnerSection", "ModelConfig", "OuterConfig",
+    "PulseConfig",
     "RolloutConfig", "RunConfig", "TrainerConfig", "TrustConfig", "UnresolvedObjective", "WarmstartConfig",
     "check_runnable", "import_env_module", "load_config",
 ]
@@ -114,6 +117,7 @@ class RunConfig:
     eval: EvalConfig = EvalConfig()
     fleet: FleetConfig = FleetConfig()
     trust: TrustConfig = TrustConfig()
+    outer: OuterConfig = OuterConfig()
 
     def __post_init__(self) -> None:
         check(bool(self.name) and all(c.isalnum() or c in "-_." for c in self.name) and self.name[0] != ".",
@@ -123,6 +127,8 @@ class RunConfig:
         check(self.trainer.max_lag >= self.rollout.lag,
                f"trainer.max_lag ({self.trainer.max_lag}) must be >= rollout.lag ({self.rollout.lag}), "
                "or the staleness gate drops every forced-stale episode")
+        check(not self.outer.active or self.learner.kind == "torch",
+              "[outer] steps need learner.kind = \"torch\" (the megatron learner cannot load merged weights yet)")
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(self)

@@ -10,7 +10,7 @@ import math
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -343,6 +343,17 @@ class TorchLearner(Counters):
         if dtype not in ("float32", "bfloat16"):
             raise LearnerError(f"dtype must be float32 or bfloat16, got {dtype!r}")
         return host_arrays(self._hf_state(), dtype)
+
+    def load_weights(self, state: Mapping[str, np.ndarray]) -> None:
+        """Set the weights from ``{hf_name: float32 array}`` (every tensor :meth:`export_weights`
+        gives, same shapes); the optimizer's state and counters are kept (an outer step,
+        :mod:`stoa.fleet.outer`)."""
+        hf = self._hf_state()
+        if set(state) != set(hf) or any(tuple(np.shape(state[n])) != tuple(t.shape) for n, t in hf.items()):
+            raise LearnerError("load_weights: the names or shapes differ from the model's")
+        with torch.no_grad():
+            for n, t in hf.items():
+                t.copy_(torch.from_numpy(np.ascontiguousarray(state[n], np.float32)).to(t.device, t.dtype))
 
     def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
         path = Path(path)

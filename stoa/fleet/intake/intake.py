@@ -149,6 +149,11 @@ class Intake:
             self.reject(batch, reason[:2000])
         self.pool.put_back(taken, [b.key for b, _ in guilty])
 
+    def put_back(self, taken: Taken) -> None:
+        """Groups taken but never trained (dealt to a trainer an outer step dropped,
+        :mod:`stoa.fleet.outer`): back to the front of the pool as they were, first in line."""
+        self.pool.put_back(taken, [])
+
     def reject(self, item: Batch | Rejection, reason: str = "", category: Category = "invalid") -> None:
         """Refuse a batch, or an object the reader refused, everywhere at once: quarantine (a
         restart never retries it), the sender's record (strikes, bans), the ledger and an event

@@ -36,10 +36,10 @@ class FleetGone(RuntimeError):
 
 
 def no_worker_left(procs: dict[str, subprocess.Popen], finished: Callable[[], bool]) -> str | None:
-    """Why the run cannot go on, when every worker process in ``procs`` (all but ``"trainer"``)
+    """Why the run cannot go on, when every worker process in ``procs`` (all but the trainers)
     has exited while the trainer runs and the run is not ``finished()``; else None (also when
     there are no workers)."""
-    workers = {n: p for n, p in procs.items() if n != "trainer"}
+    workers = {n: p for n, p in procs.items() if not n.startswith("trainer")}
     if not workers or any(p.poll() is None for p in workers.values()) or procs["trainer"].poll() is not None \
             or finished():
         return None
@@ -120,7 +120,8 @@ def train_local(config_path: str | Path, overrides: dict[str, Any] | None = None
     if store is not None and not resume and the_store.list(f"{cfg.name}/"):
         raise SystemExit(f"{the_store} already holds run {cfg.name!r}: pass --resume, or use another prefix")
 
-    console.print(f"[bold]stoa train[/bold] {cfg.name}: trainer + {n_workers} int8 worker(s), store {store_dir}")
+    trainers = "trainer" if cfg.outer.trainers == 1 else f"{cfg.outer.trainers} trainers"
+    console.print(f"[bold]stoa train[/bold] {cfg.name}: {trainers} + {n_workers} int8 worker(s), store {store_dir}")
     # SIGTERM and SIGHUP (kill, systemd, Docker, Kubernetes, a CI cancellation, a closed terminal) stop the
     # fleet as Ctrl-C does; the children hold the read end of a pipe whose write end dies with this
     # process, however it dies (stoa.fleet.lifetime), so a SIGKILL of the launcher takes them too.
@@ -162,6 +163,7 @@ def _run_fleet(cfg: RunConfig, config_path: str | Path, overrides: dict[str, Any
     SIGTERM/SIGHUP, an error) stop the ones still running: SIGTERM, then SIGKILL after the stop bound.
     Returns why the run cannot go on when no worker is left (:class:`FleetGone`), else None."""
     from stoa.fleet.lifetime import STOP_BOUND_S
+    from stoa.fleet.outer.exchange import make_secret
     from stoa.transport.signing import load_private_key
 
     trainer_args = ["trainer", str(config_path), "--store", str(store_dir), "--run-dir", str(run_dir),
@@ -170,8 +172,17 @@ def _run_fleet(cfg: RunConfig, config_path: str | Path, overrides: dict[str, Any
         trainer_args += ["--set", f"{k}={json.dumps(v)}"]
     if resume:
         trainer_args.append("--resume")
+    secret = make_secret(run_dir / "keys" / "outer.secret") if cfg.outer.trainers > 1 else None
+    if secret is not None:
+        trainer_args += ["--outer-secret", str(secret)]
     try:
         procs["trainer"] = _spawn(trainer_args, run_dir / "trainer.log", 1, bind_fd)
+        for rank in range(1, cfg.outer.trainers):  # the run's other trainers (docs/outer.md)
+            args = ["trainer", str(config_path), "--store", str(store_dir), "--run-dir", str(run_dir / f"trainer-{rank}"),
+                    "--outer-rank", str(rank), "--outer-secret", str(secret), "--public-key", public_hex]
+            for k, v in (overrides or {}).items():
+                args += ["--set", f"{k}={json.dumps(v)}"]
+            procs[f"trainer-{rank}"] = _spawn(args, run_dir / f"trainer-{rank}.log", 1, bind_fd)
         fleet = [(f"worker-{i}", None) for i in range(n_workers)]
         fleet += [(f"adversary-{j}-{kind}", kind) for j, kind in enumerate(adversaries)]
         for wid, kind in fleet:
@@ -325,7 +336,7 @@ def _view(cfg: RunConfig, rows: list[dict[str, Any]], store: LocalStore, procs: 
     beats, _ = read_heartbeats(store, cfg.name)
     now = time.time()
     alive = [b for b in beats if now - b.time < 30 and b.status != "stopped"]
-    table.add_row("workers alive", Text(f"{len(alive)} of {len(procs) - 1}: " + ", ".join(
+    table.add_row("workers alive", Text(f"{len(alive)} of {sum(not n.startswith('trainer') for n in procs)}: " + ", ".join(
         f"{clean(b.worker_id, 40)} v{b.version} {clean(b.status, 20)} {b.episodes_per_s:.0f} ep/s"
         for b in sorted(beats, key=lambda b: b.worker_id))))
     from stoa.fleet.operator.status import trust_lines

@@ -57,6 +57,7 @@ from stoa.fleet.metrics import MetricsSink, peak_rss_mib
 from stoa.fleet.parity import check_floor, check_trainer
 from stoa.fleet.run import delete_heartbeat, publish_run, read_heartbeats
 from stoa.fleet.trainer.fleetwatch import FleetWatch, store_metrics
+from stoa.fleet.trainer.learning import learn_step, successes
 from stoa.fleet.task import import_env_module
 from stoa.fleet.trainer.policies import HeldPolicies
 from stoa.fleet.trainer.publishing import PublishedRecord, next_version, publish_once
@@ -70,9 +71,10 @@ from stoa.transport.store import ObjectStore
 from stoa.types import Episode
 
 if TYPE_CHECKING:
+    from stoa.fleet.outer.coordinator import Coordinator
     from stoa.fleet.trainer.distributed import Ranks
 
-__all__ = ["StartRefused", "Trainer", "eval_metrics", "peak_rss_gib", "prepare_model", "successes"]
+__all__ = ["StartRefused", "Trainer", "eval_metrics", "learn_step", "peak_rss_gib", "prepare_model", "successes"]
 
 log = logging.getLogger("stoa.trainer")
 
@@ -117,11 +119,6 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
     build_tiny(tmp, texts, dataclasses.replace(cfg.model.tiny, seed=cfg.seed + cfg.model.tiny.seed))
     tmp.replace(out)
     return out
-
-
-def successes(episodes: list[Episode], success_metric: str | None) -> np.ndarray:
-    """1.0 for each episode that solved its item (the env's ``success_metric``, else reward > 0)."""
-    return np.array([bool(e.metrics.get(success_metric)) if success_metric else e.reward > 0 for e in episodes], float)
 
 
 def eval_metrics(episodes: list[Episode], samples: int, success_metric: str | None,
@@ -169,10 +166,13 @@ class Trainer:
         on_row: called with every metrics row (for a live view).
         ranks: under torchrun, rank 0's :class:`stoa.fleet.trainer.distributed.Ranks` (the learner's
             calls are mirrored to the other ranks); None in a single process.
+        outer_secret: with ``[outer] trainers > 1``, the secret the run's trainers share
+            (:func:`stoa.fleet.outer.exchange.read_secret`); this trainer is their coordinator.
     """
 
     def __init__(self, cfg: RunConfig, store: ObjectStore, run_dir: Path, private_key: Any, resume: bool = False,
-                 on_row: Callable[[dict], None] | None = None, ranks: Ranks | None = None):
+                 on_row: Callable[[dict], None] | None = None, ranks: Ranks | None = None,
+                 outer_secret: bytes | None = None):
         self.cfg, self.store, self.run_dir = cfg, store, Path(run_dir)
         self.fleet = FleetWatch(cfg.trainer.silent_after_s)
         self._watched = 0.0
@@ -194,6 +194,8 @@ class Trainer:
         self._t0 = time.time()
         self._stop = False
         self._signals = 0
+        self.outer: Coordinator | None = None
+        self.outer_secret = outer_secret
 
     def request_stop(self, signum: Any = None, *_: Any) -> None:
         """Stop after the current step (a signal handler; a second SIGINT stops at once)."""
@@ -259,6 +261,8 @@ class Trainer:
             self.intake.restore(extra["intake"])
         else:
             self.evaluate()
+        if cfg.outer.active:
+            self.outer = self._coordinator()
         while self.rl_step < cfg.trainer.steps and not self._stop:
             if not self.step():
                 if self.ranks:
@@ -278,8 +282,32 @@ class Trainer:
         self.sink.close()
         return summary
 
+    def _coordinator(self) -> Coordinator:
+        """Rank 0 of ``[outer]``'s trainers (:mod:`stoa.fleet.outer.coordinator`), its round open at this version."""
+        import secrets
+
+        from stoa.fleet.outer.coordinator import Coordinator
+        from stoa.fleet.outer.exchange import OuterExchange
+
+        if self.cfg.outer.trainers > 1 and not self.outer_secret:
+            raise ExpectedFailure("[outer] trainers > 1 needs the run's outer secret (stoa trainer --outer-secret)")
+        exchange = OuterExchange(self.store, self.run_name, self.outer_secret or secrets.token_bytes(32),
+                                 self.key.public_key(), self.key)
+
+        def refuse(taken: Taken, error: Exception) -> None:
+            log.warning("learner step failed (%s: %s); finding the batch to blame", type(error).__name__, error)
+            self.intake.settle(taken, error)
+            self.counters.failed_steps += 1
+
+        coordinator = Coordinator(self.cfg.outer, exchange, self.learner, self._learn, refuse,
+                                  lambda **row: self._log("event", **row))
+        coordinator.begin(self.version)
+        return coordinator
+
     def _stopped(self) -> dict[str, Any]:
         """End of a stopped run: what ``--resume`` needs, and no finished marker (workers wait)."""
+        for taken in self.outer.abandon() if self.outer is not None else []:
+            self.intake.put_back(taken)
         self.intake.report(self.version, force=True)
         self.checkpoint()
         summary = self._log("event", event="stopped", rl_step=self.rl_step, seconds=time.time() - self._t0,
@@ -356,10 +384,13 @@ class Trainer:
 
     # -- RL -----------------------------------------------------------------------------------
     def step(self) -> bool:
-        """One RL step if enough groups are ready; returns whether a step was taken.
+        """One RL step if enough groups are ready (with ``[outer]``, one pass of the outer round:
+        :meth:`_outer_step`); returns whether a step was taken.
 
         Nothing a worker uploaded can make this raise: a batch that fails a check, or on which
         the learner fails, is quarantined with the reason and training goes on."""
+        if self.outer is not None:
+            return self._outer_step()
         taken = self.intake.take(self.version)
         if taken is None:
             return False
@@ -373,14 +404,38 @@ class Trainer:
             return False
         self.intake.settle(taken)
         self._count(taken, rollout.pop("groups/zero_variance"))
+        self._advanced([taken], rollout, learn, t0)
+        return True
+
+    def _outer_step(self) -> bool:
+        """Deal or train one step's groups of the outer round (:mod:`stoa.fleet.outer.coordinator`);
+        when the round is merged, settle its groups and publish the merged weights."""
+        t0 = time.time()
+        progressed, merge = self.outer.advance(self.version, lambda: self.intake.take(self.version))
+        if merge is None:
+            return progressed
+        for taken in merge.trained:
+            self.intake.settle(taken)
+        for taken, error in merge.failed:
+            self.intake.settle(taken, error)
+        for taken in merge.returned:
+            self.intake.put_back(taken)
+        zero = int(merge.rollout.pop("groups/zero_variance", 0))
+        for i, taken in enumerate(merge.trained):
+            self._count(taken, zero if i == 0 else 0)
+        self._advanced(merge.trained, merge.rollout, {**merge.learn, **merge.metrics}, t0, outer=merge.summary)
+        return True
+
+    def _advanced(self, takens: list[Taken], rollout: dict[str, Any], learn: dict, t0: float, **ledger: Any) -> None:
+        """After the weights moved over ``takens``: publish the next version, ledger, log, evaluate, checkpoint."""
         self.rl_step += 1
         self._watch_signal(rollout)
         self.version += 1
         # what `stoa status` shows of learning, signed with the version (the manifest's metadata)
-        pub = self._publish(learning={"signal_frac": rollout["groups/signal_frac"],
-                                      "flat_steps": self.counters.flat_steps, "reward": rollout["reward/mean"]})
-        self.ledger.write(trained=[g[0].group_id for g in taken.groups],
-                          policy_versions=sorted({e.policy_version for e in taken.episodes}))
+        pub = self._publish(learning={"signal_frac": rollout.get("groups/signal_frac", 0.0),
+                                      "flat_steps": self.counters.flat_steps, "reward": rollout.get("reward/mean", 0.0)})
+        self.ledger.write(trained=[g[0].group_id for t in takens for g in t.groups],
+                          policy_versions=sorted({e.policy_version for t in takens for e in t.episodes}), **ledger)
         fleet = self._watch_fleet()
         now = time.time()
         self._log("train", rl_step=self.rl_step, **rollout, **learn,
@@ -396,7 +451,6 @@ class Trainer:
             self.evaluate()
         if self.rl_step % self.cfg.trainer.checkpoint_every == 0 and self.rl_step < self.cfg.trainer.steps:
             self.checkpoint()
-        return True
 
     def _watch_fleet(self) -> dict[str, float]:
         """Read the heartbeats, log what changed in the fleet as events; returns the ``fleet/*`` metrics."""
@@ -413,42 +467,10 @@ class Trainer:
         """Advantages and one learner step over ``taken``; returns (rollout metrics, learner metrics).
 
         Raises whatever the learner raises (the caller has the intake find the batch to blame)."""
-        from stoa.algos.advantages import group_advantages, signal_share
-
         tc = self.cfg.trainer
-        episodes = taken.episodes
-        rewards = np.array([e.reward for e in episodes], np.float32)
-        adv, stats = group_advantages(rewards, [e.group_id for e in episodes], kind=tc.advantage)
-        adv = np.asarray(adv, np.float32)
-        keep = ~np.asarray(stats["zero_variance_mask"], bool) if tc.skip_zero_variance_groups else np.ones(len(adv), bool)
-        lags = [self.version - e.policy_version for e in episodes]
-        ok = successes(episodes, self.success_metric)
-        rollout = {
-            "reward/mean": float(rewards.mean()),
-            "rollout/pass@1": float(np.mean(ok)),
-            **episode_metric_means(episodes, self.metric_types, "rollout"),
-            "rollout/model_tokens": float(np.mean([e.num_model_tokens for e in episodes])),
-            "staleness/mean": float(np.mean(lags)), "staleness/max": float(max(lags)),
-            "groups/zero_variance_frac": float(stats["frac_zero_variance_groups"]),
-            "groups/signal_frac": 1.0 - float(stats["frac_zero_variance_groups"]),
-            "groups/zero_variance": int(stats["num_zero_variance_groups"]),
-        }
-        for lag, n in Counter(lags).items():
-            rollout[f"staleness/lag{lag}"] = n
-        if tc.mismatch_every and (self.rl_step + 1) % tc.mismatch_every == 0:
-            rollout.update(self._mismatch(episodes))
-        share = signal_share([e.num_model_tokens for e in episodes], keep,
-                             getattr(getattr(self.cfg.objective, "config", None), "aggregation", "token_mean"))
-        rollout["loss/signal_share"] = share
-        learn: dict[str, Any] = {"learner/skipped_no_signal": not keep.any()}
-        if keep.any():
-            sel = [e for e, k in zip(episodes, keep) if k]
-            # Averaging over the whole step: the left-out groups have advantage 0 and would only add
-            # to the denominator; every objective's loss is linear in the advantage's scale, so
-            # scaling the kept advantages by their share is that mean, without their compute.
-            scale = share if tc.average_over == "step" else 1.0
-            learn = self.learner.train_step(sel, adv[keep] * np.float32(scale), objective=self.cfg.objective)
-        return rollout, learn
+        split = self._mismatch if tc.mismatch_every and (self.rl_step + 1) % tc.mismatch_every == 0 else None
+        return learn_step(self.cfg, self.learner, taken.episodes, self.version, self.success_metric,
+                          self.metric_types, split)
 
     def _watch_signal(self, rollout: dict[str, Any]) -> None:
         """Count steps in a row whose every group had equal rewards, and say so in plain words after
@@ -512,6 +534,9 @@ class Trainer:
         ckdir = self.run_dir / "checkpoints"
         cks = sorted(p for p in ckdir.glob("v*") if p.is_dir()) if ckdir.exists() else []
         if self.resume and cks:
+            if self.cfg.outer.active:
+                raise StartRefused("--resume of a run with [outer] steps is not supported yet (the outer momentum "
+                                   "and error feedback are not checkpointed); start a new run")
             return cks[-1]
         from stoa.transport.chain import ChainError
 
