@@ -14,17 +14,22 @@ batches fall most on a chosen tenth of the items. Three rules, measured in one r
 
 Honest keys (10% expected) are the baseline.
 
-Two more strategies leave no flag, and are priced in compute, not gaps:
+A key a try leaves no flag, and is priced in compute, not gaps: make a key, spend its probation
+(``trust.probation_batches`` accepted batches, never trained), ticket salted numbers, read what
+they are bound to, upload only the bound work with enough groups on the chosen items, abandon the
+key. Two rules, on the same grinder:
 
-* **a key a try, one look**: make a key, spend its probation (``trust.probation_batches``
-  accepted batches, never trained), ticket its first salted number, read the bound work, upload
-  it only when enough of its groups fall on the chosen items, else abandon the key (its bound
-  number lies above every number it delivered: no gap is counted);
-* **a key a try, every look the flag allows**: the same, but ticket several numbers at once (a key
-  may hold 8 bindings: all bound in one poll), upload those that fall on the chosen items and
-  leave the rest as gaps, as many as stay unflagged: a key with fewer than 8 numbers is never
-  judged, and one with more may leave 30% of them as gaps (the range of a fleet of honest keys
-  without gaps).
+* **before** (a key held up to 8 bindings from the start): one probation buys every look the
+  withholding flag allows, all bound in one poll (a key with fewer than 8 numbers is never
+  judged, one with more may leave 30% of them as gaps);
+* **after** (the rule now, :mod:`stoa.fleet.trust.binding`): a *fresh* key (no accepted salted
+  batch since it gained standing) holds one binding at a time, and a bound number it leaves
+  undelivered costs its standing: a probation again. So each declined look costs a probation;
+  once a look is kept, the key is no longer fresh and reads every unflagged look more.
+
+In an open fleet each try is a new key; in an enrolled fleet keys are the operator's (a key is
+kept, it has no probation to start with, and its abandoned numbers are its gaps), so the figure to
+read there is also keys per kept batch.
 
 Measured per probation length: probation batches per kept batch, the compute spent per steered group
 (groups played, probation included), and against the fleet: the grinder's compute, as a multiple
@@ -34,6 +39,8 @@ Pure computation: no store, no model.
 
     python benchmarks/assign_grinding.py [--keys 2000] [--keep 4] [--batches 6] [--usable 12]
         [--at-least N] [--probation 1,4,16] [--quick] [--json PATH]
+
+(With one group a batch, rows at 4 groups a batch, kept with >= 2 on the chosen items, come too.)
 """
 
 from __future__ import annotations
@@ -84,34 +91,66 @@ def dropping_misses(run_key, kids: list[str], chosen: set[int], n_items: int, gr
 RIPE, FLAG_RATE, MAX_BOUND = 8, 0.30, 8  # records._RIPE_SEQS; an honest fleet's flag limit; binding.MAX_BOUND_PER_KEY
 
 
-def unflagged_looks(probation: int) -> int:
-    """Bound numbers a fresh key may read at once and still never be flagged as a withholder, were
-    only the last one uploaded: fewer than 8 numbers in all, or gaps within 30% of them."""
-    return max(n for n in range(1, MAX_BOUND + 1)
-               if probation + n < RIPE or (n - 1) / (probation + n) <= FLAG_RATE)
+def unflagged_looks(numbers: int, gaps: int = 0) -> int:
+    """Bound numbers a key with ``numbers`` numbers (``gaps`` of them gaps) may read at once and
+    still never be flagged as a withholder, were only the last one uploaded: fewer than 8 numbers
+    in all, or gaps within 30% of them."""
+    return max([0] + [n for n in range(1, MAX_BOUND + 1)
+                      if numbers + n < RIPE or (gaps + n - 1) / (numbers + n) <= FLAG_RATE])
 
 
 def a_key_a_try(run_key, chosen: set[int], n_items: int, groups: int, usable: int, probation: int,
-                at_least: int, looks: int, seed: str) -> dict[str, float]:
-    """Try keys until ``usable`` batches are kept: each key spends ``probation`` accepted batches,
-    then reads the bound work of its next ``looks`` numbers and uploads those with at least
-    ``at_least`` of their ``groups`` groups on ``chosen``."""
-    tries = kept = hits = 0
-    while kept < usable:
-        kid = hashlib.sha256(f"{seed}-{tries}".encode()).hexdigest()[:16]
-        tries += 1
-        for seq in range(probation, probation + looks):
-            k = sum(i in chosen for i in items(run_key, kid, seq, n_items, groups, True))
-            if k >= at_least:
+                at_least: int, rule: str, enrolled: bool, seed: str) -> dict[str, float]:
+    """Grind until ``usable`` batches are kept (a kept batch has at least ``at_least`` of its
+    ``groups`` groups on ``chosen``), never flagged.
+
+    ``rule = "before"``: a key spends its probation (none when ``enrolled``), reads every bound
+    number it may at once (:func:`unflagged_looks`), uploads the kept ones and is abandoned.
+    ``rule = "after"`` (a fresh key holds one binding; an abandoned one costs its standing): a key
+    spends its probation and reads one bound number; kept, it is uploaded and the key, no longer
+    fresh, reads every unflagged look more at once; not kept, the look costs a probation. In an open
+    fleet a new key takes each try (the same price as the old key's probation, and no gap on a key
+    it keeps); in an ``enrolled`` fleet keys are the operator's, so a key is kept and its
+    abandoned numbers are its gaps."""
+    keys = looks = probation_spent = kept = hits = 0
+
+    def look(kid: str, seq: int) -> int:
+        nonlocal looks
+        looks += 1
+        k = sum(i in chosen for i in items(run_key, kid, seq, n_items, groups, True))
+        return k if k >= at_least else -1
+
+    def upload_burst(kid: str, seq: int, numbers: int, gaps: int) -> None:
+        nonlocal kept, hits
+        for s in range(seq, seq + unflagged_looks(numbers, gaps)):
+            if (k := look(kid, s)) >= 0:
                 kept, hits = kept + 1, hits + k
+
+    while kept < usable:
+        kid = hashlib.sha256(f"{seed}-{keys}".encode()).hexdigest()[:16]
+        keys += 1
+        first = 0 if enrolled else probation
+        probation_spent += first
+        if rule == "before":
+            upload_burst(kid, first, first, 0)
+            continue
+        seq, gaps = first, 0
+        while (k := look(kid, seq)) < 0:
+            if not enrolled:
+                break  # a new key for the next try
+            seq, gaps = seq + 1 + probation, gaps + 1  # the number left, then a probation again
+            probation_spent += probation
+        else:
+            kept, hits = kept + 1, hits + k
+            upload_burst(kid, seq + 1, seq + 1, gaps)
     trained = kept * groups
-    spent = (tries * probation + kept) * groups  # groups played: every try's probation, then the kept batches
+    spent = (probation_spent + kept) * groups  # groups played: probation, then the kept batches
     # (0.1 F + hits r) / (F + trained r) = 0.2 for an honest fleet's F trained groups: r = 0.1 F / (hits - 0.2 trained)
     per_fleet = 0.1 * spent / (hits - 0.2 * trained) if hits > 0.2 * trained else float("inf")
-    return {"probation": probation, "looks": looks, "groups": groups, "at_least": at_least,
-            "tries_per_kept_batch": tries / kept, "probation_batches_per_kept_batch": tries * probation / kept,
-            "share_on_chosen": hits / trained, "trained_groups": trained,
-            "compute_per_steered_group": spent / hits, "fleet_compute_to_double_share": per_fleet}
+    return {"fleet": "enrolled" if enrolled else "open", "rule": rule, "probation": probation, "groups": groups,
+            "at_least": at_least, "keys_per_kept_batch": keys / kept, "looks_per_kept_batch": looks / kept,
+            "probation_batches_per_kept_batch": probation_spent / kept, "share_on_chosen": hits / trained,
+            "trained_groups": trained, "compute_per_steered_group": spent / hits, "fleet_compute_to_double_share": per_fleet}
 
 
 def main() -> None:
@@ -149,21 +188,24 @@ def main() -> None:
         print(f"| {name} | {r['grinder']:.1%} | {r['honest']:.1%} | {r['grinder'] / max(r['honest'], 1e-9):.1f}x | "
               f"{r.get('withheld', 0.0):.0%} |")
     usable = 4 if a.quick else a.usable
-    at_least = a.at_least or a.groups
     honest = rows["bound (now)"]["honest"]
     tries = []
-    for p in (int(x) for x in a.probation.split(",")):
-        for name, looks in (("one look", 1), ("every unflagged look", unflagged_looks(p))):
-            tries.append({"strategy": name, **a_key_a_try(run_key, chosen, a.items, a.groups, usable, p, at_least,
-                                                          looks, f"try{p}-{looks}")})
-    print(f"\na key a try ({usable} kept batches a row, {a.groups} group(s) a batch, kept with >= {at_least} on "
-          f"chosen items; never flagged; honest keys {honest:.1%} on the chosen 10%)")
-    print("| probation batches a key | strategy | bound numbers read a key | probation batches per kept batch | "
-          "grinder's groups on the chosen 10% | compute per steered group (groups played) | "
+    for enrolled in (False, True):
+        for p in (int(x) for x in a.probation.split(",")):
+            for g, at_least in ((a.groups, a.at_least or a.groups), *(((4, 2),) if a.groups == 1 else ())):
+                for rule in ("before", "after"):
+                    tries.append(a_key_a_try(run_key, chosen, a.items, g, usable, p, at_least, rule, enrolled,
+                                             f"try{p}-{g}-{enrolled}"))
+    print(f"\na key a try ({usable} kept batches a row; never flagged; honest keys {honest:.1%} on the chosen 10%)")
+    print("before: a key reads every bound number it may at once; after: a fresh key holds one binding, and "
+          "a look it declines costs a probation")
+    print("| fleet | probation batches | groups a batch (kept with) | rule | keys per kept batch | "
+          "probation batches per kept batch | grinder's groups on the chosen 10% | groups played per steered group | "
           "x an honest fleet's compute to take the chosen share from 10% to 20% |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|")
     for r in tries:
-        print(f"| {r['probation']} | {r['strategy']} | {r['looks']} | {r['probation_batches_per_kept_batch']:.1f} | "
+        print(f"| {r['fleet']} | {r['probation']} | {r['groups']} (>= {r['at_least']}) | {r['rule']} | "
+              f"{r['keys_per_kept_batch']:.2f} | {r['probation_batches_per_kept_batch']:.1f} | "
               f"{r['share_on_chosen']:.0%} | {r['compute_per_steered_group']:.1f} | "
               f"{r['fleet_compute_to_double_share']:.2f}x |")
     if a.json:

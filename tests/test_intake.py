@@ -559,22 +559,24 @@ def test_a_number_is_made_under_its_bound_version_only_and_its_work_is_unknown_b
                         worker_id=writer.worker_id, env_id=ENV["id"], group_id=g, sample_index=s, item_index=i)
                 for g, i in zip(a.group_ids, a.items) for s in range(run.cfg.rollout.group_size)]
 
+    for w in (honest, shopper):  # one accepted batch each: past a fresh key's one binding at a time
+        w.upload(_work(run, w, 0), 0)
     for v in range(4):
         intake.take(v)
-    for seq in (0, 1):
+    for seq in (1, 2):
         write_ticket(run.store, RUN, seq, keys["honest"])
-    for seq in (0, 1):
+    for seq in (1, 2):
         write_ticket(run.store, RUN, seq, keys["shopper"])
     intake.take(3)  # binds every ticket to version 3
-    assert intake.gate.binder.bound[shopper.key_id] == {0: 3, 1: 3} == intake.gate.binder.bound[honest.key_id]
+    assert intake.gate.binder.bound[shopper.key_id] == {0: 0, 1: 3, 2: 3} == intake.gate.binder.bound[honest.key_id]
     assert read_salt(run.store, RUN, shopper.key_id, run.key.public_key()) is not None
-    rerolled = shopper.upload(work(shopper, 0, 1), 1)  # made under version 1, which it held: within max_lag
-    predicted = shopper.upload(work(shopper, 1, 3, predicted=True), 3)  # the salt-only work, at the bound version
-    unbound = shopper.upload(_work_unbound(run, shopper, 2), 3)  # a number it never ticketed
-    fair = honest.upload(work(honest, 0, 3), 3)
+    rerolled = shopper.upload(work(shopper, 1, 1), 1)  # made under version 1, which it held: within max_lag
+    predicted = shopper.upload(work(shopper, 2, 3, predicted=True), 3)  # the salt-only work, at the bound version
+    unbound = shopper.upload(_work_unbound(run, shopper, 3), 3)  # a number it never ticketed
+    fair = honest.upload(work(honest, 1, 3), 3)
     for v in (4, 5):
         intake.take(v)  # the trainer moves on before the honest worker's next batch comes
-    ahead = honest.upload(work(honest, 1, 3), 3)  # ticketed ahead, bound to 3: below the old floor (5)
+    ahead = honest.upload(work(honest, 2, 3), 3)  # ticketed ahead, bound to 3: below the old floor (5)
     intake.take(5)
     pooled = {b.key for b in intake.pool.batches()}
     assert fair in pooled and ahead in pooled

@@ -104,7 +104,9 @@ class _Fleet:
         """One cohort, as Worker.run makes it: skip what others hold, ticket, wait for the binding
         (the trainer polls meanwhile), make the bound work, upload it under its number."""
         seq = self.writer.skip_taken()
-        for _ in range(8):
+        # A fresh key's next number is bound once the trainer has read its first bound batch, which
+        # may wait behind the junk (the reader takes 64 objects of a worker id a poll).
+        for _ in range(PLANTED // 64 + 8):
             bound = self.tickets.bound(seq)
             if bound is not None:
                 break

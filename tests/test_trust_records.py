@@ -146,7 +146,8 @@ def test_the_trust_report_round_trips_byte_for_byte():
             "worker_id", "accepted_batches", "accepted_episodes", "trained_episodes", "rejected_batches",
             "rejected_episodes", "rejected", "unverifiable_episodes", "strikes", "spot_checks",
             "spot_check_failures", "probation_batches", "last_reason", "banned", "last_seen", "last_accepted",
-            "batches_seen", "max_seq", "taken_by_others", "late_batches", "withheld", "withheld_rate",
+            "batches_seen", "max_seq", "taken_by_others", "late_batches", "standing_lost", "probation_owed",
+            "withheld", "withheld_rate",
             "withholding_flagged", "audit"]
         assert body["workers"]["k1"]["withheld"] == 2 and body["workers"]["k1"]["withholding_flagged"]
         assert json.dumps(TrustReport.parse(body).to_body()) == json.dumps(body)

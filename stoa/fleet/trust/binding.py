@@ -26,6 +26,22 @@ stream, so a worker holding several versions cannot make its batch under each an
 it likes. What it still can do is drop a bound number and ticket the next one: that leaves a
 gap, counted as withheld like any other.
 
+**A fresh key holds one binding at a time.** A key with no accepted salted batch since it
+gained standing (*fresh*: a newcomer past probation, a newly enrolled key) gets a ticket bound
+only once the trainer has read a batch of it at or past its highest bound number; its other
+tickets wait. A fresh key that leaves that number undelivered (its binding expires, or the
+trainer reads anything else of it there or past it) loses its standing and makes probation work
+again (the gate decides, :mod:`stoa.fleet.trust.gate`; the document says so, below). So each
+look at bound work that a fresh key declines costs a whole probation. Its bound work may land at
+a later number (:meth:`Binder.carry`): junk someone planted at its bound number then costs it
+nothing, and gives a key that plants its own nothing either (the work is the bound number's).
+
+The document also names the fresh keys holding a live binding (``fresh``: their worker may carry
+its bound work past others' objects) and the keys that lost their standing (``lost``: key -> the
+number they left; their worker makes probation work until the trainer lists them no longer).
+Both are in the signed document because both change what an honest worker does: an unsigned
+word could make it waste work.
+
 Bounds: a ticket is at most :data:`MAX_TICKET_BYTES`; a key holds at most
 :data:`MAX_BOUND_PER_KEY` live bindings (a ticket past that waits for a later poll) and may not
 ticket past :data:`MAX_AHEAD` *free* numbers above its highest bound one, so neither a key nor
@@ -48,8 +64,8 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Container
-from dataclasses import dataclass
+from collections.abc import Callable, Container, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from stoa.transport import layout
@@ -64,8 +80,9 @@ from stoa.transport.signing import (
 )
 from stoa.transport.store import KeyNotFound, ObjectStore, ObjectTooLarge, StoreError
 
-__all__ = ["MAX_AHEAD", "MAX_BOUND_PER_KEY", "TICKETS_AHEAD", "Binder", "Bound", "Held", "TicketListing", "Tickets", "beacon",
-           "free_between", "passed_over", "read_bindings", "write_ticket"]
+__all__ = ["MAX_AHEAD", "MAX_BOUND_PER_KEY", "MAX_LOST_LISTED", "TICKETS_AHEAD", "Binder", "Bound", "Bindings", "Held",
+           "TicketListing", "Tickets", "beacon", "free_between", "passed_over", "read_bindings", "read_document",
+           "write_ticket"]
 
 log = logging.getLogger("stoa.trainer")
 
@@ -76,6 +93,9 @@ MAX_BOUND_PER_KEY = 8
 MAX_AHEAD = 64
 """How many free numbers (held by no object under the key's worker id) may lie between a key's
 highest bound number and a ticket; a ticket beyond is refused. It also caps a key's waiting tickets."""
+MAX_LOST_LISTED = 4096
+"""Keys that lost their standing named in the document (those seen most recently; a key that
+tickets again is seen again)."""
 MAX_TICKET_BYTES = 4 << 10
 MAX_BINDINGS_BYTES = 32 << 20
 _TICKET_KIND, _TICKET_FORMAT = "batch-ticket", "stoa.ticket/1"
@@ -104,6 +124,29 @@ class Bound:
     seq: int
     version: int
     beacon: str
+    made_as: int | None = None
+    """The number whose work this is, when a fresh key's bound work was carried to ``seq``
+    (:meth:`Binder.carry`); None: ``seq`` itself."""
+
+    @property
+    def work_seq(self) -> int:
+        """The number the assigned work is computed for."""
+        return self.seq if self.made_as is None else self.made_as
+
+
+@dataclass(frozen=True)
+class Bindings:
+    """The signed bindings document as a worker reads it (:func:`read_document`)."""
+
+    bound: dict[str, dict[int, Bound]]
+    """Each key's live bindings by number."""
+    top: dict[str, int]
+    """Each key's highest number ever bound."""
+    fresh: frozenset[str] = frozenset()
+    """Fresh keys holding a live binding: one at a time, and their bound work may be carried
+    past numbers others' objects hold."""
+    lost: dict[str, int] = field(default_factory=dict)
+    """Keys that lost their standing -> the number they left undelivered: they make probation work."""
 
 
 def beacon(private_key: Any, run: str, kid: str, seq: int, version: int) -> str:
@@ -152,17 +195,19 @@ def write_ticket(store: ObjectStore, run: str, seq: int, private_key: Any) -> st
     return where
 
 
-def read_bindings(store: ObjectStore, run: str, public_key: Any) -> tuple[dict[str, dict[int, Bound]], dict[str, int]]:
-    """``(bound, top)`` from the trainer's signed ``bindings.json``: each key's live bindings by
-    number, and each key's highest number ever bound; empty while there is none. Raises
-    :class:`SignatureError` (a document that does not verify or breaks the schema) or ``StoreError``."""
+def read_document(store: ObjectStore, run: str, public_key: Any) -> Bindings:
+    """The trainer's signed ``bindings.json`` (:class:`Bindings`; empty while there is none).
+    Raises :class:`SignatureError` (a document that does not verify or breaks the schema) or
+    ``StoreError``."""
     run = run.strip("/")
     where = layout.bindings(run)
     body = read_signed(store, where, _BINDINGS_KIND, public_key, expect={"run": run}, max_bytes=MAX_BINDINGS_BYTES)
     if body is None:
-        return {}, {}
+        return Bindings({}, {})
     entries, top = body.get("bindings"), body.get("top")
-    if body.get("format") != _BINDINGS_FORMAT or not isinstance(entries, dict) or not isinstance(top, dict):
+    fresh, lost = body.get("fresh", []), body.get("lost", {})
+    if (body.get("format") != _BINDINGS_FORMAT or not isinstance(entries, dict) or not isinstance(top, dict)
+            or not isinstance(fresh, list) or not isinstance(lost, dict)):
         raise SignatureError(f"{where}: not a {_BINDINGS_FORMAT} document")
     bound: dict[str, dict[int, Bound]] = {}
     for kid, rows in entries.items():
@@ -175,7 +220,17 @@ def read_bindings(store: ObjectStore, run: str, public_key: Any) -> tuple[dict[s
             bound.setdefault(kid, {})[row[0]] = Bound(row[0], row[1], row[2])
     if not all(layout.KEY_ID.fullmatch(k) and _is_int(v) for k, v in top.items()):
         raise SignatureError(f"{where}: malformed highest numbers")
-    return bound, dict(top)
+    if not all(isinstance(k, str) and layout.KEY_ID.fullmatch(k) for k in fresh) or not all(
+            layout.KEY_ID.fullmatch(k) and _is_int(v, -1) for k, v in lost.items()):
+        raise SignatureError(f"{where}: malformed standing")
+    return Bindings(bound, dict(top), frozenset(fresh), dict(lost))
+
+
+def read_bindings(store: ObjectStore, run: str, public_key: Any) -> tuple[dict[str, dict[int, Bound]], dict[str, int]]:
+    """``(bound, top)`` of :func:`read_document`: each key's live bindings by number, and each
+    key's highest number ever bound."""
+    doc = read_document(store, run, public_key)
+    return doc.bound, doc.top
 
 
 def passed_over(seq: int, bound: dict[int, Bound], top: int) -> int | None:
@@ -191,7 +246,8 @@ def passed_over(seq: int, bound: dict[int, Bound], top: int) -> int | None:
 
 class Tickets:
     """A worker's side of the exchange for one key: tickets its due number and the next ones (again
-    after :attr:`retry_s` without a binding) and reads its bindings from the signed document."""
+    after :attr:`retry_s` without a binding) and reads its bindings and its standing from the
+    signed document."""
 
     retry_s = 30.0
 
@@ -201,20 +257,30 @@ class Tickets:
         self.ticketed: dict[int, float] = {}  # number -> when its ticket was written
         self.bindings: dict[int, Bound] = {}  # this key's live bindings, as last read
         self.top = -1  # this key's highest number the trainer ever bound, as last read
+        self.fresh = False  # as last read: one binding at a time, and its bound work may be carried
+        self.lost: int | None = None  # as last read: the number this key left undelivered (it makes probation work)
+
+    def read(self) -> None:
+        """Read this key's bindings and standing from the document. Raises :class:`SignatureError`
+        (a document that does not verify) or ``StoreError``."""
+        doc = read_document(self.store, self.run, self.public_key)
+        self.bindings, self.top = dict(doc.bound.get(self.kid, {})), doc.top.get(self.kid, -1)
+        self.fresh, self.lost = self.kid in doc.fresh, doc.lost.get(self.kid)
 
     def bound(self, seq: int) -> Bound | None:
-        """Number ``seq``'s binding, or None while the trainer has not bound it. Raises
-        :class:`SignatureError` (a document that does not verify) or ``StoreError``."""
+        """Number ``seq``'s binding, or None while the trainer has not bound it or while this key's
+        standing is lost (:attr:`lost`: no tickets then; the document is read at every call).
+        Raises :class:`SignatureError` (a document that does not verify) or ``StoreError``."""
+        if seq not in self.bindings or self.lost is not None:
+            self.read()
         now = time.time()
-        for s in range(seq, seq + TICKETS_AHEAD):
-            if s not in self.bindings and s > self.top and now - self.ticketed.get(s, 0.0) > self.retry_s:
-                write_ticket(self.store, self.run, s, self.private_key)
-                self.ticketed[s] = now
-        if seq not in self.bindings:
-            bound, top = read_bindings(self.store, self.run, self.public_key)
-            self.bindings, self.top = dict(bound.get(self.kid, {})), top.get(self.kid, -1)
+        if self.lost is None:
+            for s in range(seq, seq + TICKETS_AHEAD):
+                if s not in self.bindings and s > self.top and now - self.ticketed.get(s, 0.0) > self.retry_s:
+                    write_ticket(self.store, self.run, s, self.private_key)
+                    self.ticketed[s] = now
         self.ticketed = {s: t for s, t in self.ticketed.items() if s >= seq}
-        return self.bindings.get(seq)
+        return None if self.lost is not None else self.bindings.get(seq)
 
     def passed_over(self, seq: int) -> int | None:
         """:func:`passed_over` for ``seq`` by the bindings last read."""
@@ -229,13 +295,18 @@ class Binder:
     signed document current, and answers what a key's number is bound to.
 
     State (checkpointed, and merged with the store's signed document at start): ``bound`` (key ->
-    number -> version) and ``top`` (key -> highest number ever bound)."""
+    number -> version), ``top`` (key -> highest number ever bound) and ``carried`` (key -> number
+    -> the number whose work it carries). What the document says of standing (``fresh``, ``lost``)
+    is the gate's word, given at each :meth:`poll`."""
 
     def __init__(self, store: ObjectStore, run: str, private_key: Any):
         self.store, self.run, self.key = store, run.strip("/"), load_private_key(private_key)
         self._mac = _mac_key(self.key)
         self.bound: dict[str, dict[int, int]] = {}
         self.top: dict[str, int] = {}
+        self.carried: dict[str, dict[int, int]] = {}
+        self.fresh: dict[str, int] = {}  # fresh key -> the highest number of it the trainer read (the gate's)
+        self.lost: dict[str, int] = {}  # key that lost its standing -> the number it left (the gate's)
         self.dirty = False
         self.bound_total = self.tickets_refused = 0
 
@@ -243,7 +314,38 @@ class Binder:
     def bound_to(self, kid: str, seq: int) -> Bound | None:
         """What number ``seq`` of ``kid`` is bound to, or None (never bound, or dropped as stale)."""
         version = self.bound.get(kid, {}).get(seq)
-        return None if version is None else Bound(seq, version, _beacon(self._mac, self.run, kid, seq, version))
+        if version is None:
+            return None
+        made = self.carried.get(kid, {}).get(seq)
+        return Bound(seq, version, _beacon(self._mac, self.run, kid, seq if made is None else made, version), made)
+
+    def open_number(self, kid: str, read: int | None = None) -> int | None:
+        """A fresh key's bound number that no batch of it has reached yet (its highest bound one,
+        live, above ``read``: the highest number of it the trainer read, for a key the caller
+        knows is fresh; None: the key's freshness and number as the gate last said), or None.
+        While there is one, the key gets no other binding."""
+        if read is None:
+            if kid not in self.fresh:
+                return None
+            read = self.fresh[kid]
+        top = self.top.get(kid, -1)
+        return top if top > read and top in self.bound.get(kid, {}) else None
+
+    def carry(self, kid: str, seq: int, read: int) -> Bound | None:
+        """Let a fresh key's batch at ``seq`` deliver its open bound number below it (the worker's
+        writer found that number held by another's object and went on to the next free one): the
+        binding moves to ``seq`` with its version and its work, which stay those of the number
+        it was bound for, so carrying chooses nothing. ``read``: the highest number of the key the
+        trainer has read (a number already reached is never carried). Returns the binding, or
+        None when there is nothing to carry."""
+        n = self.open_number(kid, read) if kid in self.fresh else None
+        if n is None or seq <= n:
+            return None
+        self.bound[kid][seq] = self.bound[kid].pop(n)
+        self.carried.setdefault(kid, {})[seq] = n
+        self.top[kid] = seq
+        self.dirty = True
+        return self.bound_to(kid, seq)
 
     # -- binding ------------------------------------------------------------------------------
     def bind(self, kid: str, seq: int, version: int) -> Bound | None:
@@ -276,15 +378,20 @@ class Binder:
         return TicketListing(sorted(parsed), malformed)
 
     def poll(self, version: int, standing: Container[str], held: Held | None = None,
-             listing: TicketListing | None = None) -> list[tuple[str, str, str]]:
+             listing: TicketListing | None = None, *, fresh: Mapping[str, int] | None = None,
+             lost: Mapping[str, int] | None = None) -> list[tuple[str, str, str]]:
         """Read the tickets of ``listing`` (None: list them now), bind those of keys in
         ``standing`` at ``version``, write the document if anything changed, then delete the
         tickets read. Returns the refused ones as ``(key id or "", ticket key, reason)`` (already
         moved to the quarantine). ``held`` answers which numbers objects under a key's worker id
         hold (None: none counted); it is asked only for a genuine ticket of a key with standing
         more than :data:`MAX_AHEAD` numbers past its key's highest bound one, so a forged ticket
-        costs the trainer no listing. Store errors are logged; the tickets then stay for the
-        next poll."""
+        costs the trainer no listing. ``fresh``: the fresh keys (one open binding at a time, see
+        the module docstring) -> the highest number of each the trainer has read; ``lost``: the
+        keys that lost their standing -> the number each left (both announced in the document;
+        None: none). Store errors are logged; the tickets then stay for the next poll."""
+        said = self._standing()
+        self.fresh, self.lost = dict(fresh or {}), dict(lost or {})
         listing = self.listing() if listing is None else listing
         done: list[str] = []
         refused = [("", k, "not a ticket's name (<key id>/<12-digit number>.json)") for k in listing.malformed]
@@ -298,11 +405,13 @@ class Binder:
                 done.append(k)
                 continue
             far = seq > top + MAX_AHEAD
+            full = len(self.bound.get(kid, {})) >= MAX_BOUND_PER_KEY or self.open_number(kid) is not None
             why = None
-            if far or len(self.bound.get(kid, {})) < MAX_BOUND_PER_KEY:
+            if far or not full:
                 why = self._ticket_problem(k, kid, seq)
                 if why is None and kid not in standing:
-                    why = "the key has no standing (no accepted batch, not enrolled, or banned): its work is probation work"
+                    why = ("the key has no standing (no accepted batch, not enrolled, banned, or it left a bound number "
+                           "undelivered while fresh): its work is probation work")
             if why is None and far:  # held numbers are looked up only for a genuine ticket of a key with standing
                 if kid not in occupied:  # once a poll, up to the key's furthest ticket
                     occupied[kid] = set(held(kid, top, last[kid])) if held is not None else set()
@@ -311,13 +420,14 @@ class Binder:
             if why is not None:
                 refused.append((kid, k, why))
                 continue
-            if len(self.bound.get(kid, {})) >= MAX_BOUND_PER_KEY:
+            if full:  # (a fresh key's further tickets wait for a batch at its bound number)
                 waiting[kid] = waiting.get(kid, 0) + 1
                 if waiting[kid] > MAX_AHEAD:
                     refused.append((kid, k, f"more than {MAX_AHEAD} of the key's tickets wait for a binding"))
                 continue  # waits for a later poll
             self.bind(kid, seq, version)
             done.append(k)
+        self.dirty = self.dirty or self._standing() != said
         if self.dirty and not self.write():
             return []  # the tickets stay: bound again (the same way) once the document is written
         for k in done:
@@ -326,6 +436,15 @@ class Binder:
             self._quarantine(k, why)
         self.tickets_refused += len(refused)
         return refused
+
+    def announce(self, lost: Mapping[str, int]) -> None:
+        """Say at once which keys lost their standing (``lost``: key -> the number each left), when
+        that changed since the last poll: a worker waiting on the word makes no extra work."""
+        said = self._standing()
+        self.lost = dict(lost)
+        if self._standing() != said:
+            self.dirty = True
+            self.write()
 
     def prune(self, oldest: int) -> None:
         """Drop bindings whose version is below ``oldest`` (any batch under them is stale)."""
@@ -337,13 +456,25 @@ class Binder:
                     self.bound[kid] = live
                 else:
                     del self.bound[kid]
+            carried = {s: n for s, n in self.carried.get(kid, {}).items() if s in live}
+            if carried:
+                self.carried[kid] = carried
+            else:
+                self.carried.pop(kid, None)
+
+    def _standing(self) -> tuple[list[str], list[tuple[str, int]]]:
+        """What the document says of standing: the fresh keys holding a live binding, the lost keys."""
+        return [k for k in sorted(self.bound) if k in self.fresh], sorted(self.lost.items())[:MAX_LOST_LISTED]
 
     def write(self) -> bool:
         """Put the signed document of the live bindings; False (logged) when the store failed."""
-        entries = {kid: [[s, v, _beacon(self._mac, self.run, kid, s, v)] for s, v in sorted(rows.items())]
+        entries = {kid: [[s, v, _beacon(self._mac, self.run, kid, s, v)] for s, v in sorted(rows.items())
+                         if s not in self.carried.get(kid, {})]  # a carried binding is delivered: nobody waits on it
                    for kid, rows in sorted(self.bound.items())}
-        body = {"format": _BINDINGS_FORMAT, "run": self.run, "time": time.time(), "bindings": entries,
-                "top": dict(sorted(self.top.items()))}
+        fresh, lost = self._standing()
+        body = {"format": _BINDINGS_FORMAT, "run": self.run, "time": time.time(),
+                "bindings": {kid: rows for kid, rows in entries.items() if rows},
+                "top": dict(sorted(self.top.items())), "fresh": fresh, "lost": dict(lost)}
         try:
             self.store.put(layout.bindings(self.run), sign_document(_BINDINGS_KIND, body, self.key))
         except StoreError as e:
@@ -406,13 +537,17 @@ class Binder:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        return {"bound": {kid: sorted(rows.items()) for kid, rows in self.bound.items()}, "top": dict(self.top)}
+        return {"bound": {kid: sorted(rows.items()) for kid, rows in self.bound.items()}, "top": dict(self.top),
+                "carried": {kid: sorted(rows.items()) for kid, rows in self.carried.items()}}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Merge a checkpoint's bindings in (what is known already stands: it is newer)."""
         for kid, rows in state.get("bound", {}).items():
             for s, v in rows:
                 self.bound.setdefault(kid, {}).setdefault(int(s), int(v))
+        for kid, rows in state.get("carried", {}).items():
+            for s, n in rows:
+                self.carried.setdefault(kid, {}).setdefault(int(s), int(n))
         for kid, s in state.get("top", {}).items():
             self.top[kid] = max(self.top.get(kid, -1), int(s))
 

@@ -6,7 +6,8 @@ not below its key's version floor: dropped as ``behind``), then its contents (sa
 settings, rewards, metrics, task: :func:`~stoa.fleet.trust.admission.batch_problem`) and, for
 a sealed batch, its number's binding and its assigned work (``assignment``). Only a batch that
 passes the version checks counts as delivered for withholding: a stale, future or behind one
-leaves its number a gap.
+leaves its number a gap. A fresh key's salted batch at a number never bound delivers its open
+bound number below it, with that number's version and work (:meth:`Binder.carry`).
 
 **A key's version floor.** A worker holding several versions' weights could make its assigned
 batch under each and upload the one it prefers. A salted batch is held to the version (and the
@@ -127,7 +128,9 @@ class Bounds:
                     self._salts.clear()
                 salt = self._salts[batch.key_id] = assignment_salt(self._key, self._run_name, batch.key_id)
             bound = self.binder.bound_to(batch.key_id, batch.seq)
-            beacon = bound.beacon if bound is not None else None
+            if bound is not None:  # (a fresh key's carried work is its bound number's)
+                return assignment(r.seed, batch.key_id, bound.work_seq, r.n_items, r.groups_per_cohort, salt,
+                                  bound.beacon)
         return assignment(r.seed, batch.key_id, batch.seq, r.n_items, r.groups_per_cohort, salt, beacon)
 
     def check(self, batch: Batch, version: int, listed: int,
@@ -147,6 +150,10 @@ class Bounds:
         if batch.version < floor:
             return Judgement(batch, "drop", dropped="behind",
                              detail=f"version {batch.version} is below {floor}, which its key held already"), back
+        if batch.key_id and not is_probation(batch.episodes, batch.key_id, batch.seq) and \
+                self.binder.bound_to(batch.key_id, batch.seq) is None:  # a fresh key's bound work past others' junk?
+            rec = self.records.get(batch.key_id)
+            self.binder.carry(batch.key_id, batch.seq, rec.max_seq if rec is not None else -1)
         self.records.saw(batch.key_id, batch.worker_id, batch.seq)  # a number delivered in time, whatever its fate
         category = "invalid"
         try:

@@ -7,6 +7,11 @@ the weights brought to the bound version (:mod:`stoa.fleet.trust.binding`). A :c
 everything of that on the worker's side (the key's tickets, its bindings as last read, its salt)
 and answers one question, :meth:`Duty.next`, with an :class:`Order`: make this work at this
 version, wait for the binding, or leave the numbers whose binding can only make a stale batch.
+
+A key whose standing is lost (the trainer's signed bindings document says so: while fresh it left
+a bound number undelivered) makes probation work again until the document no longer names it; a
+fresh key's order may be *carried*: if another's object holds its number, the work goes under the
+next free one (the trainer takes it as the bound number's).
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ class Order:
     """Leave numbers ``seq`` .. ``skip_to - 1`` (a gap: their binding expired or went stale)."""
     reason: str = ""
     """Why the numbers are left, in words."""
+    carry: bool = False
+    """A fresh key's bound work: if another's object holds :attr:`seq` when it is uploaded, upload it
+    under the next free number instead (never for other work: that number's binding is another's)."""
 
 
 class Duty:
@@ -65,6 +73,7 @@ class Duty:
         self.run_seed, self.n_items, self.groups, self.max_lag = run_seed, n_items, groups, max_lag
         self._salt: str | None = None
         self._salt_read = 0.0
+        self._lost: int | None = None  # the number whose loss of standing was last reported
 
     def salt(self) -> str | None:
         """This key's assignment salt once the run has published it (read at most every 2 s until
@@ -77,16 +86,30 @@ class Duty:
                 log.warning("this key's assignment salt does not read (%s); making probation work", e)
         return self._salt
 
+    def on_probation(self) -> bool:
+        """Whether this key's work is probation work now (no salt yet, or its standing lost): made
+        at whatever version the worker follows, never trained."""
+        return self.salt() is None or self.tickets.lost is not None
+
     def next(self, seq: int, head: int | None) -> Order:
         """What number ``seq`` owes, with the newest published version ``head`` (None: unknown).
         Probation work needs no binding; salted work waits for its number's binding (tickets are
         written as needed) and is made at the bound version, unless that version is more than
         ``max_lag`` behind ``head`` or the binding expired while the worker was away: then the
-        numbers are left. Raises ``StoreError`` or ``SignatureError`` (the bindings document)."""
+        numbers are left. A key whose standing is lost makes probation work. Raises
+        ``StoreError`` or ``SignatureError`` (the bindings document)."""
         salt = self.salt()
-        if salt is None:
+        bound = None if salt is None else self.tickets.bound(seq)
+        if salt is None or self.tickets.lost is not None:
+            if self.tickets.lost is not None and self.tickets.lost != self._lost:
+                log.warning("the trainer says this key left its bound number %d undelivered while it was new to the "
+                            "run, so it lost its standing: making probation work again (trust.probation_batches; no "
+                            "strike)", self.tickets.lost)
+            self._lost = self.tickets.lost
             return Order(seq, assignment(self.run_seed, self.key_id, seq, self.n_items, self.groups))
-        bound = self.tickets.bound(seq)
+        if self._lost is not None:
+            log.info("this key has its standing again: making bound work")
+            self._lost = None
         if bound is None:
             later = self.tickets.passed_over(seq)
             if later is None:
@@ -97,5 +120,5 @@ class Duty:
         if head is not None and head - bound.version > self.max_lag:
             return Order(seq, skip_to=seq + 1, reason=f"number {seq} was bound to version {bound.version}, now more "
                                                       f"than {self.max_lag} behind the head ({head}): leaving it")
-        work = assignment(self.run_seed, self.key_id, seq, self.n_items, self.groups, salt, bound.beacon)
-        return Order(seq, work, bound.version)
+        work = assignment(self.run_seed, self.key_id, bound.work_seq, self.n_items, self.groups, salt, bound.beacon)
+        return Order(seq, work, bound.version, carry=self.tickets.fresh)

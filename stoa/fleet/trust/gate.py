@@ -23,6 +23,11 @@ Its state lives in three modules, each owning one kind:
   audit, spot-checks and the sampling check, each returning a typed
   :class:`~stoa.types.Verdict` and changing nothing else.
 
+The gate also decides a *fresh* key's standing (one binding at a time until its first accepted
+salted batch; a bound number it leaves undelivered costs its standing, and it makes
+``trust.probation_batches`` probation batches again: :mod:`stoa.fleet.trust.binding`), kept in
+the records and announced in the signed bindings document.
+
 The gate applies verdicts: a confirmed forgery bans its key, ``ban_after`` strikes ban it too;
 the ban goes into the key's signed ban document, the trainer's ban log and the ledger
 (:mod:`stoa.fleet.trust.ledger`), and the intake drops the key's queued batches. Groups are scoped to the key that sealed them
@@ -38,14 +43,14 @@ import json
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from stoa.fleet.trust.binding import MAX_AHEAD, Binder, free_between
+from stoa.fleet.trust.binding import MAX_AHEAD, MAX_LOST_LISTED, Binder, free_between
 from stoa.fleet.trust.bounds import Bounds, Judgement, RunBounds, scoped
 from stoa.fleet.trust.planted import count_planted
 from stoa.fleet.trust.records import REPORT_KIND, Records, TrustReport, build_report, public_reason
@@ -186,14 +191,29 @@ class TrustGate:
         make stale batches. Returns the refused tickets as ``(key id, ticket, reason)`` (already
         quarantined). ``settled``: the trainer's reader, for the numbers a far ticket's key holds."""
         assert self.bounds is not None, "the gate judges batches only when it knows the run's bounds"
+        opened = self._open_numbers(self.binder.bound)
         self.binder.prune(version - self.bounds.run.max_lag)
+        for kid, n in opened.items():
+            if n not in self.binder.bound.get(kid, {}):
+                self._lose(kid, n, f"its binding of number {n} expired (more than trainer.max_lag versions "
+                                   "behind) before any batch of it came")
         listing = self.binder.listing()
         kids = listing.keys()
         if any(not self.members.established(kid) for kid in kids):
             self.refresh(force=True)  # enrolled since the roster was last read?
-        standing = {kid for kid in kids if self.members.established(kid) and not self.members.is_banned(kid)}
+        standing = {kid for kid in kids if self.members.established(kid) and not self.members.is_banned(kid)
+                    and not self._owes(kid)}
+        fresh = {}
+        for kid in kids | set(self.binder.bound):
+            rec = self.records.get(kid)
+            if rec is not None and rec.probation_owed:
+                if kid in kids:
+                    rec.last_seen = time.time()  # it tickets: keep it named among the lost
+            elif rec is None or rec.fresh:
+                fresh[kid] = rec.max_seq if rec is not None else -1
         return self.binder.poll(max(0, version - self.bounds.run.lag), standing,
-                                lambda kid, after, below: self._held(settled, kid, after, below), listing)
+                                lambda kid, after, below: self._held(settled, kid, after, below), listing,
+                                fresh=fresh, lost=self.records.lost(MAX_LOST_LISTED))
 
     # -- what a batch is worth --------------------------------------------------------------------
     def judge(self, batches: Sequence[Batch], version: int, *, listed: Mapping[str, int],
@@ -205,6 +225,7 @@ class TrustGate:
         the training pool (a floor raised now may take some back). Every refusal is counted
         against its key here, in order, so a ban takes effect within the poll."""
         assert self.bounds is not None, "the gate judges batches only when it knows the run's bounds"
+        opened = self._open_numbers({b.key_id for b in batches})
         out: list[Judgement] = []
         back: set[str] = set()
         kept: set[str] = set()
@@ -246,6 +267,15 @@ class TrustGate:
                     out.append(self._counted_against(Judgement(b, "reject", _banned(b, why[b.key_id]))))
             out = [self._counted_against(Judgement(j.batch, "reject", _banned(j.batch, why[j.batch.key_id])))
                    if j.action == "train" and j.batch.key_id in why else j for j in out]
+        for j in out:  # a fresh key's batch at or past its open bound number delivers it, or costs its standing
+            b, n = j.batch, opened.get(j.batch.key_id)
+            if n is not None and b.seq >= n:
+                del opened[b.key_id]
+                if j.action != "train":
+                    what = {"probation": "probation work", "drop": f"dropped ({j.dropped})",
+                            "reject": f"refused ({j.verdict.category if j.verdict else '?'})"}[j.action]
+                    self._lose(b.key_id, n, f"its batch at number {b.seq} was {what}, not the bound work of number {n}")
+        self.binder.announce(self.records.lost(MAX_LOST_LISTED))  # standing lost or regained: said now
         return Judged(out, wait[-cap:], bans)
 
     def review(self, batches: Sequence[Batch], trainer_version: int, work: Sequence[Assignment | None] | None = None,
@@ -289,7 +319,8 @@ class TrustGate:
                 probation = bool(b.key_id) and owed is not None and owed.probation
                 dropped = untrained.get(b.key, set())
                 kept = sum(e.group_id not in dropped for e in b.episodes)
-                self.records.accept(b.key_id, b.worker_id, kept, probation)
+                if self.records.accept(b.key_id, b.worker_id, kept, probation):
+                    log.info("key %s (worker %s) has its standing again (its probation redone)", b.key_id, b.worker_id)
                 if not probation or self.records[b.key_id].probation_batches >= self.cfg.probation_batches:
                     self.members.publish_salt(b.key_id)  # its probation is done: its worker may now compute its work
         for k in self.records.forget_strangers(set(self.roster.enrolled)):
@@ -374,6 +405,35 @@ class TrustGate:
             return Verdict("unverifiable", f"replay: {detail}")
         untrained[b.key] = groups
         return None
+
+    def _owes(self, kid: str) -> bool:
+        rec = self.records.get(kid)
+        return rec is not None and rec.probation_owed > 0
+
+    def _open_numbers(self, kids: Iterable[str]) -> dict[str, int]:
+        """The open bound number (:meth:`Binder.open_number`) of each fresh key of ``kids`` with standing."""
+        out = {}
+        for kid in kids:
+            rec = self.records.get(kid)
+            if kid and (rec is None or (rec.fresh and not rec.probation_owed)):
+                n = self.binder.open_number(kid, rec.max_seq if rec is not None else -1)
+                if n is not None:
+                    out[kid] = n
+        return out
+
+    def _lose(self, kid: str, seq: int, why: str) -> None:
+        """A fresh key left its bound number ``seq`` undelivered: it loses its standing and owes
+        ``trust.probation_batches`` accepted probation batches (announced in the signed bindings
+        document within the poll; no strike)."""
+        rec, entry = self.records.get(kid), self.roster.enrolled.get(kid)
+        worker = rec.worker_id if rec is not None else entry.worker_id if entry is not None else ""
+        if not self.records.lose_standing(kid, worker, seq, self.cfg.probation_batches):
+            return
+        worker = self.records[kid].worker_id
+        log.warning("key %s (worker %s) loses its standing: %s; it makes %d probation batch(es) again", kid, worker,
+                    why, self.cfg.probation_batches)
+        if self.ledger is not None:
+            self.ledger.write(standing_lost=kid, worker=worker, number=seq, reason=why[:500])
 
     def _held(self, settled: Settled, kid: str, after: int, below: int) -> set[int]:
         """The numbers in ``(after, below)`` held under ``kid``'s worker id, by anyone's object: in

@@ -99,6 +99,12 @@ class PublicRecord:
     """Its batches that came more than ``trainer.max_lag`` versions behind, dropped unread: their
     numbers count in :attr:`withheld` (delay is a way to withhold), and this says how many of the
     gaps came late rather than never (a slow or overloaded machine)."""
+    standing_lost: int = 0
+    """Times it lost its standing: while fresh (no accepted salted batch since it gained standing)
+    it left a bound number undelivered (abandoned, expired, refused, or passed by probation work).
+    No strike: a crash or planted junk can cause it too, and it costs the key a probation."""
+    probation_owed: int = 0
+    """Accepted probation batches it still owes before it has standing again (0: none owed)."""
 
 
 @dataclass
@@ -108,6 +114,17 @@ class WorkerRecord(PublicRecord):
     floors: list[list[int]] = field(default_factory=list)
     """``[seq, version]`` of its most recent batches: each says its later-numbered batches held at
     least that version (:class:`stoa.fleet.intake.Intake`'s version floor). Not reported."""
+    salted_at_standing: int = 0
+    """Its accepted salted batches when it last regained its standing: it is fresh while it has
+    no more (:attr:`fresh`). Not reported."""
+    lost_at: int = -1
+    """The bound number it left when it last lost its standing. Not reported."""
+
+    @property
+    def fresh(self) -> bool:
+        """Whether it has no accepted salted batch since it (re)gained standing: then it holds one
+        binding at a time, and leaving its bound number undelivered costs its standing."""
+        return self.accepted_batches - self.probation_batches <= self.salted_at_standing
 
     @property
     def withheld(self) -> int:
@@ -138,6 +155,8 @@ class Records(dict[str, WorkerRecord]):
         rec = self.get(kid)
         if rec is None:
             rec = self[kid] = WorkerRecord(worker_id, taken_by_others=planted_before(self.planted, kid, worker_id))
+        elif not rec.worker_id and worker_id:  # made before its worker id was known (a binding it left, a ban)
+            rec.worker_id = worker_id
         rec.last_seen = time.time()
         return rec
 
@@ -158,12 +177,37 @@ class Records(dict[str, WorkerRecord]):
             return bool(self.ban_after) and rec.strikes >= self.ban_after and not rec.banned
         return False
 
-    def accept(self, kid: str, worker_id: str, episodes: int, probation: bool = False) -> None:
+    def accept(self, kid: str, worker_id: str, episodes: int, probation: bool = False) -> bool:
+        """Count an accepted batch; returns whether it gave the key its standing back (the last
+        probation batch it owed)."""
         rec = self.touch(kid, worker_id)
         rec.accepted_batches += 1
         rec.probation_batches += probation
         rec.accepted_episodes += episodes
         rec.last_accepted = time.time()
+        if not (probation and rec.probation_owed):
+            return False
+        rec.probation_owed -= 1
+        if rec.probation_owed:
+            return False
+        rec.salted_at_standing = rec.accepted_batches - rec.probation_batches  # fresh again
+        return True
+
+    def lose_standing(self, kid: str, worker_id: str, seq: int, probation: int) -> bool:
+        """A fresh ``kid`` left its bound number ``seq`` undelivered: it owes ``probation`` accepted
+        probation batches before it has standing again. Returns False when it owed some already."""
+        rec = self.touch(kid, worker_id)
+        if rec.probation_owed:
+            return False
+        rec.standing_lost += 1
+        rec.probation_owed, rec.lost_at = probation, seq
+        return True
+
+    def lost(self, limit: int) -> dict[str, int]:
+        """The keys that owe probation (lost their standing) -> the number each left: the ``limit``
+        seen most recently."""
+        owing = sorted(((r.last_seen, k) for k, r in self.items() if r.probation_owed and not r.banned), reverse=True)
+        return {k: self[k].lost_at for _, k in owing[:limit]}
 
     def saw(self, kid: str, worker_id: str, seq: int) -> None:
         """A batch of ``kid`` with sequence number ``seq`` reached the intake (withholding accounting)."""
@@ -242,6 +286,7 @@ class Records(dict[str, WorkerRecord]):
             "trust/withheld_batches": float(sum(r.withheld for r in recs)),
             "trust/withholding_flagged": float(sum(f for _, f in self.withholding(worker_mads).values())),
             "trust/accepted_batches": float(sum(r.accepted_batches for r in recs)),
+            "trust/standing_lost": float(sum(r.standing_lost for r in recs)),
             "trust/unverifiable_episodes": float(sum(r.unverifiable_episodes for r in recs)),
             "trust/rejected_batches": float(sum(r.rejected_batches for r in recs)
                                             + sum(sum(d.values()) for d in self.anonymous.values())),

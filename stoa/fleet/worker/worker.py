@@ -105,6 +105,8 @@ class CohortPlan:
     seq: int
     requests: list[RolloutRequest]
     sampling: SamplingConfig
+    carry: bool = False
+    """Its number taken by another's object, the batch goes under the next free one (``Order.carry``)."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,7 @@ class _Batch:
     episodes: list[Episode]
     version: int
     seq: int
+    carry: bool = False
 
 
 class Worker:
@@ -465,7 +468,7 @@ class Worker:
         if time.time() - self._roster_read > _ROSTER_EVERY_S:
             self._heed_roster()
         assert self.weights is not None and self.engine is not None and self.duty is not None
-        if self.duty.salt() is None:
+        if self.duty.on_probation():  # no salt yet, or standing lost: probation work, at the version followed
             self.weights.follow(rc.lag)
             at = self.engine.version
         else:  # bound work: the weights go to each number's bound version, never past it (_cohort)
@@ -545,7 +548,7 @@ class Worker:
             self.weights.catch_up(order.version)
         work = order.work
         return CohortPlan(order.seq, [RolloutRequest(i, g, rc.group_size) for i, g in zip(work.items, work.group_ids)],
-                          rc.sampling(work.seed))
+                          rc.sampling(work.seed), order.carry)
 
     def _generate(self, make_env: Callable[[], Any], cohort: CohortPlan) -> tuple[list[Episode], float]:
         """The cohort's episodes (one weight version for all) and the seconds they took."""
@@ -570,7 +573,7 @@ class Worker:
         self.episodes_per_s, self.tokens_per_s = len(episodes) / seconds, tokens / seconds
         self.generated_tokens += tokens
         self.generating_s += seconds
-        self._pending = _Batch(episodes, self.engine.version, cohort.seq)
+        self._pending = _Batch(episodes, self.engine.version, cohort.seq, cohort.carry)
         self._retrying("uploading a batch", self._upload_pending)
 
     def _upload_pending(self) -> None:
@@ -581,9 +584,12 @@ class Worker:
         try:
             writer.upload(batch.episodes, batch.version, seq=batch.seq)
         except SequenceTaken as e:  # someone planted an object at our number
-            log.warning("%s; dropping the cohort made for it", e)
-            self._pending = None
-            return
+            if not batch.carry:
+                log.warning("%s; dropping the cohort made for it", e)
+                self._pending = None
+                return
+            log.warning("%s; this new key's bound work goes under the next free number", e)
+            writer.upload(batch.episodes, batch.version)
         self._pending = None
         self._cohorts_at[batch.version] = self._cohorts_at.get(batch.version, 0) + 1
         self.batches += 1
