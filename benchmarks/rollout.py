@@ -330,6 +330,8 @@ def like_for_like(path: Path, threads: int, quick: bool, engines: list[str]) -> 
                  "tokens_per_s": {}}
     tps = out["tokens_per_s"]
     built = {"torch": lambda: make_engine(path, "torch", config=EngineConfig(max_batch=max(batches)), device="cpu"),
+             "torch-int24": lambda: make_engine(path, "torch", mode="int24",
+                                                config=EngineConfig(max_batch=max(batches)), device="cpu"),
              "torch-int16": lambda: make_engine(path, "torch", mode="int16",
                                                 config=EngineConfig(max_batch=max(batches)), device="cpu"),
              "torch-q": lambda: make_engine(path, "torch", mode="quantized",
@@ -534,7 +536,8 @@ def main() -> None:
     ap.add_argument("--engines", default="torch,torch-q,torch-int16,torch-f32,mlx",
                     help="engines of the like-for-like table (--model): torch (auto: the int8 kernel on CPUs, on its "
                          "24-bit integer path where the CPU has AVX-512 VNNI), torch-q (the kernel in float32), "
-                         "torch-int16 (its 16-bit integer path), torch-f32 (float32 weights), mlx")
+                         "torch-int24 / torch-int16 (its 24- / 16-bit integer path; on AVX2 without VNNI auto leaves "
+                         "them, being slower there), torch-f32 (float32 weights), mlx")
     ap.add_argument("--like-only", action="store_true", help="--model: only the like-for-like table")
     ap.add_argument("--same-work", nargs="*", type=Path, metavar="CONFIG",
                     help="only the same-work table: these run configs' work (default: examples/"

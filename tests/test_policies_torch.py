@@ -98,7 +98,7 @@ def test_engine_mode_tells_what_an_engine_would_run_without_building_one():
     from stoa.backends.torch import qlinear
 
     assert engine_mode("torch", "dequantized", device="cpu") == "dequantized"
-    auto = "int24" if qlinear.integer_available()[0] else "quantized" if qlinear.available()[0] else "dequantized"
+    auto = "int24" if qlinear.integer_faster() else "quantized" if qlinear.available()[0] else "dequantized"
     assert engine_mode("torch", "auto", device="cpu") == auto
     with pytest.raises(EngineError, match="unknown engine backend"):
         engine_mode("nope")

@@ -25,7 +25,8 @@ MODEL = TinyConfig(vocab_size=1024, hidden_size=128, num_layers=2, num_heads=4, 
 SAMPLING = SamplingConfig(max_turn_tokens=12, max_episode_tokens=400, seed=7)
 qlinear_ok = __import__("stoa.backends.torch.qlinear", fromlist=["available"]).available()[0]
 integer_ok = __import__("stoa.backends.torch.qlinear", fromlist=["integer_available"]).integer_available()[0]
-AUTO = "int24" if integer_ok else "quantized" if qlinear_ok else "dequantized"  # auto's choice on this CPU
+integer_faster = __import__("stoa.backends.torch.qlinear", fromlist=["integer_faster"]).integer_faster()
+AUTO = "int24" if integer_faster else "quantized" if qlinear_ok else "dequantized"  # auto's choice on this CPU
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 

@@ -1,9 +1,10 @@
 """The torch engine's int8 CPU kernel (`stoa.backends.torch.qlinear`): it computes a float32 matmul
 on exactly the weights of record, reads the state's codes in place, and gives a row the same bits
 whatever its batch neighbours and thread count; the narrower (AVX2-width) build agrees too. Its
-integer path (AVX-512 VNNI; skipped elsewhere) is exact arithmetic on inputs rounded as documented,
-bit for bit the numpy reference of `test_torch_int_reference` (which runs on every CPU), and
-batch-invariant too."""
+integer path (this CPU's build: skipped without one) is exact arithmetic on inputs rounded as
+documented, bit for bit the numpy reference of `test_torch_int_reference` (which runs on every CPU),
+and batch-invariant too. The AVX2 build's integer path (16-bit products, no VNNI), built here for
+`haswell`, gives the same bits: the reference's, and the VNNI build's where this CPU has one."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ torch = pytest.importorskip("torch", reason="the kernel is the torch engine's")
 
 from stoa.backends.torch import qlinear  # noqa: E402
 from stoa.backends.torch.int8 import dequantize_torch  # noqa: E402
-from test_torch_int_reference import integer_matmul  # noqa: E402  the integer path in numpy, op for op
+from test_torch_int_reference import inputs, integer_matmul  # noqa: E402  the integer path in numpy, op for op
 
 ok, why = qlinear.available()
 pytestmark = pytest.mark.skipif(not ok, reason=f"int8 kernel unavailable: {why}")
@@ -116,35 +117,54 @@ def test_a_named_cpu_replaces_the_native_one_in_the_build(monkeypatch, tmp_path)
         qlinear._attempts("x86_64")
 
 
-@pytest.mark.skipif(qlinear._compiler() is None, reason="needs a C compiler to build the 8-lane variant")
-def test_the_eight_lane_build_computes_the_same(monkeypatch, tmp_path):
-    """Machines without AVX-512 get 8-lane vectors and 2x4 tiles; build that variant here as the builder
-    does for ``STOA_KERNEL_MARCH=haswell`` (AVX2 and FMA, no AVX-512) and check it (and its decode attention)."""
-    monkeypatch.setenv("STOA_KERNEL_MARCH", "haswell")
-    monkeypatch.setenv("STOA_KERNEL_CACHE", str(tmp_path))
-    so = qlinear.kernel_path()
-    try:
-        qlinear._build(so, qlinear._compiler())
-    except (OSError, subprocess.SubprocessError) as e:
-        pytest.skip(f"this compiler cannot build for haswell: {str(e)[-200:]}")
+@pytest.fixture(scope="module")
+def avx2(tmp_path_factory):
+    """The library built as the builder builds it for ``STOA_KERNEL_MARCH=haswell`` (AVX2 and FMA, no
+    AVX-512): what a CPU without AVX-512 runs."""
+    if qlinear._compiler() is None:
+        pytest.skip("needs a C compiler to build the AVX2 variant")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("STOA_KERNEL_MARCH", "haswell")
+        mp.setenv("STOA_KERNEL_CACHE", str(tmp_path_factory.mktemp("avx2")))
+        so = qlinear.kernel_path()
+        try:
+            qlinear._build(so, qlinear._compiler())
+        except (OSError, subprocess.SubprocessError) as e:
+            pytest.skip(f"this compiler cannot build for haswell: {str(e)[-200:]}")
     lib = ctypes.CDLL(str(so))
+    P = ctypes.c_void_p
+    lib.stoa_qmatmul.argtypes = [P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, P, P, P, P, P, ctypes.c_int64,
+                                 ctypes.c_int]
+    lib.stoa_qmatmul_int.argtypes = [*lib.stoa_qmatmul.argtypes, ctypes.c_int]
+    return lib
+
+
+def call(lib, x: np.ndarray, mats, digits: int = 0, threads: int = 2) -> np.ndarray:
+    """What ``QLinear(mats, digits)(x)`` computes, through another build of the library."""
+    P, m, n = ctypes.c_void_p, len(mats), x.shape[0]
+    scales = [np.ascontiguousarray(s, np.float32) for _, s, _ in mats]
+    biases = [np.ascontiguousarray(b, np.float32) for _, _, b in mats]
+    y = np.full((n, sum(c.shape[0] for c, _, _ in mats)), 7.0, np.float32)
+    args = (x.ctypes.data, n, x.shape[1], m, (P * m)(*[c.ctypes.data for c, _, _ in mats]),
+            (P * m)(*[a.ctypes.data for a in scales]), (P * m)(*[a.ctypes.data for a in biases]),
+            (ctypes.c_int64 * m)(*[c.shape[0] for c, _, _ in mats]), y.ctypes.data, y.shape[1], threads)
+    assert (lib.stoa_qmatmul_int(*args, digits) if digits else lib.stoa_qmatmul(*args)) == 0
+    return y
+
+
+def test_the_eight_lane_build_computes_the_same(avx2):
+    """Machines without AVX-512 get 8-lane vectors and 2x4 tiles: check that variant (and its decode attention)."""
+    lib = avx2
     assert lib.stoa_qmatmul_width() == 8
     rng = np.random.default_rng(4)
     codes, scales, biases = matrix(rng, 23, 256)
-    x = rng.standard_normal((7, 256)).astype(np.float32)
-    y = np.zeros((7, 23), np.float32)
+    for n in (1, 3, 7, 9, 20):  # rows dequantized in registers (n < 9) and through the panel buffer
+        x = rng.standard_normal((n, 256)).astype(np.float32)
+        y = call(lib, x, [(codes, scales, biases)])
+        want = x.astype(np.float64) @ record(codes, scales, biases).double().numpy().T
+        assert np.abs(y - want).max() < 1e-5 * np.abs(want).max()
+    assert lib.stoa_qmatmul_has_int() == 2  # its integer path: AVX2's (16-bit products, no VNNI)
     P = ctypes.c_void_p
-    rc = lib.stoa_qmatmul(P(x.ctypes.data), ctypes.c_int64(7), ctypes.c_int64(256), 1, (P * 1)(codes.ctypes.data),
-                          (P * 1)(scales.ctypes.data), (P * 1)(biases.ctypes.data), (ctypes.c_int64 * 1)(23),
-                          P(y.ctypes.data), ctypes.c_int64(23), 2)
-    assert rc == 0
-    want = x.astype(np.float64) @ record(codes, scales, biases).double().numpy().T
-    assert np.abs(y - want).max() < 1e-5 * np.abs(want).max()
-    lib.stoa_qmatmul_int.restype = ctypes.c_int
-    assert lib.stoa_qmatmul_has_int() == 0  # no VNNI in this build: the integer path says so
-    assert lib.stoa_qmatmul_int(P(x.ctypes.data), ctypes.c_int64(7), ctypes.c_int64(256), 1,
-                                (P * 1)(codes.ctypes.data), (P * 1)(scales.ctypes.data), (P * 1)(biases.ctypes.data),
-                                (ctypes.c_int64 * 1)(23), P(y.ctypes.data), ctypes.c_int64(23), 2, 3) == -2
     # its decode attention: one query against 5 positions, in float64 for reference
     kc, vc = rng.standard_normal((2, 3, 5, 64, 2)).astype(np.float32).transpose(4, 0, 1, 2, 3)
     kc, vc = np.ascontiguousarray(kc), np.ascontiguousarray(vc)
@@ -220,3 +240,76 @@ def test_the_integer_path_reads_codes_in_place_and_handles_zero_and_non_finite_i
         assert np.abs(y[r] - want).max() < 2e-6 * np.abs(want).max()
     np.testing.assert_array_equal(y[:2], integer_matmul(x[:2], [(codes, scales, biases)], digits))
     assert np.isnan(y[2:]).all()
+
+
+# -- the integer path of the AVX2 build (16-bit products, no VNNI): built and run on any x86 CPU with AVX2
+
+VNNI = pytest.mark.skipif(not (int_ok and qlinear.library().stoa_qmatmul_has_int() == 1),
+                          reason="needs this CPU's own build to have AVX-512 VNNI")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("digits", [2, 3])
+@pytest.mark.parametrize("n", [1, 2, 4, 5, 8, 9, 17, 64])  # codes read in place (n < 9) and packed tiles
+def test_the_avx2_integer_path_gives_the_references_bits(avx2, n, digits, threads):
+    """Exact integer sums and the VNNI path's float32 epilogue: the numpy reference's bits, which are
+    the VNNI build's (tests/test_torch_int_reference.py)."""
+    rng = np.random.default_rng(200 + 10 * n + digits)
+    mats = [matrix(rng, 70, 192), matrix(rng, 33, 192, np.float16), matrix(rng, 5, 192)]  # part blocks of 8
+    x = inputs(rng, n, 192)
+    np.testing.assert_array_equal(call(avx2, x, mats, digits, threads), integer_matmul(x, mats, digits))
+
+
+@VNNI
+@pytest.mark.parametrize("digits", [2, 3])
+@pytest.mark.parametrize("n", [1, 3, 7, 12, 40])
+def test_the_avx2_integer_path_gives_the_vnni_builds_bits(avx2, n, digits):
+    """On the same inputs, the AVX2 build and this CPU's VNNI build give the same bits, across panels
+    and matrices (what lets the trainer's re-score take either worker alike)."""
+    rng = np.random.default_rng(300 + n + digits)
+    for k, outs in ((576, (500, 37)), (1536, (90, 200))):
+        mats = [matrix(rng, o, k) for o in outs]
+        x = inputs(rng, n, k)
+        x[:, 3] *= 1e30  # huge and tiny groups alike
+        x[-1, k - 64:] *= 1e-30
+        want = qlinear.QLinear(mats, digits=digits)(torch.from_numpy(x)).numpy()
+        np.testing.assert_array_equal(call(avx2, x, mats, digits), want)
+
+
+@pytest.mark.parametrize("digits", [2, 3])
+def test_the_avx2_integer_path_is_exact_arithmetic_on_its_rounded_inputs(avx2, digits):
+    rng = np.random.default_rng(13)
+    mats = [matrix(rng, 70, 192), matrix(rng, 33, 192)]
+    x = rng.standard_normal((21, 192)).astype(np.float32)
+    x[:, 7] *= 40
+    w = torch.cat([record(*m) for m in mats]).double().numpy()
+    got = call(avx2, x, mats, digits).astype(np.float64)
+    want = rounded_inputs(x, digits) @ w.T
+    assert np.abs(got - want).max() < 2e-6 * np.abs(want).max()  # only the float32 epilogue rounds
+
+
+@pytest.mark.parametrize("digits", [2, 3])
+def test_the_avx2_integer_path_handles_zero_and_non_finite_inputs_as_the_vnni_path(avx2, digits):
+    rng = np.random.default_rng(14)
+    mats = [matrix(rng, 16, 128)]
+    for n in (5, 12):  # in place and packed
+        x = rng.standard_normal((n, 128)).astype(np.float32)
+        x[1, :64] = 0.0
+        x[2, 70] = np.inf
+        x[3, 3] = x[4, 63] = np.nan
+        y = call(avx2, x, mats, digits)
+        np.testing.assert_array_equal(y, integer_matmul(x, mats, digits))
+        want = rounded_inputs(x[1:2], digits) @ record(*mats[0]).double().numpy().T
+        assert np.abs(y[1] - want).max() < 2e-6 * np.abs(want).max()
+        assert np.isnan(y[2:5]).all() and np.isfinite(np.delete(y, [2, 3, 4], 0)).all()
+
+
+@pytest.mark.parametrize("digits", [2, 3])
+def test_the_avx2_integer_path_does_not_depend_on_neighbours_or_threads(avx2, digits):
+    rng = np.random.default_rng(15)
+    mats = [matrix(rng, 300, 576), matrix(rng, 40, 576)]
+    x = rng.standard_normal((37, 576)).astype(np.float32)
+    whole = call(avx2, x, mats, digits)
+    for threads in (1, 2):
+        for a, b in ((0, 1), (5, 8), (3, 37), (36, 37), (0, 12)):
+            np.testing.assert_array_equal(call(avx2, np.ascontiguousarray(x[a:b]), mats, digits, threads), whole[a:b])

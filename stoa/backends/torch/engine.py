@@ -9,14 +9,15 @@ engine) is the state of record. The model computes with its weights of record, `
 bias`` evaluated in float32 (:func:`stoa.backends.torch.int8.dequantize_torch`, what the trainer's
 re-score uses), in one of these modes:
 
-* ``int24`` (``auto``'s choice on x86 CPUs with AVX-512 VNNI): the int8 kernel's integer path
-  (:mod:`stoa.backends.torch.qlinear`). No float32 weights are held; each matmul's input is rounded
-  per group of 64 to 24-bit integers (an error of at most 6e-8 of the group's largest entry: float32's
-  class) and multiplied with the codes by exact int8 dot products.
-* ``quantized`` (``auto``'s choice on other CPUs where the kernel builds): the same kernel's float32
-  path: the weights of record are dequantized in cache and multiplied in float32, a float32 matmul's
-  results up to the order of the sums.
-* ``int16`` (x86 CPUs with AVX-512 VNNI; never ``auto``'s choice): the integer path on 16-bit
+* ``int24`` (x86 CPUs with AVX-512 VNNI or AVX2; ``auto``'s choice with VNNI): the int8 kernel's
+  integer path (:mod:`stoa.backends.torch.qlinear`; the same results bit for bit on both). No float32
+  weights are held; each matmul's input is rounded per group of 64 to 24-bit integers (an error of
+  at most 6e-8 of the group's largest entry: float32's class) and multiplied with the codes by
+  exact integer dot products.
+* ``quantized`` (``auto``'s choice on other CPUs where the kernel builds, AVX2-only ones included):
+  the same kernel's float32 path: the weights of record are dequantized in cache and multiplied in
+  float32, a float32 matmul's results up to the order of the sums.
+* ``int16`` (x86 CPUs with AVX-512 VNNI or AVX2; never ``auto``'s choice): the integer path on 16-bit
   inputs: faster still at batch 16-64, and its log-probs drift from a float32 re-score by up to
   ~7e-3 (docs/rollout.md, docs/trust.md): measure it on your model before a run admits it.
 * ``dequantized`` (``auto``'s choice on GPUs): float32 weights and float32 activations. On
@@ -71,8 +72,8 @@ def resolve_device(setting: str) -> torch.device:
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:
-    """``auto``: on a CPU ``int24`` where the kernel's integer path runs (AVX-512 VNNI), else
-    ``quantized`` where the int8 kernel builds, else ``dequantized``; on a GPU ``dequantized``.
+    """``auto``: on a CPU ``int24`` where the kernel's integer path beats its float32 path (AVX-512
+    VNNI), else ``quantized`` where the int8 kernel builds, else ``dequantized``; on a GPU ``dequantized``.
     ``int16`` is never ``auto``'s choice: it trades ~100x float32's drift for speed (docs/rollout.md)."""
     from stoa.backends.torch import qlinear
 
@@ -87,7 +88,7 @@ def resolve_mode(mode: str, device: torch.device) -> str:
     if mode == "auto":
         if device.type != "cpu":
             return "dequantized"
-        if qlinear.integer_available()[0]:
+        if qlinear.integer_faster():
             return "int24"
         return "quantized" if qlinear.available()[0] else "dequantized"
     return mode

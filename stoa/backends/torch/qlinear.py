@@ -21,11 +21,13 @@ holds the decoder's decode attention (``kernels/attention.c``), its whole decode
 engine's ``auto`` mode falls back to float32 weights when it cannot.
 
 ``QLinear(..., digits=3)`` (or ``2``) runs the kernel's integer path instead (the engine's ``int24``
-and ``int16`` modes; x86 CPUs with AVX-512 VNNI, :func:`integer_available`): each input row is
-rounded per group of 64 to 24-bit (16-bit) integers on the group's own scale, and the products with
-the int8 codes are exact integer dot products, 1.2-1.4x (1.5-1.8x) faster at batch 16-64 than the
-float32 path. Its results are the weights of record applied to those rounded inputs: an error of
-at most 6e-8 (1.5e-5) of the group's largest entry per input.
+and ``int16`` modes; x86 CPUs with AVX-512 VNNI or AVX2, :func:`integer_available`): each input row
+is rounded per group of 64 to 24-bit (16-bit) integers on the group's own scale, and the products
+with the int8 codes are exact integer dot products. Its results are the weights of record applied to
+those rounded inputs: an error of at most 6e-8 (1.5e-5) of the group's largest entry per input. The
+AVX2 build (``kernels/qmatmul_avx2.c``: 16-bit products, no VNNI) gives the VNNI build's bits. With
+VNNI it is 1.2-1.4x (1.5-1.8x) faster at batch 16-64 than the float32 path; with AVX2 alone 24-bit
+inputs are not (:func:`integer_faster`), 16-bit ones 1.3-2x.
 """
 
 from __future__ import annotations
@@ -45,12 +47,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["QLinear", "available", "integer_available", "kernel_path", "library"]
+__all__ = ["QLinear", "available", "integer_available", "integer_faster", "kernel_path", "library"]
 
 _KERNELS = Path(__file__).with_name("kernels")
 _SOURCE = _KERNELS / "qmatmul.c"
-_SOURCES = (_SOURCE, _KERNELS / "attention.c", _KERNELS / "step.c",
-            _KERNELS / "sample.c")  # one library; all include simd.h
+_SOURCES = (_SOURCE, _KERNELS / "qmatmul_avx2.c", _KERNELS / "attention.c", _KERNELS / "step.c",
+            _KERNELS / "sample.c")  # one library; all but qmatmul_avx2.c include simd.h
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11", "-ffp-contract=off")
 _P = ctypes.c_void_p
 _lock = threading.Lock()
@@ -178,14 +180,26 @@ def available() -> tuple[bool, str]:
     return True, f"{lib.stoa_qmatmul_width()} float32 lanes"
 
 
+_INTEGER = {1: "AVX-512 VNNI", 2: "AVX2 (16-bit products, no VNNI)"}  # stoa_qmatmul_has_int's answers
+
+
 def integer_available() -> tuple[bool, str]:
-    """(whether the kernel's integer path is usable here, a reason when not)."""
+    """(whether the kernel's integer path is usable here, which one it is / a reason when not)."""
     lib = _load()
     if lib is None:
         return False, str(_why)
-    if not lib.stoa_qmatmul_has_int():
-        return False, "this CPU (or this compiler) has no AVX-512 VNNI, which the integer path needs"
-    return True, "AVX-512 VNNI"
+    kind = lib.stoa_qmatmul_has_int()
+    if kind not in _INTEGER:
+        return False, "this CPU (or this compiler) has neither AVX-512 VNNI nor AVX2, which the integer path needs"
+    return True, _INTEGER[kind]
+
+
+def integer_faster() -> bool:
+    """Whether the integer path beats the float32 path here, so the engine's ``auto`` takes it:
+    with AVX-512 VNNI (byte products, 1.2-1.4x at 16-64 rows); not with AVX2 alone, whose 16-bit
+    products measured 0.86-0.96x of its float32 path (docs/rollout.md)."""
+    lib = _load()
+    return lib is not None and lib.stoa_qmatmul_has_int() == 1
 
 
 def _f32(a: np.ndarray) -> np.ndarray:

@@ -8,7 +8,8 @@
  * kernel computes what a float32 matmul on the dequantized matrix computes, up to the order of the
  * sums, while reading one byte per weight from memory instead of four.
  *
- * stoa_qmatmul_int (the `int24` and `int16` modes; x86 with AVX-512 VNNI): each row of x is rounded,
+ * stoa_qmatmul_int (the `int24` and `int16` modes; x86 with AVX-512 VNNI, and with AVX2 the same bits
+ * from 16-bit products in qmatmul_avx2.c): each row of x is rounded,
  * per group of 64 inputs, to 24- or 16-bit integers q on a scale sx = max|x| / qmax, and
  * sum_k code_k * q_k is exact integer arithmetic (int8 dot products, one per byte of q: the CPU's
  * fastest multiply); then, per group, in float32, y += float(that sum) * (scale * sx) and
@@ -131,18 +132,30 @@ static void tile(const float *x, int64_t ldx, const float *w, int64_t K, int nr,
     tile_body(x, ldx, w, K, nr, no, y, ldy);
 }
 
-/* Few rows (n < RT): no panel buffer; each weight is dequantized in registers (dequant_vec) and
- * used at once. Same accumulation order per (row, output) as tile(): the results are bit for bit
- * those of the buffered path. */
+/* Few rows (n < FEW): no panel buffer; each weight is dequantized in registers (dequant_vec) and
+ * used at once, and the next outputs' codes are prefetched (the hardware prefetcher does not follow
+ * OT short rows read side by side: without it one row ran at half the memory's speed). Same
+ * accumulation order per (row, output) as tile(): the results are bit for bit those of the buffered
+ * path. */
+#ifndef FEW
+#if VL == 8
+#define FEW 9 /* fewer rows than this take this path (AVX2: up to 8 rows beat the buffered path's tiles) */
+#else
+#define FEW 4
+#endif
+#endif
+#define FC 3 /* rows at a time */
 
 static inline __attribute__((always_inline)) void
 few_rows_body(const float *x, int64_t K, const int nr, const uint8_t *code, const float *scale, const float *bias,
               const int no, float *y, int64_t ldy) {
-    vf acc[RT][OT];
-    for (int r = 0; r < RT; r++)
+    enum { FR = 4 }; /* FC rows in whole tiles of RT rows, for store_tile */
+    vf acc[FR][OT];
+    for (int r = 0; r < FR; r++)
         for (int o = 0; o < OT; o++) acc[r][o] = (vf){0};
     const int64_t G = K / GROUP;
     for (int64_t g = 0; g < G; g++) {
+        for (int o = 0; o < OT; o++) __builtin_prefetch(code + (OT + o) * K + g * GROUP);
         for (int64_t j = 0; j < GROUP; j += VL) {
             const int64_t k = g * GROUP + j;
             for (int o = 0; o < no; o++) {
@@ -151,7 +164,7 @@ few_rows_body(const float *x, int64_t K, const int nr, const uint8_t *code, cons
             }
         }
     }
-    store_tile(acc, nr, no, y, ldy);
+    for (int r = 0; r < nr; r += RT) store_tile(&acc[r], nr - r < RT ? nr - r : RT, no, y + r * ldy, ldy);
 }
 
 /* As tile(): constant counts keep the accumulators in registers. */
@@ -160,10 +173,8 @@ static void few_rows(const float *x, int64_t K, int nr, const uint8_t *code, con
     if (no == OT) {
         switch (nr) {
         case 1: few_rows_body(x, K, 1, code, scale, bias, OT, y, ldy); return;
-#if RT > 2
         case 2: few_rows_body(x, K, 2, code, scale, bias, OT, y, ldy); return;
         case 3: few_rows_body(x, K, 3, code, scale, bias, OT, y, ldy); return;
-#endif
         default: break;
         }
     }
@@ -209,18 +220,20 @@ int stoa_qmatmul(const float *x, int64_t n, int64_t K, int m, const uint8_t *con
     if (plan(m, outs, P, &npanels, &pm, &col)) return -1;
     int failed = 0;
     if (threads < 1) threads = 1;
-    if (n < RT) {
+    if (n < FEW) { /* blocks of OT outputs split evenly over the threads; rows FC at a time */
         const int64_t G = K / GROUP;
+        int64_t nblk = 0;
+        for (int i = 0; i < m; i++) nblk += (outs[i] + OT - 1) / OT;
 #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t p = 0; p < npanels; p++) {
-            const int i = (int)pm[2 * p];
-            const int64_t o0 = pm[2 * p + 1];
-            const int64_t no = outs[i] - o0 < P ? outs[i] - o0 : P;
-            for (int64_t o = 0; o < no; o += OT) {
-                const int nn = no - o < OT ? (int)(no - o) : OT;
-                few_rows(x, K, (int)n, codes[i] + (o0 + o) * K, scales[i] + (o0 + o) * G, biases[i] + (o0 + o) * G,
-                         nn, y + col[i] + o0 + o, ldy);
-            }
+        for (int64_t b = 0; b < nblk; b++) {
+            int i = 0;
+            int64_t o = b;
+            while (i < m - 1 && o >= (outs[i] + OT - 1) / OT) o -= (outs[i++] + OT - 1) / OT;
+            o *= OT;
+            const int nn = outs[i] - o < OT ? (int)(outs[i] - o) : OT;
+            for (int64_t r = 0; r < n; r += FC)
+                few_rows(x + r * K, K, n - r < FC ? (int)(n - r) : FC, codes[i] + o * K, scales[i] + o * G,
+                         biases[i] + o * G, nn, y + r * ldy + col[i] + o, ldy);
         }
         free(pm);
         free(col);
@@ -558,6 +571,17 @@ int stoa_qmatmul_int(const float *x, int64_t n, int64_t K, int m, const uint8_t 
     free(pm); free(col); free(xd); free(sx); free(cb);
     return failed ? -1 : 0;
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+int stoa_qmatmul_int_avx2(const float *x, int64_t n, int64_t K, int m, const uint8_t *const *codes,
+                          const float *const *scales, const float *const *biases, const int64_t *outs,
+                          float *y, int64_t ldy, int threads, int digits);
+
+/* Without VNNI: the same results from 16-bit products (qmatmul_avx2.c). */
+int stoa_qmatmul_int(const float *x, int64_t n, int64_t K, int m, const uint8_t *const *codes,
+                     const float *const *scales, const float *const *biases, const int64_t *outs,
+                     float *y, int64_t ldy, int threads, int digits) {
+    return stoa_qmatmul_int_avx2(x, n, K, m, codes, scales, biases, outs, y, ldy, threads, digits);
+}
 #else
 int stoa_qmatmul_int(const float *x, int64_t n, int64_t K, int m, const uint8_t *const *codes,
                      const float *const *scales, const float *const *biases, const int64_t *outs,
@@ -568,10 +592,12 @@ int stoa_qmatmul_int(const float *x, int64_t n, int64_t K, int m, const uint8_t 
 }
 #endif
 
-/* Whether this build has the integer path. */
+/* Which integer path this build has: 0 none, 1 AVX-512 VNNI (byte products), 2 AVX2 (16-bit products). */
 int stoa_qmatmul_has_int(void) {
 #if defined(STOA_AVX512) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
     return 1;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 2;
 #else
     return 0;
 #endif
