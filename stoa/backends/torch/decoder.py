@@ -56,19 +56,27 @@ class KVCache:
     """Keys and values of ``slots`` rows: per layer ``[slots, kv_heads, capacity, head_dim]``."""
 
     def __init__(self, layers: int, slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, capacity: int = _STEP) -> None:
+                 device: torch.device, capacity: int = _STEP, limit: int | None = None) -> None:
         self.shape = (slots, kv_heads, 0, head_dim)
         self.dtype, self.device = dtype, device
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.layers, self.capacity = layers, 0
-        self.ensure(capacity)
+        self.limit = limit
+        """The most positions a row will ever need (None: unbounded): growth stops there, so a
+        cache never holds more than a memory cap counted for (a pipeline stage's)."""
+        self.ensure(min(capacity, limit) if limit else capacity)
+
+    def rounded(self, length: int) -> int:
+        """The capacity that room for ``length`` positions allocates."""
+        cap = -(-length // _STEP) * _STEP
+        return max(length, min(cap, self.limit)) if self.limit else cap
 
     def ensure(self, length: int) -> None:
         """Room for ``length`` positions in every row (grown in steps; rows keep their contents)."""
         if length <= self.capacity:
             return
-        cap = -(-length // _STEP) * _STEP
+        cap = self.rounded(length)
         s, h, _, d = self.shape
         for i in range(self.layers):
             for store in (self.k, self.v):

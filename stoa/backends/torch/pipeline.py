@@ -126,13 +126,14 @@ class Stage:
         kv = 2 * len(self.decoder.layers) * s.num_key_value_heads * s.head_dim * torch.empty((), dtype=self.decoder.dtype).element_size()
         return StageMemory(sum(a.nbytes for a in self.state.values()), weights, kv)
 
-    def kv(self, slots: int) -> D.KVCache:
-        """This stage's KV cache with ``slots`` rows (kept while the row count holds)."""
+    def kv(self, slots: int, limit: int | None = None) -> D.KVCache:
+        """This stage's KV cache with ``slots`` rows (kept while the row count holds), never
+        grown past ``limit`` positions (:class:`~stoa.backends.torch.decoder.KVCache`)."""
         c = self.cache
         if c is None or c.shape[0] != slots:
             s = self.decoder.spec
             c = self.cache = D.KVCache(len(self.decoder.layers), slots, s.num_key_value_heads, s.head_dim,
-                                       self.decoder.dtype, self.device)
+                                       self.decoder.dtype, self.device, limit=limit)
         return c
 
     def forward(self, x: torch.Tensor, start: torch.Tensor, longest: int, rows: torch.Tensor | None = None

@@ -82,8 +82,12 @@ class StageService:
     """
 
     def __init__(self, stage: Stage, max_slots: int, max_positions: int,
-                 kv_check: Callable[[int, int], str | None] | None = None) -> None:
+                 kv_check: Callable[[int, int], str | None] | None = None, kv_positions: int | None = None) -> None:
         self.stage, self.max_slots, self.max_positions = stage, int(max_slots), int(max_positions)
+        self.kv_positions = min(int(kv_positions or max_positions), self.max_positions)
+        """Positions a row is expected to reach (the run's ``max_episode_tokens``): the KV cache is
+        grown in steps only up to this (then to exactly what a frame asks), so it holds what a
+        memory cap counted for."""
         self.hidden = stage.decoder.spec.hidden_size
         self.vocab = stage.decoder.spec.vocab_size
         self.slots = 0
@@ -100,7 +104,8 @@ class StageService:
             return
         c = self.stage.cache
         have = c.capacity if c is not None and c.shape[0] == slots else 0
-        why = self.kv_check(slots, max(have, -(-max(length, 1) // KV_STEP) * KV_STEP))
+        rounded = max(length, min(-(-max(length, 1) // KV_STEP) * KV_STEP, self.kv_positions))  # KVCache.rounded
+        why = self.kv_check(slots, max(have, rounded))
         if why:
             raise FrameError(why)
 
@@ -115,7 +120,7 @@ class StageService:
                 slots = meta_int(f.meta, "slots", 1, self.max_slots)
                 self._room(slots, 1)
                 self.slots = slots
-                self.stage.kv(self.slots)
+                self.stage.kv(self.slots, limit=self.kv_positions)
                 return None
             if not self.slots:
                 raise FrameError(f"{f.op} before slots")

@@ -180,7 +180,8 @@ class StageServer:
         positions = 2 * rc.max_episode_tokens + 64
         mem = self.stage.memory()
         self.cap = RunningCap(self.max_memory_mb, mem.state + mem.weights, mem.kv_per_token)
-        service = stage_backend().StageService(self.stage, rc.max_batch, positions, self.cap.kv_refusal)
+        service = stage_backend().StageService(self.stage, rc.max_batch, positions, self.cap.kv_refusal,
+                                               kv_positions=rc.max_episode_tokens)
         if self.wrap_service is not None:
             service = self.wrap_service(service)
         self.cap.ready()
