@@ -1,4 +1,4 @@
-"""The outer loop's pure parts and its store objects: the int8 update codec with error feedback,
+"""The outer loop's pure parts and its store objects: the int8 and top-k update codecs with error feedback,
 the Nesterov outer optimizer (golden numbers by hand), the exchange's checks on read, and the bytes
 of one outer update against float32. CPU, no model."""
 
@@ -113,6 +113,97 @@ def test_decode_refuses_what_does_not_fit_the_model():
     assert l2_norm({"a": np.array([3.0, 4.0], np.float32)}) == 5.0
 
 
+def test_topk_keeps_the_largest_values_of_each_block_and_decodes_to_what_the_sender_kept():
+    u = update()
+    enc = encode_update(u, compress="topk", block=64, topk=2)
+    dec = decode_update(enc.blob, shapes(u), sha256=enc.sha256)
+    for k in u:
+        assert np.array_equal(dec[k], enc.decoded[k])
+        np.testing.assert_allclose(dec[k] + enc.residual[k], u[k], rtol=0, atol=1e-9)
+    w = u["model.embed_tokens.weight"].reshape(100, 1, 64)
+    d = dec["model.embed_tokens.weight"].reshape(100, 1, 64)
+    assert ((d != 0).sum(axis=2) == 2).all()
+    top2 = np.sort(np.argsort(-np.abs(w), axis=2)[..., :2], axis=2)
+    assert np.array_equal(np.sort(np.nonzero(d)[2].reshape(100, 1, 2), axis=2), top2)
+    # the kept values are int8-coded against the larger of the two: within half a step of it
+    assert np.abs(np.take_along_axis(d - w, top2, axis=2)).max() <= np.abs(w).max() / 127 / 2 + 1e-9
+    # a row that 64 does not divide is one block with ceil(2 * 10 / 64) = 1 value kept
+    odd = dec["model.odd.weight"].reshape(15, 10)
+    assert ((odd != 0).sum(axis=1) == 1).all()
+    assert np.array_equal(dec["model.layers.0.input_layernorm.weight"], u["model.layers.0.input_layernorm.weight"])
+
+
+def test_bytes_of_a_topk_update_against_float32():
+    """Per block of 64: 2 uint8 positions, 2 int8 codes, 1 float32 scale = 8 bytes against 256."""
+    rng = np.random.default_rng(3)
+    u = {f"model.layers.{i}.mlp.up_proj.weight": rng.standard_normal((256, 256)).astype(np.float32) for i in range(4)}
+    full = fp32_bytes(shapes(u))
+    enc = encode_update(u, compress="topk", block=64, topk=2)
+    data = sum(v.size for v in u.values()) // 64 * 8
+    assert data < enc.bytes < data + 2048  # and the header (12 tensors)
+    print(f"top-2 of 64: {enc.bytes} B vs {full} B float32 ({full / enc.bytes:.1f}x)")
+    assert full / enc.bytes > 30  # 32x less the header
+    wide = encode_update(u, compress="topk", block=256, topk=4)  # 4 + 4 + 4 bytes per 256 values
+    assert full / wide.bytes > 75  # 85x less the header
+
+
+def test_topk_error_feedback_sends_what_sparsity_held_back():
+    """A constant update sent top-2 of 64 with feedback: what arrived plus the residual is exactly
+    what was meant; a held-back value's residual grows until it is among the largest, so nearly
+    every position arrives and the total's error shrinks like 1/steps (measured: 0.56 of its norm
+    after 16 steps, 0.22 after 64, 0.06 after 256). Without feedback 2 positions of 64 ever do."""
+    rng = np.random.default_rng(2)
+    base = (rng.standard_normal((4, 64)) * 1e-3).astype(np.float32)
+    residual, sent = None, np.zeros_like(base)
+    for _ in range(256):
+        enc = encode_update({"w": base}, residual, compress="topk", topk=2)
+        residual = enc.residual
+        sent += enc.decoded["w"]
+    np.testing.assert_allclose(sent + residual["w"], 256 * base, rtol=1e-4, atol=1e-6)
+    assert (sent != 0).mean() > 0.9
+    assert np.linalg.norm(sent - 256 * base) < 0.1 * np.linalg.norm(256 * base)
+    plain = encode_update({"w": base}, compress="topk", topk=2).decoded["w"]
+    assert ((plain != 0).sum(axis=1) == 2).all()
+
+
+def test_decode_refuses_a_malformed_topk_update():
+    u = update()
+    s = shapes(u)
+    enc = encode_update(u, compress="topk", topk=2)
+    meta = {"format": "stoa.outer-update/1", "compress": "topk", "block": "64", "topk": "2"}
+    name = "model.layers.0.mlp.up_proj.weight"
+
+    def planted(**change) -> bytes:
+        t = dict(tensorfile.read(enc.blob).tensors)
+        t.update(change)
+        return tensorfile.encode(t, meta)
+
+    i = tensorfile.read(enc.blob).tensors[name + "#i"]
+    for bad, why in ((np.where(i == i.max(), 64, i).astype(np.uint8), "outside"),      # past the block
+                     (i[..., ::-1].copy(), "ascending"),                              # unsorted
+                     (np.repeat(i[..., :1], 2, axis=2), "ascending"),                 # a position twice
+                     (i.astype(np.int32), "expected"),                                # another dtype
+                     (i[..., :1].copy(), "expected")):                                # fewer than k
+        with pytest.raises(UpdateError, match=why):
+            decode_update(planted(**{name + "#i": bad}), s)
+    q = np.array(tensorfile.read(enc.blob).tensors[name + "#q"])
+    q[0, 0, 0] = -128
+    with pytest.raises(UpdateError, match="-128"):
+        decode_update(planted(**{name + "#q": q}), s)
+    sc = np.array(tensorfile.read(enc.blob).tensors[name + "#s"])
+    sc[0, 0] = np.inf
+    with pytest.raises(UpdateError, match="scale"):
+        decode_update(planted(**{name + "#s": sc}), s)
+    with pytest.raises(UpdateError, match="topk"):
+        decode_update(tensorfile.encode(dict(tensorfile.read(enc.blob).tensors), {**meta, "topk": "x"}), s)
+    with pytest.raises(UpdateError, match="missing"):  # an int8 file's tensors under a top-k header
+        decode_update(tensorfile.encode(dict(tensorfile.read(encode_update(u).blob).tensors), meta), s)
+    with pytest.raises(UpdateError, match="expected"):  # and top-k tensors under an int8 one
+        decode_update(tensorfile.encode(dict(tensorfile.read(enc.blob).tensors), {**meta, "compress": "int8"}), s)
+    with pytest.raises(ValueError, match="compress"):
+        encode_update(u, compress="topk", topk=0)
+
+
 def test_nesterov_outer_step_golden_numbers():
     """lr 0.5, mu 0.9, one parameter. Step 1: g = mean(1, 3) = 2, m = 2, step = g + mu m = 3.8,
     change -1.9. Step 2: g = 1, m = 0.9*2 + 1 = 2.8, step = 1 + 2.52 = 3.52, change -1.76.
@@ -133,7 +224,7 @@ def test_nesterov_outer_step_golden_numbers():
 def test_outer_config_bounds_and_the_torch_learner():
     assert not OuterConfig().active and OuterConfig(trainers=2).active and OuterConfig(inner_steps=4).active
     for bad in ({"trainers": 0}, {"inner_steps": 0}, {"momentum": 1.0}, {"lr": 0.0}, {"deadline_s": 0.0},
-                {"compress": "fp8"}):
+                {"compress": "fp8"}, {"compress": "topk", "topk": 0}, {"topk": 65}):
         with pytest.raises(ConfigError):
             OuterConfig(**bad)
     with pytest.raises(ConfigError, match="megatron"):
@@ -141,6 +232,7 @@ def test_outer_config_bounds_and_the_torch_learner():
     with pytest.raises(ConfigError, match="outer"):
         RunConfig.from_dict({"outer": {"trainer": 2}})
     assert RunConfig.from_dict({"outer": {"trainers": 2, "inner_steps": 4}}).outer.inner_steps == 4
+    assert RunConfig.from_dict({"outer": {"trainers": 2, "compress": "topk", "topk": 4, "block": 256}}).outer.topk == 4
 
 
 def test_the_exchange_checks_what_it_reads(tmp_path):
@@ -158,6 +250,9 @@ def test_the_exchange_checks_what_it_reads(tmp_path):
     meta, dec = coord.update(3, 1, shapes(u))
     assert meta["items"] == [0] and all(np.array_equal(dec[k], enc.decoded[k]) for k in u)
     assert coord.update(3, 2, shapes(u)) is None
+    sparse = encode_update(u, compress="topk", topk=2)
+    inner.put_update(3, 3, sparse, {"items": [0], "failed": {}, "metrics": []})
+    assert all(np.array_equal(coord.update(3, 3, shapes(u))[1][k], sparse.decoded[k]) for k in u)
     stranger.put_update(3, 2, enc, {"items": [0], "failed": {}, "metrics": []})
     with pytest.raises(UpdateError, match="MAC"):
         coord.update(3, 2, shapes(u))

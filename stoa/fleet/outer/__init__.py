@@ -3,7 +3,7 @@
 Its room, one module per thing:
 
 * :mod:`~stoa.fleet.outer.section`: ``[outer]``, a leaf (reading a config loads nothing else here);
-* :mod:`~stoa.fleet.outer.codec`: an outer update as bytes (int8 codes, per-block scales, error
+* :mod:`~stoa.fleet.outer.codec`: an outer update as bytes (int8 or top-k sparse codes, error
   feedback), pure;
 * :mod:`~stoa.fleet.outer.nesterov`: the Nesterov outer optimizer, pure;
 * :mod:`~stoa.fleet.outer.exchange`: the ``<run>/outer/`` objects, signed or MAC'd, checked on read;

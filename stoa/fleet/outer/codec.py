@@ -1,5 +1,6 @@
-"""Outer updates as bytes: int8 codes with a float32 scale per block of a row, error feedback kept
-by the sender, one safetensors file. Pure: no I/O, no clock, tested alone.
+"""Outer updates as bytes: int8 codes with a float32 scale per block of a row, or only the top k
+values of each block (sparse), error feedback kept by the sender, one safetensors file. Pure: no
+I/O, no clock, tested alone.
 
 An update maps each weight's Hugging Face name to a float32 array (the difference from the last
 merged weights). In the file, a matrix (2-D or more, as a ``rows x last`` view) ``X`` travels as
@@ -8,10 +9,20 @@ or one per row when ``block`` does not divide the row); the value is ``codes * s
 ``max |x| / 127`` over its block (symmetric, so 0 stays exactly 0). Vectors (norms, biases) travel as
 float32 under their own name. ``compress = "none"`` sends every tensor as float32.
 
+``compress = "topk"`` (sparse, as SparseLoCo, arXiv 2508.15706, keeps the largest entries of a
+chunk): of each block of a row only the ``k`` values largest in magnitude travel, where ``k`` is
+``topk`` for a full block (``ceil(topk * row / block)`` when the block is the whole row), as
+``X#i`` (their positions in the block, ascending, uint8 for blocks of at most 256 values, else
+uint16 or int32; ``[rows, blocks, k]``), ``X#q`` (int8 codes of those values, ``[rows, blocks, k]``)
+and ``X#s`` (float32, ``max |kept| / 127``, ``[rows, blocks]``); every other value is 0. With
+``block = 64, topk = 2`` a matrix costs 8 bytes per 64 values (2 positions, 2 codes, 1 scale), 32x
+less than float32, against 3.8x for int8.
+
 Error feedback (EF-SGD, arXiv 1901.09847): the sender encodes ``delta + residual`` and keeps
-``residual = (delta + residual) - decoded``, so what one step's rounding drops is sent in a later
-one. The receiver sees only ``decoded``. :func:`decode_update` checks every byte it is given
-(hash, format, names, shapes, dtypes, finite values, code range) before it returns an array.
+``residual = (delta + residual) - decoded``, so what one step's rounding (or sparsity) drops is
+sent in a later one. The receiver sees only ``decoded``. :func:`decode_update` checks every byte it is given
+(hash, format, names, shapes, dtypes, finite values, code range, positions in range and strictly
+ascending) before it returns an array.
 """
 
 from __future__ import annotations
@@ -25,10 +36,12 @@ import numpy as np
 
 from stoa.transport import tensorfile
 
-__all__ = ["FORMAT", "Encoded", "UpdateError", "decode_update", "encode_update", "fp32_bytes", "l2_norm"]
+__all__ = ["CODECS", "FORMAT", "Encoded", "UpdateError", "decode_update", "encode_update", "fp32_bytes", "l2_norm"]
 
 FORMAT = "stoa.outer-update/1"
-_Q, _S = "#q", "#s"
+CODECS = ("int8", "topk", "none")
+"""The ways an update travels (``compress``)."""
+_Q, _S, _I = "#q", "#s", "#i"
 
 
 class UpdateError(ValueError):
@@ -72,13 +85,32 @@ def _blocks(shape: tuple[int, ...], block: int) -> tuple[int, int, int]:
     return rows, last // per, per
 
 
+def _kept(per: int, block: int, topk: int) -> int:
+    """Values kept of a block of ``per`` values (``per`` is ``block``, or a row it does not divide)."""
+    return min(per, topk if per == block else -(-topk * per // block))
+
+
+def _index_dtype(per: int) -> np.dtype:
+    return np.dtype(np.uint8 if per <= 256 else "<u2" if per <= 65536 else "<i4")
+
+
+def _int8(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 codes of ``v`` (..., n) with one float32 scale per last axis."""
+    scale = (np.abs(v).max(axis=-1) / np.float32(127.0)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1.0))
+    return np.clip(np.rint(v / safe[..., None]), -127, 127).astype(np.int8), scale
+
+
 def encode_update(delta: Mapping[str, np.ndarray], residual: Mapping[str, np.ndarray] | None = None, *,
-                  compress: str = "int8", block: int = 64) -> Encoded:
+                  compress: str = "int8", block: int = 64, topk: int = 2) -> Encoded:
     """Encode ``delta`` (+ the sender's ``residual``); see the module docstring.
 
     Raises:
         UpdateError: a tensor that is not finite (an update made of NaNs must not leave the trainer).
+        ValueError: an unknown ``compress``, or ``block`` / ``topk`` < 1.
     """
+    if compress not in CODECS or block < 1 or topk < 1:
+        raise ValueError(f"compress {compress!r} (one of {CODECS}), block {block} and topk {topk} (>= 1)")
     arrays: dict[str, np.ndarray] = {}
     decoded: dict[str, np.ndarray] = {}
     new_residual: dict[str, np.ndarray] = {}
@@ -90,18 +122,28 @@ def encode_update(delta: Mapping[str, np.ndarray], residual: Mapping[str, np.nda
             raise UpdateError(f"{name}: the update is not finite")
         if compress == "int8" and x.ndim >= 2 and x.size:
             rows, nb, per = _blocks(x.shape, block)
-            v = x.reshape(rows, nb, per)
-            scale = (np.abs(v).max(axis=2) / np.float32(127.0)).astype(np.float32)
-            safe = np.where(scale > 0, scale, np.float32(1.0))
-            codes = np.clip(np.rint(v / safe[..., None]), -127, 127).astype(np.int8)
+            codes, scale = _int8(x.reshape(rows, nb, per))
             out = (codes.astype(np.float32) * scale[..., None]).reshape(x.shape)
             arrays[name + _Q], arrays[name + _S] = codes.reshape(x.shape), scale
+        elif compress == "topk" and x.ndim >= 2 and x.size:
+            rows, nb, per = _blocks(x.shape, block)
+            v = x.reshape(rows, nb, per)
+            k = _kept(per, block, topk)
+            idx = np.sort(np.argpartition(-np.abs(v), k - 1, axis=2)[..., :k], axis=2)
+            codes, scale = _int8(np.take_along_axis(v, idx, axis=2))
+            dense = np.zeros_like(v)
+            np.put_along_axis(dense, idx, codes.astype(np.float32) * scale[..., None], axis=2)
+            out = dense.reshape(x.shape)
+            arrays[name + _I], arrays[name + _Q], arrays[name + _S] = idx.astype(_index_dtype(per)), codes, scale
         else:
             out = x.copy()
             arrays[name] = out
         decoded[name] = out
         new_residual[name] = (x - out).astype(np.float32)
-    blob = tensorfile.encode(arrays, {"format": FORMAT, "compress": compress, "block": str(block)})
+    meta = {"format": FORMAT, "compress": compress, "block": str(block)}
+    if compress == "topk":
+        meta["topk"] = str(topk)
+    blob = tensorfile.encode(arrays, meta)
     return Encoded(blob, hashlib.sha256(blob).hexdigest(), decoded, new_residual)
 
 
@@ -112,7 +154,8 @@ def decode_update(blob: bytes, shapes: Mapping[str, tuple[int, ...]], *, sha256:
     Raises:
         UpdateError: a size over ``max_bytes``, a hash other than ``sha256``, not a safetensors
             file of this format, a name missing, unknown or sent twice, a wrong shape or dtype, a
-            code of -128, a scale or value that is not finite (or a negative scale).
+            code of -128, a scale or value that is not finite (or a negative scale), a position
+            out of its block or not strictly ascending.
     """
     if max_bytes is not None and len(blob) > max_bytes:
         raise UpdateError(f"{len(blob)} bytes, over the {max_bytes}-byte bound of an update of this model")
@@ -123,14 +166,16 @@ def decode_update(blob: bytes, shapes: Mapping[str, tuple[int, ...]], *, sha256:
     except tensorfile.TensorFileError as e:
         raise UpdateError(f"not a tensor file: {e}") from None
     meta = tf.metadata
-    if meta.get("format") != FORMAT or meta.get("compress") not in ("int8", "none"):
+    if meta.get("format") != FORMAT or meta.get("compress") not in CODECS:
         raise UpdateError(f"not a {FORMAT} file: {str(meta)[:200]}")
+    sparse = meta["compress"] == "topk"
     try:
         block = int(meta.get("block", ""))
+        topk = int(meta.get("topk", "")) if sparse else 1
     except ValueError:
-        raise UpdateError(f"bad block {meta.get('block')!r}") from None
-    if block < 1:
-        raise UpdateError(f"bad block {block}")
+        raise UpdateError(f"bad block {meta.get('block')!r} or topk {meta.get('topk')!r}") from None
+    if block < 1 or topk < 1:
+        raise UpdateError(f"bad block {block} or topk {topk}")
     t, out, seen = tf.tensors, {}, set()
     for name, shape in shapes.items():
         shape = tuple(shape)
@@ -142,7 +187,10 @@ def decode_update(blob: bytes, shapes: Mapping[str, tuple[int, ...]], *, sha256:
                 raise UpdateError(f"{name}: values are not finite")
             out[name] = np.array(a)
             seen.add(name)
-        elif name + _Q in t and name + _S in t and len(shape) >= 2:
+        elif sparse and name + _I in t and name + _Q in t and name + _S in t and len(shape) >= 2:
+            out[name] = _sparse(name, shape, t[name + _I], t[name + _Q], t[name + _S], block, topk)
+            seen |= {name + _I, name + _Q, name + _S}
+        elif not sparse and name + _Q in t and name + _S in t and len(shape) >= 2:
             q, s = t[name + _Q], t[name + _S]
             rows, nb, per = _blocks(shape, block)
             if q.dtype != np.int8 or q.shape != shape or s.dtype != np.float32 or s.shape != (rows, nb):
@@ -160,3 +208,24 @@ def decode_update(blob: bytes, shapes: Mapping[str, tuple[int, ...]], *, sha256:
     if set(t) - seen:
         raise UpdateError(f"unknown tensors: {sorted(set(t) - seen)[:5]}")
     return out
+
+
+def _sparse(name: str, shape: tuple[int, ...], i: np.ndarray, q: np.ndarray, s: np.ndarray, block: int,
+            topk: int) -> np.ndarray:
+    """The dense float32 tensor of one top-k coded matrix, every field checked first."""
+    rows, nb, per = _blocks(shape, block)
+    k = _kept(per, block, topk)
+    want = ((_index_dtype(per), (rows, nb, k)), (np.dtype(np.int8), (rows, nb, k)), (np.dtype(np.float32), (rows, nb)))
+    for a, (dt, sh), what in zip((i, q, s), want, ("positions", "codes", "scales")):
+        if a.dtype != dt or a.shape != sh:
+            raise UpdateError(f"{name}: {what} {a.dtype} {a.shape}, expected {dt} {sh}")
+    if not (np.isfinite(s).all() and (s >= 0).all()) or (q == -128).any():
+        raise UpdateError(f"{name}: a scale is not finite and >= 0, or a code is -128")
+    pos = i.astype(np.int64)
+    if (pos >= per).any() or (pos < 0).any() or (np.diff(pos, axis=2) <= 0).any():
+        raise UpdateError(f"{name}: a position is outside its block of {per} or not strictly ascending")
+    dense = np.zeros((rows, nb, per), np.float32)
+    np.put_along_axis(dense, pos, q.astype(np.float32) * s[..., None], axis=2)
+    if not np.isfinite(dense).all():
+        raise UpdateError(f"{name}: decoded values are not finite")
+    return dense.reshape(shape)

@@ -243,7 +243,8 @@ class Coordinator:
             included.append(rank)
             norms[str(rank)] = n
         step = self.opt.step(grads)
-        enc = encode_update(step, self.residual, compress=self.oc.compress, block=self.oc.block)
+        enc = encode_update(step, self.residual, compress=self.oc.compress, block=self.oc.block,
+                             topk=self.oc.topk)
         self.residual = enc.residual
         self.base = {k: self.base[k] + enc.decoded[k] for k in self.base}
         self.learner.load_weights(self.base)

@@ -233,7 +233,7 @@ class InnerTrainer:
         oc = self.cfg.outer
         now = {k: np.array(v, np.float32) for k, v in self.learner.iter_weights("float32")}
         enc = encode_update({k: self.base[k] - now[k] for k in self.base}, self.residual, compress=oc.compress,
-                            block=oc.block)
+                            block=oc.block, topk=oc.topk)
         self.pending = enc.residual
         n = self.exchange.put_update(self.version, self.rank, enc, {
             "items": sorted(self.trained), "failed": {str(k): v[:500] for k, v in self.failed.items()},

@@ -38,11 +38,16 @@ class OuterConfig:
     """Outer momentum (DiLoCo's 0.9); 0 with ``lr = 1`` is plain averaging of the trainers' weights."""
     nesterov: bool = True
     """Nesterov momentum (DiLoCo) rather than heavy-ball."""
-    compress: Literal["int8", "none"] = "int8"
-    """How an outer update travels: ``int8`` codes with one float32 scale per ``block`` values of a
-    row and an error-feedback residual kept by the sender; ``none``: float32."""
+    compress: Literal["int8", "topk", "none"] = "int8"
+    """How an outer update travels, always with an error-feedback residual kept by the sender:
+    ``int8`` codes with one float32 scale per ``block`` values of a row (3.8x less than float32);
+    ``topk``: only the ``topk`` largest values of each block, as positions and int8 codes with one
+    scale (8 bytes per 64 values at the defaults, 32x less); ``none``: float32."""
     block: int = 64
-    """Values of a row that share one scale (a row's length when it does not divide it)."""
+    """Values of a row that share one scale, and among which ``topk`` keeps its largest (a row's
+    length when it does not divide it)."""
+    topk: int = 2
+    """With ``compress = "topk"``: values kept of each block of ``block`` (density ``topk / block``)."""
     deadline_s: float = 60.0
     """Once the coordinator has dealt every share and trained its own, how long it waits for the
     other trainers' updates; a trainer later than this is dropped from the outer step."""
@@ -61,8 +66,9 @@ class OuterConfig:
         check(self.trainers >= 1 and self.inner_steps >= 1, "outer.trainers >= 1 and outer.inner_steps >= 1")
         check(math.isfinite(self.lr) and self.lr > 0, "outer.lr must be > 0")
         check(0 <= self.momentum < 1, "outer.momentum must be in [0, 1)")
-        check(self.compress in ("int8", "none"), "outer.compress must be 'int8' or 'none'")
+        check(self.compress in ("int8", "topk", "none"), "outer.compress must be 'int8', 'topk' or 'none'")
         check(self.block >= 1 and self.base_every >= 1, "outer.block >= 1 and outer.base_every >= 1")
+        check(1 <= self.topk <= self.block, "outer.topk must be in [1, outer.block]")
         check(all(math.isfinite(x) and x > 0 for x in (self.deadline_s, self.silent_s, self.join_s)),
               "outer.deadline_s, silent_s and join_s must be > 0")
         check(math.isfinite(self.norm_ratio) and self.norm_ratio >= 0, "outer.norm_ratio must be >= 0")
