@@ -46,7 +46,6 @@ passed to ``load_environment``.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib
 import importlib.util
@@ -60,18 +59,21 @@ from collections.abc import Iterator
 from typing import Any
 
 from stoa.envs.base import TextEnv
+from stoa.envs.vf_shared import (
+    DISTRIBUTION,
+    PREFIX,
+    Loop,
+    RewardError,
+    message_text,
+    neutralize,
+    render_prompt,
+)
 
 __all__ = ["DISTRIBUTION", "PREFIX", "RewardError", "VerifiersEnv", "load", "make_env", "problems", "register_id",
            "version"]
 
-PREFIX = "verifiers:"
-DISTRIBUTION = "verifiers"
 _MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 _DEFAULT_MAX_TURNS = 10
-
-
-class RewardError(RuntimeError):
-    """A verifiers reward function raised or returned a value that is not a finite number."""
 
 
 def register_id(env_id: str) -> None:
@@ -233,34 +235,6 @@ def problems(env: Any) -> tuple[list[str], list[str]]:
     return unsupported, unreplayable
 
 
-class _Loop:
-    """An event loop of one env's own, for verifiers' coroutines (or, when the caller's thread
-    already runs a loop, a short-lived thread's)."""
-
-    def __init__(self) -> None:
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def run(self, coro: Any) -> Any:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            if self._loop is None or self._loop.is_closed():
-                self._loop = asyncio.new_event_loop()
-            return self._loop.run_until_complete(coro)
-        out: list[Any] = []
-        t = threading.Thread(target=lambda: out.append(_outcome(asyncio.run, coro)))
-        t.start()
-        t.join()
-        ok, value = out[0]
-        if not ok:
-            raise value
-        return value
-
-    def close(self) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.close()
-
-
 class _StoaTurns:
     """The "model client" of a verifiers state: Stoa's sampler writes the turns, so nothing may call it."""
 
@@ -272,34 +246,6 @@ class _StoaTurns:
         methods = {name: unused for name in ("to_native_tool", "to_native_prompt", "get_native_response",
                                               "raise_from_native_response", "from_native_response", "close")}
         return type("StoaTurns", (vf.Client,), {**methods, "setup_client": lambda self, config: None})(None)
-
-
-def _text(message: Any) -> str:
-    content = message.get("content", "") if isinstance(message, dict) else getattr(message, "content", "")
-    if isinstance(content, list):  # content parts
-        content = "".join(p.get("text", "") if isinstance(p, dict) else str(getattr(p, "text", "")) for p in content)
-    return "" if content is None else str(content)
-
-
-def _role(message: Any) -> str:
-    return str(message.get("role", "") if isinstance(message, dict) else getattr(message, "role", ""))
-
-
-def _safe(text: str) -> str:
-    """Neutralize chat-control strings in text Stoa did not write."""
-    return text.replace("<|", "&lt;|")
-
-
-def render_prompt(messages: Any) -> str:
-    """The prompt text of an item's messages (see the module docstring)."""
-    if isinstance(messages, str):
-        return _safe(messages)
-    parts = []
-    for k, m in enumerate(messages):
-        role, text = _role(m), _text(m)
-        last = k == len(messages) - 1
-        parts.append(text if role == "system" or last else f"{role.capitalize()}: {text}")
-    return _safe("\n\n".join(parts))
 
 
 class VerifiersEnv(TextEnv):
@@ -363,7 +309,7 @@ class VerifiersEnv(TextEnv):
         self.metric_types = {**{n: float for n, *_ in self._funcs}, "stop_condition": str}
         self._where = where
         self._client = _StoaTurns.make(self.vf)
-        self._loop = _Loop()
+        self._loop = Loop()
         self._state: Any = None
         self._prompt: list[Any] = []
         self._turns, self._paid = 0, 0.0
@@ -436,7 +382,7 @@ class VerifiersEnv(TextEnv):
             return "", True
         self._prompt = following
         new = following[len(prompt) + len(completion):]
-        return "\n" + _safe("\n\n".join(_text(m) for m in new)) + "\n", False
+        return "\n" + neutralize("\n\n".join(message_text(m) for m in new)) + "\n", False
 
     def _messages(self, raw: list[dict[str, Any]]) -> Any:
         from importlib import import_module
@@ -473,10 +419,3 @@ class VerifiersEnv(TextEnv):
             yield render_prompt(row["prompt"])
             if row.get("answer") not in (None, ""):
                 yield str(row["answer"])
-
-
-def _outcome(fn: Any, *args: Any) -> tuple[bool, Any]:
-    try:
-        return True, fn(*args)
-    except BaseException as e:  # noqa: BLE001 - handed back to the caller's thread
-        return False, e

@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from stoa.envs.base import TextEnv
-from stoa.envs.vf import PREFIX, RewardError, _Loop, render_prompt
+from stoa.envs.vf_shared import PREFIX, Loop, RewardError, render_prompt
 
 __all__ = ["TasksetEnv", "is_taskset", "load", "problems"]
 
@@ -294,7 +294,7 @@ class TasksetEnv(TextEnv):
         self.module, self.split, self._where = module, split, where
         self._hooks = self._tasks[0].hooks("reward") + self._tasks[0].hooks("metric")
         self.metric_types = {fn.__name__: float for fn in self._hooks}
-        self._loop = _Loop()
+        self._loop = Loop()
         self._task: Any = None
         self._prompt: list[Any] = []
 

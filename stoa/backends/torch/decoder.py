@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from stoa.models.hfconfig import ModelSpec
 
-__all__ = ["Decoder", "KVCache", "FAMILIES"]
+__all__ = ["FAMILIES", "KV_STEP", "Decoder", "KVCache", "kv_capacity"]
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 
@@ -48,15 +48,22 @@ _ROTARY = {"llama": ("llama", "LlamaRotaryEmbedding"), "mistral": ("mistral", "M
            "qwen2": ("qwen2", "Qwen2RotaryEmbedding"), "qwen3": ("qwen3", "Qwen3RotaryEmbedding"),
            "gemma2": ("gemma2", "Gemma2RotaryEmbedding"), "gemma3_text": ("gemma3", "Gemma3RotaryEmbedding")}
 _GEMMA = ("gemma2", "gemma3_text")
-_STEP = 256  # cache positions are allocated in multiples of this
+KV_STEP = 256  # cache positions are allocated in multiples of this
 _SCORES = 1 << 24  # most attention scores (float32) one call materializes
+
+
+def kv_capacity(length: int, limit: int | None = None) -> int:
+    """The positions a :class:`KVCache` allocates for room for ``length``: ``length`` rounded up to
+    :data:`KV_STEP`, but past ``limit`` (when given) no more than ``length`` itself."""
+    cap = -(-length // KV_STEP) * KV_STEP
+    return max(length, min(cap, limit)) if limit else cap
 
 
 class KVCache:
     """Keys and values of ``slots`` rows: per layer ``[slots, kv_heads, capacity, head_dim]``."""
 
     def __init__(self, layers: int, slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, capacity: int = _STEP, limit: int | None = None) -> None:
+                 device: torch.device, capacity: int = KV_STEP, limit: int | None = None) -> None:
         self.shape = (slots, kv_heads, 0, head_dim)
         self.dtype, self.device = dtype, device
         self.k: list[torch.Tensor] = []
@@ -69,8 +76,7 @@ class KVCache:
 
     def rounded(self, length: int) -> int:
         """The capacity that room for ``length`` positions allocates."""
-        cap = -(-length // _STEP) * _STEP
-        return max(length, min(cap, self.limit)) if self.limit else cap
+        return kv_capacity(length, self.limit)
 
     def ensure(self, length: int) -> None:
         """Room for ``length`` positions in every row (grown in steps; rows keep their contents)."""
@@ -308,7 +314,7 @@ class Decoder:
         """cos/sin for positions ``0 .. length - 1`` (computed by transformers' rotary module)."""
         if self._cos and self._cos[0].shape[0] >= length:
             return
-        n = -(-length // _STEP) * _STEP
+        n = -(-length // KV_STEP) * KV_STEP
         pos = torch.arange(n, device=self.device)[None]
         dummy = torch.zeros(1, dtype=self.dtype, device=self.device)
         self._cos, self._sin = [], []

@@ -33,7 +33,7 @@ import torch
 
 from stoa.backends.engine import EngineConfig, EngineError, SamplingConfig
 from stoa.backends.sampling import HostSampler
-from stoa.backends.torch.decoder import _STEP as KV_STEP
+from stoa.backends.torch.decoder import kv_capacity
 from stoa.backends.torch.engine import draw, exact_matmuls
 from stoa.backends.torch.pipeline import Pipeline, Stage, split_layers
 from stoa.transport.frames import Frame, FrameError, check_array, meta_int, meta_ints
@@ -104,8 +104,7 @@ class StageService:
             return
         c = self.stage.cache
         have = c.capacity if c is not None and c.shape[0] == slots else 0
-        rounded = max(length, min(-(-max(length, 1) // KV_STEP) * KV_STEP, self.kv_positions))  # KVCache.rounded
-        why = self.kv_check(slots, max(have, rounded))
+        why = self.kv_check(slots, max(have, kv_capacity(max(length, 1), self.kv_positions)))
         if why:
             raise FrameError(why)
 
