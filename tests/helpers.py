@@ -162,3 +162,23 @@ def family_structure(name: str) -> dict:
         c.update(use_sliding_window=True, max_window_layers=1)
     c["sliding_window"] = FAMILY_WINDOW
     return c
+
+
+def train_with_package(tmp_path, name: str, config: str, package_dir) -> list[dict]:
+    """``stoa train`` on ``config`` (run ``name``) in a subprocess with ``package_dir`` (an example
+    package's folder) first on ``PYTHONPATH``, as a user who installed it would; asserts it exits 0
+    and returns the run's ``train`` metric rows."""
+    import os
+    import subprocess
+    import sys
+
+    from stoa.fleet.metrics import read_metrics
+
+    path = tmp_path / f"{name}.toml"
+    path.write_text(config)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(package_dir), os.environ.get("PYTHONPATH", "")]),
+               OPENBLAS_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    r = subprocess.run([sys.executable, "-m", "stoa", "train", str(path), "--runs", str(tmp_path / "runs")],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return [x for x in read_metrics(tmp_path / "runs" / name / "metrics.jsonl") if x["kind"] == "train"]

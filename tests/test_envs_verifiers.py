@@ -240,19 +240,9 @@ workers = 1
 def test_stoa_train_runs_the_example_through_the_fleet_with_replay(tmp_path):
     """`stoa train` on the arithmetic example: a tiny model built from the task's texts, one worker,
     every episode replayed by the trainer through the adapter, none refused (~40 s)."""
-    import os
-    import subprocess
+    from helpers import train_with_package
 
-    from stoa.fleet.metrics import read_metrics
-
-    config = tmp_path / "vf.toml"
-    config.write_text(_FLEET)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(EXAMPLE), os.environ.get("PYTHONPATH", "")]),
-               OPENBLAS_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    r = subprocess.run([sys.executable, "-m", "stoa", "train", str(config), "--runs", str(tmp_path / "runs")],
-                       env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    train = [x for x in read_metrics(tmp_path / "runs" / "vf" / "metrics.jsonl") if x["kind"] == "train"]
+    train = train_with_package(tmp_path, "vf", _FLEET, EXAMPLE)
     assert len(train) == 3
     last = train[-1]
     assert {"rollout/correct", "rollout/format_reward_func"} <= set(last)

@@ -341,16 +341,9 @@ def test_stoa_train_runs_the_example_through_the_fleet_with_replay(tmp_path):
     every episode replayed by the trainer through the adapter, none refused (~40 s)."""
     if version() < (0, 4) and _has_0_4():
         pytest.skip("runs under verifiers 0.4, in test_the_same_tests_pass_under_verifiers_0_4")
-    from stoa.fleet.metrics import read_metrics
+    from helpers import train_with_package
 
-    config = tmp_path / "vf1.toml"
-    config.write_text(_FLEET)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(EXAMPLE), os.environ.get("PYTHONPATH", "")]),
-               OPENBLAS_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    r = subprocess.run([sys.executable, "-m", "stoa", "train", str(config), "--runs", str(tmp_path / "runs")],
-                       env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    train = [x for x in read_metrics(tmp_path / "runs" / "vf1" / "metrics.jsonl") if x["kind"] == "train"]
+    train = train_with_package(tmp_path, "vf1", _FLEET, EXAMPLE)
     assert len(train) == 3
     last = train[-1]
     assert {"rollout/correct", "rollout/formatted"} <= set(last)
