@@ -64,6 +64,7 @@ from stoa.envs.vf_shared import (
     PREFIX,
     Loop,
     RewardError,
+    admit,
     message_text,
     neutralize,
     render_prompt,
@@ -276,13 +277,8 @@ class VerifiersEnv(TextEnv):
         self.vf = _classic()
         self.env = load(module, kwargs)
         unsupported, unreplayable = problems(self.env)
-        if unsupported:
-            raise ValueError(f"{where} is refused: " + "; ".join(unsupported))
-        if unreplayable and not accept_unreplayable:
-            raise ValueError(f"{where} is refused: " + "; ".join(unreplayable) + ". Set env.kwargs.accept_unreplayable"
-                             " = true to train on it anyway (its episodes are then not replayed: docs/environments.md)")
-        self.replayable = not unreplayable  # instance attribute: the trainer reads env.unwrapped.replayable
-        self.unreplayable = tuple(unreplayable)
+        self.unreplayable = admit(where, unsupported, unreplayable, accept_unreplayable)
+        self.replayable = not self.unreplayable  # instance attribute: the trainer reads env.unwrapped.replayable
         stops = stop_strings if stop_strings is not None else getattr(self.env, "stop_strings", None) or ()
         if isinstance(stops, str) or not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"{where}: stop_strings must be a list of non-empty strings")

@@ -8,7 +8,7 @@ import asyncio
 import threading
 from typing import Any
 
-__all__ = ["DISTRIBUTION", "PREFIX", "Loop", "RewardError", "message_text", "neutralize", "render_prompt"]
+__all__ = ["DISTRIBUTION", "PREFIX", "Loop", "RewardError", "admit", "message_text", "neutralize", "render_prompt"]
 
 PREFIX = "verifiers:"
 DISTRIBUTION = "verifiers"
@@ -79,3 +79,14 @@ def _outcome(fn: Any, *args: Any) -> tuple[bool, Any]:
         return True, fn(*args)
     except BaseException as e:  # noqa: BLE001 - handed back to the caller's thread
         return False, e
+
+
+def admit(where: str, unsupported: list[str], unreplayable: list[str], accept_unreplayable: bool) -> tuple[str, ...]:
+    """Refuse (``ValueError``, every reason named) an environment with ``unsupported`` parts, or
+    with ``unreplayable`` ones unless they are accepted; returns the unreplayable reasons kept."""
+    if unsupported:
+        raise ValueError(f"{where} is refused: " + "; ".join(unsupported))
+    if unreplayable and not accept_unreplayable:
+        raise ValueError(f"{where} is refused: " + "; ".join(unreplayable) + ". Set env.kwargs.accept_unreplayable"
+                         " = true to train on it anyway (its episodes are then not replayed: docs/environments.md)")
+    return tuple(unreplayable)

@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from stoa.envs.base import TextEnv
-from stoa.envs.vf_shared import PREFIX, Loop, RewardError, render_prompt
+from stoa.envs.vf_shared import PREFIX, Loop, RewardError, admit, render_prompt
 
 __all__ = ["TasksetEnv", "is_taskset", "load", "problems"]
 
@@ -280,13 +280,8 @@ class TasksetEnv(TextEnv):
             config["split"] = split
         self.env, self._tasks = load(module, config)
         unsupported, unreplayable = problems(self.env, self._tasks)
-        if unsupported:
-            raise ValueError(f"{where} is refused: " + "; ".join(unsupported))
-        if unreplayable and not accept_unreplayable:
-            raise ValueError(f"{where} is refused: " + "; ".join(unreplayable) + ". Set env.kwargs.accept_unreplayable"
-                             " = true to train on it anyway (its episodes are then not replayed: docs/environments.md)")
-        self.replayable = not unreplayable  # instance attribute: the trainer reads env.unwrapped.replayable
-        self.unreplayable = tuple(unreplayable)
+        self.unreplayable = admit(where, unsupported, unreplayable, accept_unreplayable)
+        self.replayable = not self.unreplayable  # instance attribute: the trainer reads env.unwrapped.replayable
         stops = tuple(stop_strings or ())
         if isinstance(stop_strings, str) or not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"{where}: stop_strings must be a list of non-empty strings")
